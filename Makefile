@@ -1,0 +1,34 @@
+# Every target sets up what it needs; `make test` on a fresh machine installs and runs the suite.
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+
+.PHONY: venv demo test chaos lint bench clean
+
+$(VENV)/.installed: pyproject.toml requirements/constraints.txt
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -c requirements/constraints.txt -e '.[test,s3]' torch==2.13.0
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VPY) examples/train_gpt_resume.py --out runs/demo
+
+test: venv
+	$(VPY) -m ruff check ckptlib tests bench examples
+	$(VPY) -m pytest -q
+
+chaos: venv
+	CKPTLIB_CHAOS_FULL=1 $(VPY) -m pytest -q -m "chaos" tests
+
+lint: venv
+	$(VPY) -m ruff check ckptlib tests bench examples
+	$(VPY) -m ruff format --check ckptlib tests bench examples
+
+bench: venv
+	$(VPY) bench/bench_save_load.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

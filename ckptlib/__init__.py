@@ -1,0 +1,47 @@
+"""ckptlib: fault-tolerant checkpoint and resume for large-model training in PyTorch.
+
+Public names are listed in ``__all__`` (see API.md); everything else is internal.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ckptlib.api import load, load_metadata, save
+from ckptlib.engine.scan import StepInfo
+from ckptlib.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommitError,
+    CommitTimeoutError,
+    CorruptCheckpointError,
+    ManifestVersionError,
+    StateMismatchError,
+    StepExistsError,
+    StorageError,
+    UnsupportedValueError,
+)
+from ckptlib.format.leaves import PerRank, Shard
+from ckptlib.manager import CheckpointManager, SaveHandle
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CommitError",
+    "CommitTimeoutError",
+    "CorruptCheckpointError",
+    "ManifestVersionError",
+    "PerRank",
+    "SaveHandle",
+    "Shard",
+    "StateMismatchError",
+    "StepExistsError",
+    "StepInfo",
+    "StorageError",
+    "UnsupportedValueError",
+    "__version__",
+    "load",
+    "load_metadata",
+    "save",
+]

@@ -1,0 +1,73 @@
+"""One-shot ``save`` and ``load`` of a single checkpoint folder (see API.md)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptlib.backends import open_storage
+from ckptlib.dist.coordinator import default_coordinator
+from ckptlib.engine import load as load_flow
+from ckptlib.engine import save as save_flow
+
+
+def _split(url: str | os.PathLike[str]) -> tuple[str, str]:
+    url = os.fspath(url).rstrip("/")
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        parent, _, name = rest.rpartition("/")
+        return f"{scheme}://{parent}", name
+    url = os.path.abspath(url)
+    return os.path.dirname(url), os.path.basename(url)
+
+
+def save(
+    state: Any,
+    url: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    compression: str | None = None,
+    metadata: Any = None,
+    overwrite: bool = False,
+) -> None:
+    """Save ``state`` as one checkpoint folder at ``url``, atomically.
+
+    The folder appears only once every byte is durable. An existing checkpoint at ``url`` is
+    kept (``StepExistsError``) unless ``overwrite=True``. Collective when torch.distributed
+    is initialized.
+    """
+    parent, name = _split(url)
+    storage = open_storage(parent, storage_options)
+    storage.makedirs("")
+    flat = save_flow.prepare(state)
+    opts = save_flow.SaveOptions(compression=compression, overwrite=overwrite)
+    save_flow.persist(storage, name, flat, step=None, metadata=metadata, options=opts,
+                      coordinator=default_coordinator())
+
+
+def load(
+    url: str | os.PathLike[str],
+    *,
+    into: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    verify: bool = True,
+) -> Any:
+    """Load the checkpoint folder at ``url``.
+
+    ``into=None`` returns a new nested structure with CPU tensors; ``into=state`` loads in
+    place into the tensors (and objects) of ``state`` and returns it. Checksums are verified
+    while reading unless ``verify=False``.
+    """
+    parent, name = _split(url)
+    storage = open_storage(parent, storage_options)
+    return load_flow.load_checkpoint(storage, name, into, verify=verify)
+
+
+def load_metadata(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Any:
+    """The user metadata saved with the checkpoint at ``url`` (reads only the manifest)."""
+    from ckptlib.engine.scan import read_manifest
+    from ckptlib.format import tree as tree_codec
+
+    parent, name = _split(url)
+    m = read_manifest(open_storage(parent, storage_options), name)
+    return tree_codec.decode(m.metadata, (), f"{url}/manifest.json")

@@ -1,0 +1,33 @@
+"""Storage backends. :func:`open_storage` picks one by URL; everything above this package
+works through :class:`~ckptlib.backends.base.Storage` and its capability flags only."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+
+__all__ = ["Entry", "ReadHandle", "Storage", "WriteStream", "join", "open_storage", "url_join"]
+
+
+def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
+    """A storage rooted at ``url``: a local path or ``file://`` URL (POSIX), or any fsspec URL."""
+    url = os.fspath(url)
+    if "://" not in url:
+        from ckptlib.backends.posix import PosixStorage
+
+        return PosixStorage(url)
+    scheme, rest = url.split("://", 1)
+    if scheme in ("file", "local"):
+        from ckptlib.backends.posix import PosixStorage
+
+        return PosixStorage(rest or "/")
+    from ckptlib.backends.fsspec_store import FsspecStorage
+
+    return FsspecStorage(url, storage_options)
+
+
+def url_join(url: str | os.PathLike[str], name: str) -> str:
+    url = os.fspath(url)
+    return url.rstrip("/") + "/" + name

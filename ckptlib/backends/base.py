@@ -1,0 +1,136 @@
+"""The storage interface: a small, synchronous, bytes-level API with capability flags.
+
+Who calls what (all methods are thread-safe and called from ckptlib's worker threads as well
+as the caller's thread):
+- the writer (every rank) calls :meth:`Storage.open_write` for payload files and ``close()``s
+  each stream, which makes the bytes durable (fsync on POSIX, upload completion on S3);
+- the committer (coordinator rank) publishes the manifest with :meth:`put_atomic` +
+  :meth:`rename` where ``supports_atomic_rename``, else :meth:`put_if_absent` where
+  ``supports_conditional_put``, else :meth:`put_atomic` followed by a read-back;
+- the scanner and reader call :meth:`read`, :meth:`read_into`, :meth:`size`, :meth:`listdir`;
+- retention and cleanup call :meth:`delete_tree` and :meth:`delete`.
+
+Paths are ``/``-separated and relative to the storage root. Backends raise
+:class:`FileNotFoundError` for missing paths, :class:`FileExistsError` for a create-only
+operation that lost, and :class:`ckptlib.errors.StorageError` for other I/O failures.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    is_dir: bool
+
+
+class WriteStream(ABC):
+    """A file being written sequentially. ``close()`` returns only once the bytes are durable;
+    ``abort()`` discards a partial file. Used by one thread at a time."""
+
+    @abstractmethod
+    def write(self, data) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class ReadHandle(ABC):
+    """An open file for random-access reads. Used by one thread at a time."""
+
+    size: int
+
+    @abstractmethod
+    def read_into(self, start: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes from ``start``; a short read is a ``CorruptCheckpointError``."""
+
+    def read(self, start: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.read_into(start, memoryview(buf))
+        return bytes(buf)
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Storage(ABC):
+    url: str
+    """The root this storage was opened on (for messages)."""
+
+    supports_atomic_rename: bool = False
+    """``rename`` of a folder is atomic and refuses to replace an existing target."""
+
+    supports_conditional_put: bool = False
+    """``put_if_absent`` is a true create-only write (If-None-Match: * on S3)."""
+
+    # -- writing
+    @abstractmethod
+    def open_write(self, path: str) -> WriteStream: ...
+
+    @abstractmethod
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Write a whole small file so readers see either nothing or all of it; durable."""
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        """Create ``path`` with ``data`` only if it does not exist, else ``FileExistsError``."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional put")
+
+    @abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically rename a folder; ``FileExistsError`` if ``dst`` exists."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename")
+
+    def sync_dir(self, path: str) -> None:
+        """Make a folder's entries durable (fsync on POSIX; a no-op elsewhere)."""
+
+    # -- reading
+    @abstractmethod
+    def open_read(self, path: str) -> ReadHandle:
+        """Open a regular file for reading. Symlinks and special files inside the checkpoint are
+        refused with ``CorruptCheckpointError``; a missing file is ``FileNotFoundError``."""
+
+    def read(self, path: str) -> bytes:
+        """A whole (small) file."""
+        with self.open_read(path) as h:
+            return h.read(0, h.size)
+
+    @abstractmethod
+    def size(self, path: str) -> int | None:
+        """Size of a regular file, or ``None`` if there is none at ``path``."""
+
+    @abstractmethod
+    def listdir(self, path: str = "") -> list[Entry]:
+        """Entries directly under ``path``; ``FileNotFoundError`` if it does not exist."""
+
+    @abstractmethod
+    def exists(self, path: str = "") -> bool: ...
+
+    # -- deleting
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Delete one file; missing is fine."""
+
+    @abstractmethod
+    def delete_tree(self, path: str) -> None:
+        """Delete a folder and everything under it; missing is fine."""
+
+    def close(self) -> None:
+        """Release resources (connections, thread pools)."""
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))

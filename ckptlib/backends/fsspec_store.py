@@ -1,0 +1,148 @@
+"""Storage over any fsspec filesystem (``memory://`` here; object stores build on it).
+
+Object-store semantics: no folder rename, whole-object puts are atomic. The commit protocol
+therefore publishes manifests with :meth:`put_if_absent` when ``supports_conditional_put`` is
+set, else with a plain put followed by a read-back check (see ``ckptlib.engine.commit``).
+``memory://`` is process-local; its create-only put is made atomic by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import fsspec
+
+from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+from ckptlib.errors import CorruptCheckpointError, StorageError
+
+
+class _FsWrite(WriteStream):
+    def __init__(self, store: FsspecStorage, path: str) -> None:
+        self.store = store
+        self.path = path
+        self.parts: list[bytes] = []
+        self.done = False
+
+    def write(self, data) -> None:
+        self.parts.append(bytes(memoryview(data).cast("B")))
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.store._put(self.path, b"".join(self.parts))
+            self.parts.clear()
+
+    def abort(self) -> None:
+        self.done = True
+        self.parts.clear()
+
+
+class _FsRead(ReadHandle):
+    def __init__(self, store: FsspecStorage, path: str, size: int) -> None:
+        self.store = store
+        self.path = path
+        self.size = size
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        n = len(out)
+        if start + n > self.size:
+            raise CorruptCheckpointError(f"file is shorter than expected (needed bytes up to {start + n})", self.path)
+        try:
+            data = self.store.fs.cat_file(self.store._full(self.path), start=start, end=start + n)
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise StorageError(f"read {self.path}: {e}") from e
+        if len(data) != n:
+            raise CorruptCheckpointError(f"short read ({len(data)} of {n} bytes)", self.path)
+        out.cast("B")[:] = data
+
+    def close(self) -> None:
+        pass
+
+
+class FsspecStorage(Storage):
+    supports_atomic_rename = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs = fs
+        self.base = path.rstrip("/")
+        self.url = url
+        self._lock = threading.Lock()
+        self.supports_conditional_put = fs.protocol in ("memory",) or "memory" in fs.protocol
+
+    def _full(self, path: str) -> str:
+        return join(self.base, path) if path else self.base
+
+    def _put(self, path: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._full(path), data)
+        except Exception as e:
+            raise StorageError(f"put {self.url}/{path}: {e}") from e
+
+    def open_write(self, path: str) -> WriteStream:
+        return _FsWrite(self, path)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        self._put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        if not self.supports_conditional_put:
+            super().put_if_absent(path, data)
+        with self._lock:
+            if self.fs.exists(self._full(path)):
+                raise FileExistsError(f"{self.url}/{path} already exists")
+            self._put(path, data)
+
+    def makedirs(self, path: str) -> None:
+        pass  # object stores have no folders
+
+    def open_read(self, path: str) -> ReadHandle:
+        size = self.size(path)
+        if size is None:
+            raise FileNotFoundError(f"{self.url}/{path}")
+        return _FsRead(self, path, size)
+
+    def size(self, path: str) -> int | None:
+        try:
+            info = self.fs.info(self._full(path))
+        except FileNotFoundError:
+            return None
+        if info.get("type") != "file":
+            return None
+        return int(info["size"])
+
+    def listdir(self, path: str = "") -> list[Entry]:
+        full = self._full(path)
+        try:
+            infos = self.fs.ls(full, detail=True)
+        except FileNotFoundError:
+            if path == "" and self.fs.protocol and "memory" in self.fs.protocol:
+                return []  # an empty in-memory root
+            raise
+        out = []
+        for info in infos:
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if info["name"].rstrip("/") == full.rstrip("/"):
+                continue
+            out.append(Entry(name, info.get("type") == "directory"))
+        return out
+
+    def exists(self, path: str = "") -> bool:
+        return bool(self.fs.exists(self._full(path)))
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm_file(self._full(path))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, path: str) -> None:
+        if not path:
+            raise ValueError("refusing to delete the storage root")
+        try:
+            self.fs.rm(self._full(path), recursive=True)
+        except FileNotFoundError:
+            pass

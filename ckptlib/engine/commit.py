@@ -1,0 +1,133 @@
+"""The commit protocol: one protocol, its mechanics chosen by storage capability.
+
+Called by :mod:`ckptlib.engine.save`, in this order:
+1. :func:`begin` (coordinator, before any rank writes): prepare where payloads go;
+2. every rank writes its payload files under ``Staging.payload_prefix``;
+3. :func:`publish` (coordinator, after every rank's files are durable): make the manifest
+   visible atomically -- this is the commit point;
+4. :func:`abort` (coordinator, on any failure before 3 completed): remove the staging area.
+
+Mechanics by capability flag (never by URL scheme):
+- ``supports_atomic_rename`` (POSIX): payloads and manifest go into ``<final>.tmp-<id>/``,
+  the manifest via temp file + fsync + rename, folders are fsynced, the folder is renamed to
+  ``<final>`` (refusing to replace anything) and the parent folder is fsynced.
+- ``supports_conditional_put`` (S3 with If-None-Match, memory): payloads go under
+  ``<final>/<id>/``; the manifest is created last with a create-only put.
+- neither: as above, but a plain put followed by a read-back that must name our save id.
+
+An existing ``<final>`` that holds a valid checkpoint is never replaced (``StepExistsError``)
+unless ``overwrite``; one that is corrupt or incomplete is moved aside to
+``<final>.corrupt-<id>`` (POSIX) or its stale manifest removed (object stores) -- never
+deleted -- so a resumed job can re-save a step whose first copy was damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from ckptlib.backends import Storage, join
+from ckptlib.engine.scan import check_step, read_manifest
+from ckptlib.errors import CheckpointError, CommitError, StepExistsError
+from ckptlib.format import layout
+from ckptlib.format.manifest import MANIFEST_NAME
+
+
+@dataclass(slots=True)
+class Staging:
+    final: str
+    """Folder the checkpoint will live in, relative to the storage root."""
+    save_id: str
+    work: str
+    """Folder being written (``final`` itself on object stores)."""
+    payload_prefix: str
+    mode: str
+    """``rename``, ``conditional_put`` or ``put_verify`` (recorded in the manifest)."""
+
+
+def commit_mode(storage: Storage) -> str:
+    if storage.supports_atomic_rename:
+        return "rename"
+    if storage.supports_conditional_put:
+        return "conditional_put"
+    return "put_verify"
+
+
+def begin(storage: Storage, final: str, save_id: str) -> Staging:
+    mode = commit_mode(storage)
+    work = layout.tmp_dir(final, save_id) if mode == "rename" else final
+    staging = Staging(final, save_id, work, join(work, save_id), mode)
+    storage.makedirs(staging.payload_prefix)
+    if mode == "rename":
+        marker = json.dumps({"save_id": save_id, "created": time.time()}).encode()
+        w = storage.open_write(join(work, layout.MARKER))
+        w.write(marker)
+        w.close()
+    return staging
+
+
+def abort(storage: Storage, staging: Staging) -> None:
+    """Best effort: remove what this save wrote. Leftovers are cleaned by a later save."""
+    try:
+        storage.delete_tree(staging.work if staging.mode == "rename" else staging.payload_prefix)
+    except Exception:
+        pass
+
+
+def _existing_is_valid(storage: Storage, folder: str) -> bool:
+    return check_step(storage, folder).status == "committed"
+
+
+def publish(storage: Storage, staging: Staging, manifest: bytes, *, overwrite: bool = False) -> None:
+    if staging.mode == "rename":
+        _publish_rename(storage, staging, manifest, overwrite)
+    else:
+        _publish_put(storage, staging, manifest, overwrite)
+
+
+def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
+    storage.put_atomic(join(st.work, MANIFEST_NAME), manifest)
+    storage.sync_dir(st.payload_prefix)
+    storage.sync_dir(st.work)
+    parent = st.final.rsplit("/", 1)[0] if "/" in st.final else ""
+    for _attempt in range(2):
+        try:
+            storage.rename(st.work, st.final)
+            break
+        except FileExistsError:
+            if _existing_is_valid(storage, st.final):
+                if not overwrite:
+                    raise StepExistsError(
+                        f"{storage.url}/{st.final} already holds a committed checkpoint; "
+                        "not replacing it (pass overwrite=True, or delete it first)"
+                    ) from None
+                storage.rename(st.final, layout.del_dir(st.final, st.save_id))
+            else:
+                storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
+    else:
+        raise CommitError(f"could not move {st.work} into place at {st.final}")
+    storage.sync_dir(parent)
+    if overwrite:
+        storage.delete_tree(layout.del_dir(st.final, st.save_id))
+
+
+def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
+    path = join(st.final, MANIFEST_NAME)
+    if storage.size(path) is not None and (overwrite or not _existing_is_valid(storage, st.final)):
+        storage.delete(path)  # a damaged manifest, or one we were asked to replace
+    if st.mode == "conditional_put":
+        try:
+            storage.put_if_absent(path, manifest)
+        except FileExistsError:
+            raise StepExistsError(f"{storage.url}/{path} was committed by another save") from None
+        return
+    if storage.size(path) is not None:
+        raise StepExistsError(f"{storage.url}/{path} was committed by another save")
+    storage.put_atomic(path, manifest)
+    try:
+        back = read_manifest(storage, st.final)
+    except CheckpointError as e:
+        raise CommitError(f"manifest read-back failed: {e}") from e
+    if back.save_id != st.save_id:
+        raise StepExistsError(f"{storage.url}/{path} was committed by another save ({back.save_id})")

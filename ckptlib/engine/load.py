@@ -1,0 +1,180 @@
+"""The load flow: manifest -> value tree -> read requests -> tensors placed -> objects updated.
+
+Called on the caller's thread by ``ckptlib.load`` and ``CheckpointManager.restore``.
+
+``into=None`` builds a fresh structure of CPU tensors. ``into=state`` walks the target and the
+saved tree side by side (:class:`_Merge`): tensors are filled in place (read straight into
+their memory when they are contiguous CPU tensors of the same dtype and shape, else through
+a temporary and ``copy_``), containers are updated in place, objects with
+``load_state_dict`` get their merged state dict, and plain values are replaced. A tensor
+whose dtype or shape differs, or a key the target has but the checkpoint lacks, raises
+:class:`StateMismatchError` before any byte is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptlib.backends import Storage
+from ckptlib.engine.reader import Reader, Request
+from ckptlib.engine.scan import read_manifest
+from ckptlib.errors import CheckpointError, StateMismatchError
+from ckptlib.format import tree as tree_codec
+from ckptlib.format.dtypes import DTYPES
+from ckptlib.format.leaves import PerRank, Shard
+from ckptlib.format.manifest import Manifest
+from ckptlib.plan.flatten import is_stateful
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise CheckpointError(f"cannot allocate tensor {name!r} of shape {list(shape)}: {e}") from None
+
+
+class _Merge:
+    def __init__(self, m: Manifest) -> None:
+        self.m = m
+        self.requests: list[Request] = []
+        # Run after the reads, in this order: copies into non-contiguous/GPU targets, bytes
+        # values, then load_state_dict calls (which need both).
+        self.copies: list[Callable[[], None]] = []
+        self.fills: list[Callable[[], None]] = []
+        self.loads: list[Callable[[], None]] = []
+
+    # -- fresh values (checkpoint wins)
+    def fresh(self, v: Any) -> Any:
+        if isinstance(v, tree_codec.TensorRef):
+            e = self.m.tensors[v.name]
+            t = _alloc(e.shape, DTYPES[e.dtype], v.name)
+            self.requests.append(Request(v.name, t, (0,) * len(e.shape), e.shape))
+            return t
+        if isinstance(v, tree_codec.BytesRef):
+            e = self.m.tensors[v.name]
+            t = _alloc(e.shape, DTYPES[e.dtype], v.name)
+            self.requests.append(Request(v.name, t, (0,) * len(e.shape), e.shape))
+            holder: list[Any] = [None]
+            self.fills.append(lambda: holder.__setitem__(0, t.numpy().tobytes()))
+            return _Lazy(holder)
+        if isinstance(v, tree_codec.Stateful):
+            return {k: self.fresh(x) for k, x in v.items()}
+        if isinstance(v, dict):
+            return {k: self.fresh(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [self.fresh(x) for x in v]
+        if isinstance(v, tuple):
+            return tuple(self.fresh(x) for x in v)
+        return v
+
+    # -- merge into an existing target
+    def merge(self, target: Any, v: Any, path: str) -> Any:
+        if isinstance(target, PerRank):
+            return PerRank(self.merge(target.value, v, path))
+        if isinstance(v, tree_codec.TensorRef):
+            if isinstance(target, Shard | torch.Tensor):
+                self._tensor(target, v.name, path)
+                return target
+            if target is None:
+                return self.fresh(v)
+            raise StateMismatchError(f"{path or '<root>'}: checkpoint has a tensor, target has {type(target).__name__}")
+        if isinstance(v, tree_codec.Stateful) and is_stateful(target):
+            sd = target.state_dict()
+            merged = self.merge(sd, dict(v), path)
+            self.loads.append(lambda: target.load_state_dict(_resolve_lazy(merged)))
+            return target
+        if isinstance(v, dict):
+            if not isinstance(target, dict):
+                if target is None:
+                    return self.fresh(v)
+                raise StateMismatchError(f"{path or '<root>'}: checkpoint has a dict, target has {type(target).__name__}")
+            missing = [k for k in target if k not in v]
+            if missing:
+                raise StateMismatchError(
+                    f"{path or '<root>'}: keys {missing[:10]!r} are in the target but not in the checkpoint"
+                )
+            for k, x in v.items():
+                target[k] = self.merge(target[k], x, f"{path}/{k}") if k in target else self.fresh(x)
+            return target
+        if isinstance(v, list | tuple):
+            if isinstance(target, list | tuple) and len(target) == len(v):
+                items = [self.merge(t, x, f"{path}/{i}") for i, (t, x) in enumerate(zip(target, v, strict=True))]
+                if isinstance(target, list):
+                    target[:] = items
+                    return target
+                return tuple(items)
+            return self.fresh(v)
+        return self.fresh(v)
+
+    def _tensor(self, target: torch.Tensor | Shard, name: str, path: str) -> None:
+        e = self.m.tensors[name]
+        if isinstance(target, Shard):
+            t, offset, gshape = target.local, tuple(target.global_offset), tuple(target.global_shape)
+        else:
+            t, offset, gshape = target, (0,) * target.dim(), tuple(target.shape)
+        where = path or "<root>"
+        if gshape != e.shape:
+            raise StateMismatchError(f"{where}: checkpoint shape {list(e.shape)}, target shape {list(gshape)}")
+        if DTYPES[e.dtype] != t.dtype:
+            raise StateMismatchError(f"{where}: checkpoint dtype {e.dtype}, target dtype {t.dtype}")
+        box = tuple(t.shape)
+        if t.device.type == "cpu" and t.is_contiguous():
+            self.requests.append(Request(name, t.detach(), offset, box))
+            return
+        tmp = _alloc(box, t.dtype, name)
+        self.requests.append(Request(name, tmp, offset, box))
+
+        def copy_back(t: torch.Tensor = t, tmp: torch.Tensor = tmp) -> None:
+            with torch.no_grad():
+                t.copy_(tmp)
+
+        self.copies.append(copy_back)
+
+
+class _Lazy:
+    """Placeholder for a bytes value whose data arrives after the reads."""
+
+    def __init__(self, holder: list[Any]) -> None:
+        self.holder = holder
+
+
+def _resolve_lazy(x: Any) -> Any:
+    if isinstance(x, _Lazy):
+        return x.holder[0]
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if isinstance(v, _Lazy | dict | list | tuple):
+                x[k] = _resolve_lazy(v)
+        return x
+    if isinstance(x, list):
+        x[:] = [_resolve_lazy(v) for v in x]
+        return x
+    if isinstance(x, tuple):
+        return tuple(_resolve_lazy(v) for v in x)
+    return x
+
+
+def load_checkpoint(
+    storage: Storage,
+    folder: str,
+    into: Any = None,
+    *,
+    verify: bool = True,
+    manifest: Manifest | None = None,
+    threads: int = 4,
+) -> Any:
+    m = manifest or read_manifest(storage, folder)
+    saved = tree_codec.decode(m.tree, m.tensors, f"{storage.url}/{folder}")
+    plan = _Merge(m)
+    result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
+    reader = Reader(storage, folder, m, verify=verify, threads=threads)
+    try:
+        reader.read(plan.requests)
+    finally:
+        reader.close()
+    for fn in (*plan.copies, *plan.fills, *plan.loads):
+        fn()
+    return _resolve_lazy(result)

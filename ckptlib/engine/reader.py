@@ -1,0 +1,222 @@
+"""The reader: fetch chunks, verify checksums, decode, and place boxes into tensors.
+
+Called by :mod:`ckptlib.engine.load` on the caller's thread; reads run on a small thread
+pool (``preadv`` releases the GIL). The caller asks for *boxes* of saved tensors
+(:class:`Request`): a whole tensor, or the region a rank owns after resharding. For every
+chunk overlapping a request the reader:
+
+1. reads the chunk's stored bytes -- straight into the destination tensor when the chunk is
+   uncompressed and lands on a contiguous run of the destination (no extra copy), otherwise
+   into a buffer; small neighbouring chunks of a file are fetched with one read;
+2. verifies the checksum of the stored bytes (unless ``verify=False``);
+3. decodes (zstd, capped at the recorded raw size) and copies the overlap into place.
+
+Any mismatch raises :class:`CorruptCheckpointError` naming the payload file and tensor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ckptlib.backends import ReadHandle, Storage, join
+from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.errors import CorruptCheckpointError
+from ckptlib.format import codec as codecs
+from ckptlib.format.checksum import checksum
+from ckptlib.format.dtypes import DTYPES, ITEMSIZE
+from ckptlib.format.manifest import Chunk, Manifest
+
+COALESCE_MAX = 8 << 20  # chunks smaller than this are fetched together with their neighbours
+COALESCE_GAP = 64 << 10
+
+
+@dataclass(slots=True)
+class Request:
+    name: str
+    dest: torch.Tensor
+    """CPU tensor with the saved dtype and shape ``box_shape``."""
+    box_offset: tuple[int, ...]
+    box_shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Target:
+    req: Request
+    lo: tuple[int, ...]  # intersection, global coordinates
+    hi: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _ChunkTask:
+    name: str
+    chunk: Chunk
+    dtype: str
+    targets: list[_Target] = field(default_factory=list)
+    direct: np.ndarray | None = None  # destination bytes when read straight into place
+
+
+def _intersect(c: Chunk, req: Request) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    lo, hi = [], []
+    for d in range(len(c.shape)):
+        a = max(c.offset[d], req.box_offset[d])
+        b = min(c.offset[d] + c.shape[d], req.box_offset[d] + req.box_shape[d])
+        if a >= b:
+            return None
+        lo.append(a)
+        hi.append(b)
+    return tuple(lo), tuple(hi)
+
+
+def _direct_view(task: _ChunkTask) -> np.ndarray | None:
+    """Destination bytes if the whole chunk maps onto a contiguous run of one destination."""
+    if task.chunk.codec != "raw" or len(task.targets) != 1:
+        return None
+    t = task.targets[0]
+    c, req = task.chunk, t.req
+    if t.lo != c.offset or tuple(h - lo for h, lo in zip(t.hi, t.lo, strict=True)) != c.shape:
+        return None  # only part of the chunk is wanted
+    if not req.dest.is_contiguous() or len(c.shape) == 0:
+        return as_bytes(req.dest) if len(c.shape) == 0 and req.dest.is_contiguous() else None
+    # Contiguous iff the chunk spans the full destination extent on every dim after the first.
+    if tuple(c.shape[1:]) != tuple(req.box_shape[1:]):
+        return None
+    row = ITEMSIZE[task.dtype]
+    for s in c.shape[1:]:
+        row *= s
+    first = c.offset[0] - req.box_offset[0]
+    return as_bytes(req.dest)[first * row : (first + c.shape[0]) * row]
+
+
+class Reader:
+    def __init__(
+        self, storage: Storage, folder: str, manifest: Manifest, *, verify: bool = True, threads: int = 4
+    ) -> None:
+        self.storage = storage
+        self.folder = folder
+        self.m = manifest
+        self.verify = verify
+        self.threads = threads
+        self._handles: dict[int, ReadHandle] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _handle(self, file: int) -> ReadHandle:
+        with self._lock:
+            h = self._handles.get(file)
+            if h is None:
+                entry = self.m.files[file]
+                h = self.storage.open_read(join(self.folder, entry.path))
+                if h.size != entry.size:
+                    h.close()
+                    raise CorruptCheckpointError(
+                        f"size is {h.size} bytes, manifest records {entry.size}",
+                        self._where(file),
+                    )
+                self._handles[file] = h
+            return h
+
+    def _where(self, file: int) -> str:
+        return f"{self.storage.url}/{join(self.folder, self.m.files[file].path)}"
+
+    def close(self) -> None:
+        with self._lock:
+            for h in self._handles.values():
+                h.close()
+            self._handles.clear()
+
+    # ------------------------------------------------------------------ planning
+    def _tasks(self, requests: list[Request]) -> list[_ChunkTask]:
+        tasks: dict[tuple[str, int], _ChunkTask] = {}
+        for req in requests:
+            entry = self.m.tensors[req.name]
+            for i, c in enumerate(entry.chunks):
+                if not c.length and not all(c.shape):
+                    continue
+                hit = _intersect(c, req) if c.shape else ((), ())
+                if hit is None:
+                    continue
+                task = tasks.get((req.name, i))
+                if task is None:
+                    task = tasks[(req.name, i)] = _ChunkTask(req.name, c, entry.dtype)
+                task.targets.append(_Target(req, *hit))
+        out = list(tasks.values())
+        for t in out:
+            t.direct = _direct_view(t)
+        return out
+
+    # ------------------------------------------------------------------ execution
+    def read(self, requests: list[Request]) -> None:
+        tasks = self._tasks(requests)
+        big = [t for t in tasks if t.direct is not None and t.chunk.length >= COALESCE_MAX]
+        small = [t for t in tasks if not (t.direct is not None and t.chunk.length >= COALESCE_MAX)]
+        groups: list[list[_ChunkTask]] = [[t] for t in big]
+        small.sort(key=lambda t: (t.chunk.file, t.chunk.start))
+        cur: list[_ChunkTask] = []
+        for t in small:
+            if cur and (
+                t.chunk.file != cur[-1].chunk.file
+                or t.chunk.start - (cur[-1].chunk.start + cur[-1].chunk.length) > COALESCE_GAP
+                or t.chunk.start + t.chunk.length - cur[0].chunk.start > COALESCE_MAX
+            ):
+                groups.append(cur)
+                cur = []
+            cur.append(t)
+        if cur:
+            groups.append(cur)
+        groups.sort(key=lambda g: -(g[-1].chunk.start + g[-1].chunk.length - g[0].chunk.start))
+        if self.threads <= 1 or len(groups) <= 1:
+            for g in groups:
+                self._run(g)
+            return
+        with cf.ThreadPoolExecutor(min(self.threads, len(groups)), thread_name_prefix="ckptlib-read") as pool:
+            futs = [pool.submit(self._run, g) for g in groups]
+            for f in futs:
+                f.result()  # reads are bounded by the storage layer's own deadlines
+
+    def _run(self, group: list[_ChunkTask]) -> None:
+        first = group[0].chunk
+        h = self._handle(first.file)
+        if len(group) == 1 and group[0].direct is not None:
+            t = group[0]
+            h.read_into(first.start, memoryview(t.direct))
+            self.bytes_read += first.length
+            self._check(t, t.direct)
+            return
+        start = first.start
+        end = max(t.chunk.start + t.chunk.length for t in group)
+        buf = np.empty(end - start, dtype=np.uint8)
+        h.read_into(start, memoryview(buf))
+        self.bytes_read += end - start
+        for t in group:
+            stored = buf[t.chunk.start - start : t.chunk.start - start + t.chunk.length]
+            self._check(t, stored)
+            self._deliver(t, stored)
+
+    def _check(self, t: _ChunkTask, stored: np.ndarray) -> None:
+        if self.verify and checksum(stored, self.m.checksum_algorithm) != t.chunk.checksum:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in chunk of tensor {t.name!r} at bytes "
+                f"[{t.chunk.start}, {t.chunk.start + t.chunk.length})",
+                self._where(t.chunk.file),
+            )
+
+    def _deliver(self, t: _ChunkTask, stored: np.ndarray) -> None:
+        c = t.chunk
+        itemsize = ITEMSIZE[t.dtype]
+        if t.direct is not None:
+            t.direct[:] = stored
+            return
+        raw = np.empty(int(np.prod(c.shape, dtype=np.int64)) * itemsize, dtype=np.uint8)
+        codecs.decode_into(stored, c.codec, itemsize, raw, self._where(c.file))
+        src = torch.from_numpy(raw).view(DTYPES[t.dtype]).reshape(c.shape)
+        for tg in t.targets:
+            s = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, c.offset, strict=True))
+            d = tuple(
+                slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, tg.req.box_offset, strict=True)
+            )
+            tg.req.dest[d] = src[s]

@@ -1,0 +1,124 @@
+"""Find checkpoints on storage and judge each one: the resume planner's I/O half.
+
+Called by the manager (``steps``, ``latest_step``, ``restore``, retention), the commit step
+(to judge an existing folder before refusing or quarantining it), and the CLI. Trusts no
+pointer and no folder name: a step counts as ``committed`` only if its manifest parses and
+validates, names the same step as its folder, and every payload file exists with exactly the
+recorded size. ``deep=True`` also reads every chunk and checks its checksum and codec.
+The pure choice of which step to use lives in :mod:`ckptlib.plan.select`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptlib.backends import Storage, join
+from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ckptlib.format import layout
+from ckptlib.format import manifest as mf
+
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class StepInfo:
+    """One step found under a manager root (see ``CheckpointManager.steps``)."""
+
+    step: int
+    status: str
+    """``committed``, ``incomplete`` or ``corrupt``."""
+    bytes: int = 0
+    """Payload bytes (committed steps), or 0."""
+    created: float | None = None
+    """Unix time the save started, from the manifest."""
+    reason: str = ""
+    """Why the step is not usable (empty when committed)."""
+    path: str = ""
+    """Folder name under the root."""
+    save_id: str = ""
+    world_size: int = 0
+    num_tensors: int = 0
+    manifest: mf.Manifest | None = field(default=None, repr=False, compare=False)
+
+
+def read_manifest(storage: Storage, folder: str) -> mf.Manifest:
+    """Read and validate ``folder/manifest.json``."""
+    path = join(folder, mf.MANIFEST_NAME)
+    where = f"{storage.url.rstrip('/')}/{path}"
+    try:
+        with storage.open_read(path) as h:
+            if h.size > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpointError(f"manifest is {h.size} bytes, over the {MAX_MANIFEST_BYTES} limit", where)
+            data = h.read(0, h.size)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
+    return mf.decode(data, where)
+
+
+def check_files(storage: Storage, folder: str, m: mf.Manifest) -> None:
+    for f in m.files:
+        size = storage.size(join(folder, f.path))
+        where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"
+        if size is None:
+            raise CorruptCheckpointError("payload file is missing (or not a regular file)", where)
+        if size != f.size:
+            raise CorruptCheckpointError(f"payload file is {size} bytes, manifest records {f.size}", where)
+
+
+def check_step(
+    storage: Storage,
+    folder: str,
+    step: int | None = None,
+    *,
+    deep: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> StepInfo:
+    """Judge one checkpoint folder; never raises for a bad checkpoint, only for storage errors."""
+    info = StepInfo(step=step if step is not None else -1, status="corrupt", path=folder)
+    try:
+        m = read_manifest(storage, folder)
+        if step is not None and m.step != step:
+            raise CorruptCheckpointError(f"folder is step {step} but its manifest says step {m.step}", folder)
+        info.save_id, info.created, info.world_size = m.save_id, m.created, m.world_size
+        info.num_tensors = len(m.tensors)
+        check_files(storage, folder, m)
+        if deep:
+            from ckptlib.engine.verify import verify_chunks
+
+            verify_chunks(storage, folder, m, progress=progress)
+    except CheckpointNotFoundError as e:
+        info.status, info.reason = "incomplete", str(e)
+        return info
+    except CorruptCheckpointError as e:
+        info.status, info.reason = "corrupt", str(e)
+        return info
+    info.status, info.bytes, info.manifest = "committed", m.payload_bytes, m
+    return info
+
+
+def scan(storage: Storage, *, deep: bool = False) -> list[StepInfo]:
+    """Every step under the root, newest first, with in-progress/crashed saves as incomplete."""
+    try:
+        entries = storage.listdir("")
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"checkpoint root {storage.url} does not exist") from None
+    except OSError as e:
+        raise StorageError(f"cannot list {storage.url}: {e}") from e
+    infos: list[StepInfo] = []
+    committed_names = set()
+    for e in entries:
+        step = layout.parse_step(e.name)
+        if step is not None and e.is_dir:
+            infos.append(check_step(storage, e.name, step, deep=deep))
+            committed_names.add(e.name)
+    for e in entries:
+        m = layout.TMP_RE.match(e.name)
+        if m and m.group(2) == "tmp" and e.is_dir:
+            step = layout.parse_step(m.group(1))
+            if step is not None and m.group(1) not in committed_names:
+                infos.append(
+                    StepInfo(step, "incomplete", reason="save in progress, or crashed before its commit", path=e.name)
+                )
+    infos.sort(key=lambda i: (i.step, i.status == "committed"), reverse=True)
+    return infos

@@ -1,0 +1,198 @@
+"""The writer pipeline: chunk -> encode -> checksum -> write -> fsync, for one rank.
+
+Called by the save flow (:mod:`ckptlib.engine.save`) on whichever thread persists a save (the
+caller's thread for synchronous saves, the manager's background thread for async ones). It
+receives tensors that are already safe to read (a snapshot, or the live state for a
+synchronous save) and writes them into a few large payload files under ``prefix``:
+
+1. :func:`plan_files` splits every tensor piece into chunks of at most ``chunk_bytes`` along
+   dim 0 and assigns chunks to ``num_files`` files, balancing bytes (pure).
+2. :func:`write_files` writes the files concurrently on a small thread pool, one thread per
+   file. Small chunks are packed into a reused staging buffer so each file sees large
+   sequential writes; large raw chunks are written straight from tensor memory. Each chunk
+   is checksummed (stored bytes) and aligned to 64 bytes. ``close()`` makes each file
+   durable; any failure aborts every file and propagates.
+
+Memory bound: one staging buffer (``pack_bytes``) per file thread, plus one compressed chunk
+per thread when compression is on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass
+
+import torch
+
+from ckptlib.backends import Storage, join
+from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.format import codec as codecs
+from ckptlib.format.checksum import checksum
+from ckptlib.format.dtypes import dtype_name
+
+ALIGN = 64
+
+
+@dataclass(slots=True)
+class ChunkJob:
+    name: str
+    tensor: torch.Tensor
+    """Contiguous CPU tensor holding exactly this chunk's box."""
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(slots=True)
+class WrittenChunk:
+    name: str
+    file: str
+    start: int
+    length: int
+    checksum: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    codec: str
+    dtype: str
+
+
+def split_chunks(
+    name: str, t: torch.Tensor, global_offset: tuple[int, ...], chunk_bytes: int
+) -> list[ChunkJob]:
+    """Cut one contiguous CPU tensor piece into chunks along dim 0."""
+    dtype = dtype_name(t.dtype)
+    nbytes = t.numel() * t.element_size()
+    shape = tuple(t.shape)
+    if t.dim() == 0 or nbytes <= chunk_bytes or shape[0] <= 1:
+        return [ChunkJob(name, t, global_offset, shape, dtype, nbytes)]
+    row = nbytes // shape[0]
+    rows = max(1, chunk_bytes // max(row, 1))
+    out = []
+    for a in range(0, shape[0], rows):
+        b = min(a + rows, shape[0])
+        off = (global_offset[0] + a, *global_offset[1:])
+        out.append(ChunkJob(name, t[a:b], off, (b - a, *shape[1:]), dtype, (b - a) * row))
+    return out
+
+
+def plan_files(jobs: list[ChunkJob], num_files: int) -> list[list[ChunkJob]]:
+    """Balance chunks over ``num_files`` files by bytes, keeping order within each file."""
+    total = sum(j.nbytes for j in jobs)
+    n = max(1, min(num_files, len(jobs), 1 + total // (64 << 20)))
+    files: list[list[ChunkJob]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for j in sorted(jobs, key=lambda j: -j.nbytes) if n > 1 else jobs:
+        i = loads.index(min(loads))
+        files[i].append(j)
+        loads[i] += j.nbytes
+    return [f for f in files if f]
+
+
+class _FileWriter:
+    """Writes one payload file sequentially, packing small chunks into a staging buffer."""
+
+    def __init__(self, storage: Storage, path: str, pack_bytes: int) -> None:
+        self.stream = storage.open_write(path)
+        self.path = path
+        self.pos = 0
+        self.buf = bytearray(pack_bytes)
+        self.view = memoryview(self.buf)
+        self.fill = 0
+
+    def _flush(self) -> None:
+        if self.fill:
+            self.stream.write(self.view[: self.fill])
+            self.fill = 0
+
+    def pad(self) -> None:
+        gap = -self.pos % ALIGN
+        if gap:
+            self.add(bytes(gap))
+
+    def add(self, data) -> None:
+        n = len(data)
+        if n <= len(self.buf) - self.fill:
+            self.view[self.fill : self.fill + n] = data
+            self.fill += n
+        else:
+            self._flush()
+            if n < len(self.buf) // 2:
+                self.view[:n] = data
+                self.fill = n
+            else:
+                self.stream.write(data)
+        self.pos += n
+
+    def close(self) -> int:
+        self._flush()
+        self.stream.close()
+        return self.pos
+
+
+def _write_one(
+    storage: Storage,
+    path: str,
+    jobs: list[ChunkJob],
+    compression: str | None,
+    algorithm: str,
+    pack_bytes: int,
+) -> tuple[int, list[WrittenChunk]]:
+    w = _FileWriter(storage, path, pack_bytes)
+    out: list[WrittenChunk] = []
+    try:
+        for j in jobs:
+            w.pad()
+            itemsize = j.tensor.element_size()
+            codec = codecs.codec_for(compression, itemsize) if j.nbytes else "raw"
+            raw = as_bytes(j.tensor)
+            stored = codecs.encode(raw, codec, itemsize)
+            digest = checksum(stored, algorithm)
+            start = w.pos
+            w.add(stored)
+            out.append(
+                WrittenChunk(j.name, path, start, len(stored), digest, j.offset, j.shape, codec, j.dtype)
+            )
+        size = w.close()
+    except BaseException:
+        w.stream.abort()
+        raise
+    return size, out
+
+
+def write_files(
+    storage: Storage,
+    prefix: str,
+    rank: int,
+    jobs: list[ChunkJob],
+    *,
+    compression: str | None = None,
+    algorithm: str = "xxh3_64",
+    num_files: int = 2,
+    pack_bytes: int = 4 << 20,
+) -> tuple[list[tuple[str, int]], list[WrittenChunk]]:
+    """Write ``jobs`` into payload files under ``prefix``; returns ``(files, chunks)``.
+
+    ``files`` is a list of ``(path, size)``; every file is durable when this returns.
+    """
+    groups = plan_files(jobs, num_files)
+    paths = [join(prefix, f"r{rank:05d}-{i}.bin") for i in range(len(groups))]
+    if len(groups) <= 1:
+        results = [
+            _write_one(storage, p, g, compression, algorithm, pack_bytes)
+            for p, g in zip(paths, groups, strict=True)
+        ]
+    else:
+        with cf.ThreadPoolExecutor(len(groups), thread_name_prefix="ckptlib-write") as pool:
+            futs = [
+                pool.submit(_write_one, storage, p, g, compression, algorithm, pack_bytes)
+                for p, g in zip(paths, groups, strict=True)
+            ]
+            # The pool's own shutdown joins the threads; each write has its own storage
+            # deadline, so this wait is bounded by the storage layer.
+            results = [f.result() for f in futs]
+    files = [(p, size) for p, (size, _) in zip(paths, results, strict=True)]
+    chunks = [c for _, cs in results for c in cs]
+    return files, chunks
+
+

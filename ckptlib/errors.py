@@ -1,0 +1,70 @@
+"""Typed errors raised by ckptlib.
+
+Imports nothing from ckptlib. Every error derives from :class:`CheckpointError`; some also
+derive from a builtin (``FileNotFoundError``, ``TimeoutError``) so generic handlers keep
+working. All errors pickle cleanly (they carry only strings and plain dicts), which matters
+when they cross process boundaries during distributed saves.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptlib raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint (or no root folder) exists where one was asked for."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint failed validation: bad manifest, size, checksum, or hostile content.
+
+    ``path`` names the file that was wrong (or ``""`` when not tied to one file).
+    """
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.detail = message
+
+    def __reduce__(self):  # keep pickling exact across processes
+        return (type(self), (self.detail, self.path))
+
+
+class ManifestVersionError(CorruptCheckpointError):
+    """The manifest was written by a newer, unknown format version."""
+
+
+class CommitError(CheckpointError):
+    """A save could not be committed. Nothing was published; the previous checkpoint stands.
+
+    ``failures`` maps rank -> a one-line description, when ranks failed.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.failures))
+
+
+class CommitTimeoutError(CommitError, TimeoutError):
+    """A save did not finish within its deadline (a stalled rank or storage)."""
+
+
+class StepExistsError(CommitError, FileExistsError):
+    """A committed, valid checkpoint already exists at the step being saved."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The target ``state`` of a load does not match the checkpoint (keys, shapes, dtypes)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (I/O error, permission, unreachable server)."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A state leaf cannot be saved without pickle (e.g. an arbitrary Python object)."""

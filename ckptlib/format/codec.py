@@ -1,0 +1,74 @@
+"""Chunk codecs: raw, zstd, and zstd over byte-shuffled elements. Pure (no I/O).
+
+Byte shuffling groups byte 0 of every element, then byte 1, ... which turns the slowly varying
+exponent bytes of floats into long runs that zstd compresses well. The writer calls
+:func:`encode` on worker threads (zstd releases the GIL); the reader calls :func:`decode`,
+which never produces more than the recorded raw size: a frame that claims or expands to more
+is a :class:`CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import zstandard
+
+from ckptlib.errors import CorruptCheckpointError
+
+DEFAULT_LEVEL = 3
+
+
+def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    if itemsize <= 1 or raw.size % itemsize:
+        return raw
+    return np.ascontiguousarray(raw.reshape(-1, itemsize).T).reshape(-1)
+
+
+def unshuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
+    if itemsize <= 1 or data.size % itemsize:
+        return data
+    return np.ascontiguousarray(data.reshape(itemsize, -1).T).reshape(-1)
+
+
+def codec_for(compression: str | None, itemsize: int) -> str:
+    if compression is None:
+        return "raw"
+    if compression != "zstd":
+        raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+    return "zstd-shuffle" if itemsize > 1 else "zstd"
+
+
+def encode(raw: np.ndarray, codec: str, itemsize: int, level: int = DEFAULT_LEVEL) -> np.ndarray | bytes:
+    """Stored bytes for a uint8 array of raw element bytes."""
+    if codec == "raw":
+        return raw
+    data = shuffle(raw, itemsize) if codec == "zstd-shuffle" else raw
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
+
+
+def decode_into(stored, codec: str, itemsize: int, out: np.ndarray, where: str) -> None:
+    """Decode ``stored`` into the uint8 array ``out`` whose size is the recorded raw size."""
+    raw_size = out.size
+    if codec == "raw":
+        if len(stored) != raw_size:
+            raise CorruptCheckpointError(f"chunk holds {len(stored)} bytes, expected {raw_size}", where)
+        out[:] = np.frombuffer(stored, dtype=np.uint8)
+        return
+    try:
+        params = zstandard.get_frame_parameters(stored)
+        if params.content_size not in (zstandard.CONTENTSIZE_UNKNOWN, raw_size):
+            raise CorruptCheckpointError(
+                f"zstd frame declares {params.content_size} bytes, expected {raw_size}", where
+            )
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=True)
+        # Read at most one byte more than allowed: expansion is capped at raw_size + 1.
+        data = reader.read(raw_size + 1)
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"zstd data is damaged ({e})", where) from None
+    if len(data) > raw_size:
+        raise CorruptCheckpointError(f"zstd data expands past the recorded {raw_size} bytes", where)
+    if len(data) < raw_size:
+        raise CorruptCheckpointError(f"zstd data expands to {len(data)} bytes, expected {raw_size}", where)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    out[:] = unshuffle(arr, itemsize) if codec == "zstd-shuffle" else arr

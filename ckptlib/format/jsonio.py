@@ -1,0 +1,42 @@
+"""Strict JSON encoding and decoding for manifests. Pure.
+
+``dumps`` is canonical (sorted keys, no whitespace, ASCII, no NaN), so a checksum over it is
+stable across a parse/serialize round trip. ``loads`` rejects duplicate keys, NaN/Infinity,
+nesting deeper than the interpreter's recursion limit and huge integers, raising :class:`CorruptCheckpointError` for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ckptlib.errors import CorruptCheckpointError
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def loads(data: bytes | str, where: str = "") -> Any:
+    """Parse untrusted JSON; any problem is a ``CorruptCheckpointError`` naming ``where``."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes | bytearray | memoryview) else data
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"not UTF-8 ({e})", where) from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"invalid JSON: {e}", where) from None

@@ -1,0 +1,43 @@
+"""Names on storage: step folders, temporary folders, markers. Pure.
+
+Under a CheckpointManager root::
+
+    step-000000001200/                 a committed step (rename-capable storage)
+        manifest.json                  the commit point
+        .ckptlib                       ownership marker
+        <save_id>/r00000-0.bin         payload files, one set per rank
+    step-000000001300.tmp-<save_id>/   a save in progress (or the debris of a crashed one)
+    step-000000001100.del-<save_id>/   a step being deleted by retention
+
+On object storage there is no rename: payloads go straight to ``step-N/<save_id>/`` and the
+manifest is written last. A manifest naming another save id makes other ``<save_id>/``
+prefixes in that step debris.
+"""
+
+from __future__ import annotations
+
+import re
+
+MARKER = ".ckptlib"
+STEP_DIGITS = 12
+STEP_RE = re.compile(r"^step-(\d{1,20})$")
+TMP_RE = re.compile(r"^(.+)\.(tmp|del)-([0-9a-f]{8,64})$")
+
+
+def step_dir(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def tmp_dir(final: str, save_id: str) -> str:
+    return f"{final}.tmp-{save_id}"
+
+
+def del_dir(final: str, save_id: str) -> str:
+    return f"{final}.del-{save_id}"

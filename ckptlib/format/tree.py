@@ -1,0 +1,122 @@
+"""Decode the manifest's tree of values (untrusted input) back into Python objects. Pure.
+
+Node schema (written by :mod:`ckptlib.plan.flatten`):
+- JSON ``null``/``true``/``false``/numbers/strings stand for themselves;
+- ``{"t": "float", "v": "nan" | "inf" | "-inf"}``;
+- ``{"t": "bytes", "b64": ...}`` (inline) or ``{"t": "bytes", "ref": NAME}`` (stored as a
+  uint8 tensor);
+- ``{"t": "dtype", "v": NAME}``;
+- ``{"t": "tensor", "ref": NAME}``;
+- ``{"t": "dict", "items": [[key, node], ...]}`` with str or int keys, in order;
+- ``{"t": "list" | "tuple", "items": [node, ...]}``;
+- ``{"t": "stateful", "type": "...", "v": node}`` (a state dict of a module/optimizer/...);
+- ``{"t": "per_rank", "rank": R, "v": node}`` (issue: distributed).
+
+:func:`decode` turns nodes into values with :class:`TensorRef`/:class:`BytesRef` placeholders
+for payload data (the engine's reader resolves them); it rejects unknown node kinds, excessive
+depth, references to tensors the manifest does not list, and malformed fields with
+:class:`CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+from ckptlib.errors import CorruptCheckpointError
+from ckptlib.format.dtypes import dtype_from_name
+
+MAX_DEPTH = 128
+MAX_INLINE_B64 = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class BytesRef:
+    name: str
+
+
+class Stateful(dict):
+    """A decoded ``stateful`` node: the state dict, plus the saved object type (informative)."""
+
+    type_name: str = ""
+
+
+def _fail(msg: str, where: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"value tree: {msg}", where)
+
+
+def decode(node: Any, names: Container[str], where: str = "manifest.json") -> Any:
+    """Decode ``node``; ``names`` are the tensor names the manifest lists."""
+    return _decode(node, names, where, 0)
+
+
+def _decode(node: Any, names: Container[str], where: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise _fail(f"nested deeper than {MAX_DEPTH} levels", where)
+    if node is None or isinstance(node, bool | int | float | str):
+        return node
+    if not isinstance(node, dict):
+        raise _fail(f"unexpected {type(node).__name__} node", where)
+    kind = node.get("t")
+    if kind == "tensor":
+        return TensorRef(_ref(node, names, where))
+    if kind in ("dict", "list", "tuple"):
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise _fail(f"{kind} node without an items list", where)
+        if kind == "dict":
+            out: dict[Any, Any] = {}
+            for pair in items:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _fail("dict item must be [key, value]", where)
+                key = pair[0]
+                if isinstance(key, bool) or not isinstance(key, str | int):
+                    raise _fail(f"dict key {key!r:.40} must be str or int", where)
+                if key in out:
+                    raise _fail(f"duplicate dict key {key!r:.80}", where)
+                out[key] = _decode(pair[1], names, where, depth + 1)
+            return out
+        values = [_decode(v, names, where, depth + 1) for v in items]
+        return values if kind == "list" else tuple(values)
+    if kind == "float":
+        v = node.get("v")
+        if v not in ("nan", "inf", "-inf"):
+            raise _fail(f"bad float {v!r:.40}", where)
+        return float(v)
+    if kind == "bytes":
+        if "ref" in node:
+            return BytesRef(_ref(node, names, where))
+        b64 = node.get("b64")
+        if not isinstance(b64, str) or len(b64) > MAX_INLINE_B64:
+            raise _fail("bad inline bytes", where)
+        try:
+            return base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise _fail("inline bytes are not valid base64", where) from None
+    if kind == "dtype":
+        return dtype_from_name(node.get("v"), where)
+    if kind == "stateful":
+        inner = _decode(node.get("v"), names, where, depth + 1)
+        if not isinstance(inner, dict):
+            raise _fail("stateful node must hold a dict", where)
+        s = Stateful(inner)
+        s.type_name = str(node.get("type", ""))[:200]
+        return s
+    if kind == "per_rank":
+        return _decode(node.get("v"), names, where, depth + 1)
+    raise _fail(f"unknown node kind {kind!r:.40}", where)
+
+
+def _ref(node: dict[str, Any], names: Container[str], where: str) -> str:
+    ref = node.get("ref")
+    if not isinstance(ref, str) or ref not in names:
+        raise _fail(f"reference {ref!r:.200} names no tensor in the manifest", where)
+    return ref
