@@ -246,56 +246,64 @@ def _tensors(tree: Any, where: str = "state") -> dict[str, torch.Tensor]:
 # Reading the root back
 
 
-def load_step(root: Path, step: int) -> Any:
-    """Load one step into a new structure."""
-    return ckptlib.load(str(root / f"step-{step:012d}"))
-
-
 @dataclass
 class Observation:
     """What the public API says about the root right after a kill."""
 
     listing: list[str]
-    statuses: dict[int, str]
-    reasons: dict[int, str]
+    infos: list[Any]
     latest: int | None
     restored: int | None
     committed: list[int] = field(default_factory=list)
     debris: set[str] = field(default_factory=set)
 
+    def summary(self) -> str:
+        return ", ".join(f"{i.step}:{i.status}" for i in self.infos) or "-"
 
-def observe(root: Path) -> Observation:
-    # The listing is taken before any manager touches the root: a manager may clean up.
-    listing = sorted(os.listdir(root)) if root.exists() else []
+
+def _restore_into_template(mgr: ckptlib.CheckpointManager, step: int | None) -> int | None:
+    """``restore`` into a template holding other bytes; check it loaded ``step`` in place."""
     template = build_state(SEED, TEMPLATE_STEP)
     before = _tensors(template)
+    where = "restore()" if step is None else f"restore(step={step})"
+    got = mgr.restore(template) if step is None else mgr.restore(template, step=step)
+    if got is not None:
+        assert_same(template, build_state(SEED, got), f"{where} -> step {got}")
+        after = _tensors(template)
+        for name, tensor in before.items():
+            assert after[name] is tensor, f"{where}: {name} was replaced, not loaded in place"
+    return got
+
+
+def observe(root: Path) -> Observation:
+    # The listing is taken before any manager touches the root.
+    listing = sorted(os.listdir(root)) if root.exists() else []
     with ckptlib.CheckpointManager(str(root)) as mgr:
         infos = mgr.steps()
         latest = mgr.latest_step()
-        restored = mgr.restore(template)
-    statuses = {info.step: info.status for info in infos}
-    reasons = {info.step: str(info.reason) for info in infos}
-    assert len(statuses) == len(infos), f"steps() lists a step twice: {infos}"
-    for step, status in statuses.items():
-        assert status in ("committed", "incomplete", "corrupt"), f"step {step}: {status!r}"
-    committed = sorted(step for step, status in statuses.items() if status == "committed")
+        for info in infos:
+            assert info.status in ("committed", "incomplete", "corrupt"), f"{info}"
+            assert (info.status == "committed") == (not info.reason), f"reason: {info}"
+        committed = sorted(info.step for info in infos if info.status == "committed")
+        assert len(set(committed)) == len(committed), f"a step is committed twice: {infos}"
+        newest = committed[-1] if committed else None
+        assert latest == newest, f"latest_step()={latest} but the newest committed is {newest}"
 
-    newest = committed[-1] if committed else None
-    assert latest == newest, f"latest_step()={latest} but newest committed is {newest}"
-    assert restored == latest, f"restore() returned {restored}, latest_step()={latest}"
-    if restored is not None:
-        assert_same(template, build_state(SEED, restored), f"restore(step={restored})")
-        after = _tensors(template)
-        for where, tensor in before.items():
-            assert after[where] is tensor, f"{where}: restore replaced the tensor, not in place"
+        restored = _restore_into_template(mgr, None)
+        assert restored == latest, f"restore() loaded {restored}, latest_step() is {latest}"
 
-    # No partially written step is ever reported as committed.
-    for step in committed:
-        assert_same(load_step(root, step), build_state(SEED, step), f"load(step={step})")
+        # No partially written step is ever reported as committed: each one loads, bit-exact,
+        # both in place and as a fresh structure (which also checks container and leaf types).
+        for info in infos:
+            if info.status != "committed":
+                continue
+            assert _restore_into_template(mgr, info.step) == info.step
+            fresh = ckptlib.load(str(root / info.path))
+            assert_same(fresh, build_state(SEED, info.step), f"load(step={info.step})")
 
-    committed_names = {f"step-{step:012d}" for step in committed}
+    committed_names = {info.path for info in infos if info.status == "committed"}
     debris = {name for name in listing if name not in committed_names}
-    return Observation(listing, statuses, reasons, latest, restored, committed, debris)
+    return Observation(listing, infos, latest, restored, committed, debris)
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,14 +359,14 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
             history.append(note)
             fail(f"after {label}: {exc}")
         history.append(
-            f"{note} -> latest={obs.latest} statuses={obs.statuses} debris={sorted(obs.debris)}"
+            f"{note} -> latest={obs.latest} steps=[{obs.summary()}] debris={sorted(obs.debris)}"
         )
         # A step reported committed, or restored before, is never lost.
         floor = max([*committed_seen, *([] if floor is None else [floor])], default=None)
         if floor is not None and (obs.latest is None or obs.latest < floor):
             fail(
                 f"after {label}: step {floor} was committed (or restored) before, but the "
-                f"newest committed step is now {obs.latest}; reasons: {obs.reasons}"
+                f"newest committed step is now {obs.latest}; steps(): {obs.infos}"
             )
         # Debris of an earlier crash is gone once a later save has succeeded.
         if committed_seen and prev_debris & obs.debris:
@@ -366,11 +374,22 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
                 f"after {label}: leftovers of an earlier crash survived the successful save "
                 f"of step {max(committed_seen)}: {sorted(prev_debris & obs.debris)}"
             )
+        # Retention: once step c is known committed (its retention has run), at most KEEP_LAST
+        # committed steps <= c remain, plus at most one newer commit whose retention a kill
+        # interrupted. (Without a successful save, such extra steps may pile up until one.)
+        if committed_seen:
+            c = max(committed_seen)
+            kept = [s for s in obs.committed if s <= c]
+            if len(kept) > KEEP_LAST or len(obs.committed) > KEEP_LAST + 1:
+                fail(
+                    f"after {label}: keep_last={KEEP_LAST}, step {c} was committed, but the "
+                    f"committed steps are {obs.committed}"
+                )
         stats["kills"] += 1
         stats["kills before any save returned"] += not saved
         stats["kills leaving new debris"] += bool(obs.debris - prev_debris)
         stats["saves returned"] += len(saved)
-        stats.update(f"status {status}" for status in obs.statuses.values())
+        stats.update(f"status {info.status}" for info in obs.infos)
         prev_debris = obs.debris
         if obs.restored is not None:
             floor = obs.restored if floor is None else max(floor, obs.restored)

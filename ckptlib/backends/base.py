@@ -94,7 +94,7 @@ class Storage(ABC):
         """Atomically rename a folder; ``FileExistsError`` if ``dst`` exists."""
         raise NotImplementedError(f"{type(self).__name__} cannot rename")
 
-    def sync_dir(self, path: str) -> None:
+    def sync_dir(self, path: str) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make a folder's entries durable (fsync on POSIX; a no-op elsewhere)."""
 
     # -- reading
@@ -128,7 +128,7 @@ class Storage(ABC):
     def delete_tree(self, path: str) -> None:
         """Delete a folder and everything under it; missing is fine."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release resources (connections, thread pools)."""
 
 

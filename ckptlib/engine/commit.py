@@ -60,10 +60,14 @@ def begin(storage: Storage, final: str, save_id: str) -> Staging:
     staging = Staging(final, save_id, work, join(work, save_id), mode)
     storage.makedirs(staging.payload_prefix)
     if mode == "rename":
-        marker = json.dumps({"save_id": save_id, "created": time.time()}).encode()
-        w = storage.open_write(join(work, layout.MARKER))
-        w.write(marker)
-        w.close()
+        try:
+            marker = json.dumps({"save_id": save_id, "created": time.time()}).encode()
+            w = storage.open_write(join(work, layout.MARKER))
+            w.write(marker)
+            w.close()
+        except BaseException:
+            abort(storage, staging)  # the folder name is unique to this save: safe to remove
+            raise
     return staging
 
 

@@ -132,10 +132,8 @@ def encode(m: Manifest) -> bytes:
     }
     text = jsonio.dumps(body)
     digest = checksum(text.encode("ascii"))
-    return (
-        '{"format":"%s","format_version":%d,"checksum":"xxh3_64:%s","body":%s}'
-        % (FORMAT_NAME, FORMAT_VERSION, digest, text)
-    ).encode("ascii")
+    head = f'{{"format":"{FORMAT_NAME}","format_version":{FORMAT_VERSION},"checksum":"xxh3_64:{digest}"'
+    return f'{head},"body":{text}}}'.encode("ascii")
 
 
 # --------------------------------------------------------------------------- decode

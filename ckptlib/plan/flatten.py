@@ -137,9 +137,8 @@ def _tensor(
 ) -> dict[str, Any]:
     if t.is_sparse or t.layout != torch.strided:
         raise UnsupportedValueError(f"tensor at {path}: layout {t.layout} is not supported")
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        if type(t).__name__ == "DTensor":
-            raise UnsupportedValueError(f"DTensor at {path}: use ckptlib.Shard for now")
+    if type(t).__name__ == "DTensor":
+        raise UnsupportedValueError(f"DTensor at {path}: use ckptlib.Shard for now")
     try:
         dtype_name(t.dtype)
     except TypeError as e:

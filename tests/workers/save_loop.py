@@ -94,6 +94,7 @@ def build_state(seed: int, step: int) -> dict[str, Any]:
         "big_int": 2**62 + step,
         "name": f"run-{seed}/step-{step}-\u00fcn\u00efc\u00f6d\u00e9-\u2713",
         "blob": bytes((seed + step + i) % 256 for i in range(64)),
+        "big_blob": bytes((seed * 7 + step + i) % 251 for i in range(10_000)),
         "flags": [True, False, None, step % 2 == 0],
         "history": [float(step - i) / 3 for i in range(5)],
     }

@@ -1,0 +1,238 @@
+"""CheckpointManager: save/restore, retention, the resume planner's fallbacks, errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.backends.posix import PosixStorage
+from ckptlib.format import layout
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(3, 8, generator=g)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"model": model, "optim": opt, "step": seed, "note": f"seed {seed}"}
+
+
+def weights(state: dict) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in state["model"].parameters()]
+
+
+def payload_files(root, step: int) -> list[str]:
+    folder = os.path.join(root, layout.step_dir(step))
+    out = []
+    for dirpath, _, files in os.walk(folder):
+        out += [os.path.join(dirpath, f) for f in files if f.endswith(".bin")]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_restore_roundtrip(tmp_path, async_save):
+    state = make_state(1)
+    with ckptlib.CheckpointManager(tmp_path, async_save=async_save) as mgr:
+        mgr.save(10, state).wait(timeout=60)
+        assert mgr.latest_step() == 10
+    fresh = make_state(2)
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    assert mgr.restore(fresh) == 10
+    for a, b in zip(weights(state), weights(fresh), strict=True):
+        assert torch.equal(a, b)
+    assert fresh["step"] == 1 and fresh["note"] == "seed 1"
+    exp = state["optim"].state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(fresh["optim"].state_dict()["state"][0]["exp_avg"], exp)
+
+
+def test_restore_empty_root_returns_none(tmp_path):
+    assert ckptlib.CheckpointManager(tmp_path / "never").restore(make_state()) is None
+    assert ckptlib.CheckpointManager(tmp_path / "never").steps() == []
+
+
+def test_retention_keep_last_and_every(tmp_path):
+    state = make_state()
+    with ckptlib.CheckpointManager(tmp_path, keep_last=2, keep_every=20, async_save=False) as mgr:
+        for step in range(0, 70, 10):
+            mgr.save(step, state)
+        kept = [i.step for i in mgr.steps()]
+    assert kept == [0, 20, 40, 50, 60]
+    assert sorted(os.listdir(tmp_path)) == [layout.step_dir(s) for s in kept]
+
+
+def test_restore_falls_back_when_newest_is_corrupt(tmp_path, caplog):
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+    victim = payload_files(tmp_path, 2)[0]
+    with open(victim, "r+b") as f:  # flip one bit in the middle of the payload
+        f.seek(os.path.getsize(victim) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    target = make_state(3)
+    with caplog.at_level(logging.WARNING, logger="ckptlib"):
+        assert ckptlib.CheckpointManager(tmp_path).restore(target) == 1
+    assert "step 2 is corrupt" in caplog.text and "checksum mismatch" in caplog.text
+    for a, b in zip(weights(make_state(1)), weights(target), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_truncated_payload_is_reported_and_skipped(tmp_path):
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+    victim = payload_files(tmp_path, 2)[0]
+    os.truncate(victim, os.path.getsize(victim) - 7)
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    infos = {i.step: i for i in mgr.steps()}
+    assert infos[2].status == "corrupt" and "bytes, manifest records" in infos[2].reason
+    assert infos[1].status == "committed"
+    assert mgr.latest_step() == 1
+    assert mgr.restore(make_state(5)) == 1
+
+
+def test_all_steps_corrupt_raises(tmp_path):
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, make_state(1))
+    with open(tmp_path / layout.step_dir(1) / "manifest.json", "r+b") as f:
+        f.write(b"garbage!")
+    with pytest.raises(ckptlib.CorruptCheckpointError, match="no usable checkpoint"):
+        ckptlib.CheckpointManager(tmp_path).restore(make_state())
+
+
+def test_crash_debris_cleaned_only_if_ours(tmp_path):
+    ours = tmp_path / f"{layout.step_dir(5)}.tmp-{'ab' * 16}"
+    (ours / ("ab" * 16)).mkdir(parents=True)
+    (ours / layout.MARKER).write_text("{}")
+    (ours / ("ab" * 16) / "r00000-0.bin").write_bytes(b"partial")
+    foreign = tmp_path / f"{layout.step_dir(6)}.tmp-{'cd' * 16}"
+    foreign.mkdir()
+    (tmp_path / "notes.txt").write_text("user file")
+    mgr = ckptlib.CheckpointManager(tmp_path, async_save=False)
+    assert [(i.step, i.status) for i in mgr.steps()] == [(5, "incomplete"), (6, "incomplete")]
+    mgr.save(7, make_state())
+    assert not ours.exists()
+    assert foreign.exists() and (tmp_path / "notes.txt").exists()
+
+
+def test_step_exists_and_corrupt_step_is_set_aside(tmp_path):
+    mgr = ckptlib.CheckpointManager(tmp_path, async_save=False)
+    mgr.save(3, make_state(3))
+    with pytest.raises(ckptlib.StepExistsError):
+        mgr.save(3, make_state(4))
+    (tmp_path / layout.step_dir(3) / "manifest.json").write_bytes(b"{}")  # damage it
+    mgr.save(3, make_state(4))
+    target = make_state(9)
+    assert mgr.restore(target) == 3 and target["step"] == 4
+    aside = [n for n in os.listdir(tmp_path) if ".corrupt-" in n]
+    assert len(aside) == 1  # kept for inspection, never deleted
+
+
+def test_background_failure_raised_once(tmp_path, monkeypatch):
+    def broken(self, path):
+        raise ckptlib.StorageError(28, "No space left on device")
+
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    monkeypatch.setattr(PosixStorage, "open_write", broken)
+    h = mgr.save(1, make_state())
+    with pytest.raises(ckptlib.CommitError, match="No space left"):
+        h.wait(timeout=60)
+    h.wait(timeout=60)  # already raised: not again
+    mgr.wait()
+    monkeypatch.undo()
+    assert mgr.latest_step() is None
+    # The next failure surfaces on the next save() instead.
+    monkeypatch.setattr(PosixStorage, "open_write", broken)
+    mgr.save(2, make_state())
+    mgr._thread.join(60)
+    monkeypatch.undo()
+    with pytest.raises(ckptlib.CommitError):
+        mgr.save(3, make_state())
+    mgr.save(4, make_state()).wait(timeout=60)
+    mgr.close()
+    assert [i.step for i in mgr.steps() if i.status == "committed"] == [4]
+    assert os.listdir(tmp_path) == [layout.step_dir(4)]
+
+
+def test_fsync_failure_fails_the_checkpoint(tmp_path, monkeypatch):
+    mgr = ckptlib.CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, make_state(1))
+    real = os.fsync
+    calls = {"n": 0}
+
+    def flaky(fd):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(5, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky)
+    with pytest.raises(ckptlib.CommitError, match="fsync"):
+        mgr.save(2, make_state(2))
+    monkeypatch.undo()
+    assert mgr.latest_step() == 1
+    assert sorted(os.listdir(tmp_path)) == [layout.step_dir(1)]
+
+
+def test_in_flight_skip_policy(tmp_path, monkeypatch):
+    real = PosixStorage.open_write
+
+    def slow(self, path):
+        time.sleep(0.5)
+        return real(self, path)
+
+    monkeypatch.setattr(PosixStorage, "open_write", slow)
+    mgr = ckptlib.CheckpointManager(tmp_path, in_flight="skip")
+    h1 = mgr.save(1, make_state())
+    with pytest.warns(RuntimeWarning, match="skipping save of step 2"):
+        h2 = mgr.save(2, make_state())
+    assert h2.skipped and h2.done()
+    h1.wait(timeout=60)
+    mgr.close()
+    assert [i.step for i in mgr.steps()] == [1]
+
+
+def test_async_snapshot_isolated_from_mutation(tmp_path):
+    state = make_state(1)
+    before = weights(state)
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    h = mgr.save(1, state)
+    with torch.no_grad():  # mutate right after save() returns
+        for p in state["model"].parameters():
+            p.add_(1000.0)
+    h.wait(timeout=60)
+    target = make_state(2)
+    assert mgr.restore(target) == 1
+    for a, b in zip(before, weights(target), strict=True):
+        assert torch.equal(a, b)
+    mgr.close()
+
+
+def test_memory_backend_manager(memory_url):
+    with ckptlib.CheckpointManager(memory_url, keep_last=1) as mgr:
+        mgr.save(1, make_state(1)).wait(timeout=60)
+        mgr.save(2, make_state(2)).wait(timeout=60)
+        assert [i.step for i in mgr.steps()] == [2]
+        target = make_state(0)
+        assert mgr.restore(target) == 2 and target["step"] == 2
+        with pytest.raises(ckptlib.StepExistsError):
+            mgr.save(2, make_state(3)).wait(timeout=60)
+
+
+def test_closed_manager_refuses_saves(tmp_path):
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    mgr.close()
+    with pytest.raises(ckptlib.CheckpointError, match="closed"):
+        mgr.save(1, make_state())
