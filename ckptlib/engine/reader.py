@@ -29,7 +29,7 @@ from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
-from ckptlib.format.manifest import Chunk, Manifest
+from ckptlib.format.manifest import Chunk, Manifest, Pack, Piece
 
 COALESCE_MAX = 8 << 20  # chunks smaller than this are fetched together with their neighbours
 COALESCE_GAP = 64 << 10
@@ -60,7 +60,14 @@ class _ChunkTask:
     direct: np.ndarray | None = None  # destination bytes when read straight into place
 
 
-def _intersect(c: Chunk, req: Request) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+@dataclass(slots=True)
+class _PackTask:
+    index: int
+    pack: Pack
+    members: list[tuple[Piece, str, _Target]] = field(default_factory=list)
+
+
+def _intersect(c: Chunk | Piece, req: Request) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     lo, hi = [], []
     for d in range(len(c.shape)):
         a = max(c.offset[d], req.box_offset[d])
@@ -130,10 +137,23 @@ class Reader:
             self._handles.clear()
 
     # ------------------------------------------------------------------ planning
-    def _tasks(self, requests: list[Request]) -> list[_ChunkTask]:
+    def _tasks(self, requests: list[Request]) -> tuple[list[_ChunkTask], list[_PackTask]]:
         tasks: dict[tuple[str, int], _ChunkTask] = {}
+        packs: dict[int, _PackTask] = {}
         for req in requests:
             entry = self.m.tensors[req.name]
+            full = req.box_shape == entry.shape
+            for p in entry.pieces:
+                if full:
+                    hit = (p.offset, tuple(o + n for o, n in zip(p.offset, p.shape, strict=True)))
+                else:
+                    hit = _intersect(p, req) if p.shape else ((), ())
+                    if hit is None:
+                        continue
+                pt = packs.get(p.pack)
+                if pt is None:
+                    pt = packs[p.pack] = _PackTask(p.pack, self.m.packs[p.pack])
+                pt.members.append((p, entry.dtype, _Target(req, *hit)))
             for i, c in enumerate(entry.chunks):
                 if not c.length and not all(c.shape):
                     continue
@@ -147,11 +167,11 @@ class Reader:
         out = list(tasks.values())
         for t in out:
             t.direct = _direct_view(t)
-        return out
+        return out, list(packs.values())
 
     # ------------------------------------------------------------------ execution
     def read(self, requests: list[Request]) -> None:
-        tasks = self._tasks(requests)
+        tasks, packs = self._tasks(requests)
         big = [t for t in tasks if t.direct is not None and t.chunk.length >= COALESCE_MAX]
         small = [t for t in tasks if not (t.direct is not None and t.chunk.length >= COALESCE_MAX)]
         groups: list[list[_ChunkTask]] = [[t] for t in big]
@@ -169,14 +189,45 @@ class Reader:
         if cur:
             groups.append(cur)
         groups.sort(key=lambda g: -(g[-1].chunk.start + g[-1].chunk.length - g[0].chunk.start))
-        if self.threads <= 1 or len(groups) <= 1:
-            for g in groups:
-                self._run(g)
+        work = [(self._run, g) for g in groups] + [(self._run_pack, p) for p in packs]
+        if self.threads <= 1 or len(work) <= 1:
+            for fn, arg in work:
+                fn(arg)
             return
-        with cf.ThreadPoolExecutor(min(self.threads, len(groups)), thread_name_prefix="ckptlib-read") as pool:
-            futs = [pool.submit(self._run, g) for g in groups]
+        with cf.ThreadPoolExecutor(min(self.threads, len(work)), thread_name_prefix="ckptlib-read") as pool:
+            futs = [pool.submit(fn, arg) for fn, arg in work]
             for f in futs:
                 f.result()  # reads are bounded by the storage layer's own deadlines
+
+    def _run_pack(self, task: _PackTask) -> None:
+        p = task.pack
+        stored = np.empty(p.length, dtype=np.uint8)
+        self._handle(p.file).read_into(p.start, memoryview(stored))
+        self.bytes_read += p.length
+        if self.verify and checksum(stored, self.m.checksum_algorithm) != p.checksum:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in pack {task.index} at bytes [{p.start}, {p.start + p.length})",
+                self._where(p.file),
+            )
+        if p.codec == "raw":
+            raw = stored
+        else:
+            raw = np.empty(p.raw_length, dtype=np.uint8)
+            codecs.decode_into(stored, p.codec, 1, raw, self._where(p.file))
+        for piece, dtype, tg in task.members:
+            n = ITEMSIZE[dtype]
+            for s in piece.shape:
+                n *= s
+            src = raw[piece.raw_offset : piece.raw_offset + n]
+            req = tg.req
+            if req.box_shape == piece.shape and req.dest.is_contiguous():
+                if n:
+                    as_bytes(req.dest)[:] = src
+                continue
+            view = torch.from_numpy(src).view(DTYPES[dtype]).reshape(piece.shape)
+            sl = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, piece.offset, strict=True))
+            d = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, req.box_offset, strict=True))
+            req.dest[d] = view[sl]
 
     def _run(self, group: list[_ChunkTask]) -> None:
         first = group[0].chunk

@@ -5,7 +5,7 @@ Entry points, all called on every rank:
   fast on values that cannot be saved without pickle, before any I/O.
 - :func:`persist` (caller's thread for synchronous saves, the manager's background thread
   for async ones): writes this rank's payloads and runs the two-phase commit through the
-  :class:`~ckptlib.dist.coordinator.Coordinator`. Returns the committed manifest, or raises
+  :class:`~ckptlib.dist.coordinator.Coordinator`. Returns a :class:`SaveResult`, or raises
   :class:`CommitError` on every rank, after removing the staging area.
 """
 
@@ -22,7 +22,7 @@ from ckptlib import __version__
 from ckptlib.backends import Storage
 from ckptlib.dist.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
-from ckptlib.engine.writer import ChunkJob, split_chunks, write_files
+from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_files
 from ckptlib.errors import CheckpointError, CommitError, StepExistsError, UnsupportedValueError
 from ckptlib.format import manifest as mf
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
@@ -37,6 +37,13 @@ class SaveOptions:
     num_files: int = 2
     timeout: float = 600.0
     overwrite: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    save_id: str
+    payload_bytes: int
+    """Bytes in payload files (known on the coordinator; 0 elsewhere)."""
 
 
 def prepare(state: Any, rank: int = 0) -> FlatState:
@@ -85,7 +92,7 @@ def persist(
     coordinator: Coordinator | None = None,
     save_id: str | None = None,
     created: float | None = None,
-) -> mf.Manifest:
+) -> SaveResult:
     opts = options or SaveOptions()
     coord = coordinator or LocalCoordinator()
     deadline = time.monotonic() + opts.timeout
@@ -112,7 +119,7 @@ def persist(
     results = coord.gather(result, _left(deadline))
 
     outcome: dict[str, Any] = {"ok": True}
-    manifest: mf.Manifest | None = None
+    body: dict[str, Any] | None = None
     if coord.is_coordinator:
         assert results is not None
         failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
@@ -121,8 +128,8 @@ def persist(
         else:
             try:
                 assert staging is not None
-                manifest = _build_manifest(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix)
-                commit.publish(storage, staging, mf.encode(manifest), overwrite=opts.overwrite)
+                body = _build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix)
+                commit.publish(storage, staging, mf.encode_body(body), overwrite=opts.overwrite)
             except (CheckpointError, OSError) as e:
                 outcome = {"ok": False, "failures": {0: f"{type(e).__name__}: {e}"}, "exists": isinstance(e, FileExistsError)}
         if not outcome["ok"] and staging is not None:
@@ -133,18 +140,14 @@ def persist(
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
         err_cls = StepExistsError if outcome.get("exists") else CommitError
         raise err_cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
-    return manifest if manifest is not None else _placeholder(save_id)
+    return SaveResult(save_id, sum(size for _, size in body["files"]) if body else 0)
 
 
 def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-def _placeholder(save_id: str) -> mf.Manifest:
-    return mf.Manifest(None, save_id, 0.0, 1, "rename", [], {}, None)
-
-
-def _build_manifest(
+def _build_body(
     results: list[dict[str, Any]],
     step: int | None,
     save_id: str,
@@ -152,35 +155,56 @@ def _build_manifest(
     mode: str,
     metadata: Any,
     prefix: str,
-) -> mf.Manifest:
-    files: list[mf.FileEntry] = []
+) -> dict[str, Any]:
+    """The manifest body (JSON-ready) from every rank's write results. Coordinator only.
+
+    Builds JSON structures directly (no intermediate objects): with tens of thousands of
+    small tensors, per-tensor overhead here is a visible part of the save.
+    """
+    files: list[list[Any]] = []
     index: dict[str, int] = {}
     strip = len(prefix) - len(prefix.rsplit("/", 1)[-1])  # keep "<save_id>/..." relative to the step
     for res in results:
         for path, size in res["files"]:
             index[path] = len(files)
-            files.append(mf.FileEntry(path[strip:], size))
-    tensors: dict[str, mf.TensorEntry] = {}
+            files.append([path[strip:], size])
     shapes: dict[str, tuple[int, ...]] = {}
     for res in results:
         shapes.update(res["shapes"])
+    tensors: dict[str, dict[str, Any]] = {}
+    packs: list[list[Any]] = []
     for res in results:
         for c in res["chunks"]:
+            if isinstance(c, WrittenPack):
+                pidx = len(packs)
+                packs.append([index[c.file], c.start, c.length, c.checksum, c.codec, c.raw_length])
+                for name, raw_offset, offset, shape, dtype in c.members:
+                    gshape = shapes[name]
+                    piece = [pidx, raw_offset] if shape == gshape else [pidx, raw_offset, list(offset), list(shape)]
+                    entry = tensors.get(name)
+                    if entry is None:
+                        tensors[name] = {"dtype": dtype, "shape": list(gshape), "packed": [piece]}
+                    else:
+                        entry.setdefault("packed", []).append(piece)
+                continue
             entry = tensors.get(c.name)
             if entry is None:
-                entry = tensors[c.name] = mf.TensorEntry(c.dtype, tuple(shapes[c.name]), [])
-            entry.chunks.append(
-                mf.Chunk(index[c.file], c.start, c.length, c.checksum, tuple(c.offset), tuple(c.shape), c.codec)
+                entry = tensors[c.name] = {"dtype": c.dtype, "shape": list(shapes[c.name])}
+            entry.setdefault("chunks", []).append(
+                [index[c.file], c.start, c.length, c.checksum, list(c.offset), list(c.shape), c.codec]
             )
-    return mf.Manifest(
-        step=step,
-        save_id=save_id,
-        created=created,
-        world_size=len(results),
-        commit=mode,
-        files=files,
-        tensors=tensors,
-        tree=results[0]["tree"],
-        metadata=metadata,
-        library=f"ckptlib {__version__}",
-    )
+    return {
+        "step": step,
+        "save_id": save_id,
+        "created": created,
+        "world_size": len(results),
+        "commit": mode,
+        "checksum_algorithm": "xxh3_64",
+        "library": f"ckptlib {__version__}",
+        "files": files,
+        "packs": packs,
+        "tensors": tensors,
+        "tree": results[0]["tree"],
+        "metadata": metadata,
+        "extra": {},
+    }

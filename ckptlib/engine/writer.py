@@ -5,13 +5,15 @@ caller's thread for synchronous saves, the manager's background thread for async
 receives tensors that are already safe to read (a snapshot, or the live state for a
 synchronous save) and writes them into a few large payload files under ``prefix``:
 
-1. :func:`plan_files` splits every tensor piece into chunks of at most ``chunk_bytes`` along
-   dim 0 and assigns chunks to ``num_files`` files, balancing bytes (pure).
+1. :func:`split_chunks` cuts every tensor piece into chunks of at most ``chunk_bytes`` along
+   dim 0; :func:`make_units` groups tensors of at most ``PACK_MEMBER_MAX`` bytes into packs
+   of about ``PACK_BYTES`` (one checksum and one write per pack, not per tensor);
+   :func:`plan_files` assigns chunks and packs to ``num_files`` files, balancing bytes.
 2. :func:`write_files` writes the files concurrently on a small thread pool, one thread per
-   file. Small chunks are packed into a reused staging buffer so each file sees large
-   sequential writes; large raw chunks are written straight from tensor memory. Each chunk
-   is checksummed (stored bytes) and aligned to 64 bytes. ``close()`` makes each file
-   durable; any failure aborts every file and propagates.
+   file. Small writes are gathered in a reused staging buffer so each file sees large
+   sequential writes; large raw chunks are written straight from tensor memory. Every chunk
+   and pack is checksummed (stored bytes) and aligned to 64 bytes. ``close()`` makes each
+   file durable; any failure aborts the file and propagates.
 
 Memory bound: one staging buffer (``pack_bytes``) per file thread, plus one compressed chunk
 per thread when compression is on.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ckptlib.backends import Storage, join
@@ -31,6 +34,8 @@ from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import dtype_name
 
 ALIGN = 64
+PACK_MEMBER_MAX = 64 << 10  # tensors up to this size are packed together
+PACK_BYTES = 4 << 20  # target raw size of one pack
 
 
 @dataclass(slots=True)
@@ -57,6 +62,24 @@ class WrittenChunk:
     dtype: str
 
 
+@dataclass(slots=True)
+class PackJob:
+    members: list[ChunkJob]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class WrittenPack:
+    file: str
+    start: int
+    length: int
+    checksum: str
+    codec: str
+    raw_length: int
+    members: list[tuple[str, int, tuple[int, ...], tuple[int, ...], str]]
+    """(tensor name, raw offset, box offset, box shape, dtype) per member."""
+
+
 def split_chunks(
     name: str, t: torch.Tensor, global_offset: tuple[int, ...], chunk_bytes: int
 ) -> list[ChunkJob]:
@@ -76,11 +99,30 @@ def split_chunks(
     return out
 
 
-def plan_files(jobs: list[ChunkJob], num_files: int) -> list[list[ChunkJob]]:
-    """Balance chunks over ``num_files`` files by bytes, keeping order within each file."""
+def make_units(jobs: list[ChunkJob]) -> list[ChunkJob | PackJob]:
+    """Group small chunks into packs; large (and empty) chunks stay on their own."""
+    units: list[ChunkJob | PackJob] = []
+    cur: list[ChunkJob] = []
+    size = 0
+    for j in jobs:
+        if j.nbytes == 0 or j.nbytes > PACK_MEMBER_MAX:
+            units.append(j)
+            continue
+        cur.append(j)
+        size += j.nbytes
+        if size >= PACK_BYTES:
+            units.append(PackJob(cur, size))
+            cur, size = [], 0
+    if cur:
+        units.append(PackJob(cur, size))
+    return units
+
+
+def plan_files(jobs: list[ChunkJob | PackJob], num_files: int) -> list[list[ChunkJob | PackJob]]:
+    """Balance units over ``num_files`` files by bytes, keeping order within each file."""
     total = sum(j.nbytes for j in jobs)
     n = max(1, min(num_files, len(jobs), 1 + total // (64 << 20)))
-    files: list[list[ChunkJob]] = [[] for _ in range(n)]
+    files: list[list[ChunkJob | PackJob]] = [[] for _ in range(n)]
     loads = [0] * n
     for j in sorted(jobs, key=lambda j: -j.nbytes) if n > 1 else jobs:
         i = loads.index(min(loads))
@@ -130,19 +172,37 @@ class _FileWriter:
         return self.pos
 
 
+def _pack_bytes(members: list[ChunkJob]) -> tuple[np.ndarray, list[int]]:
+    """Concatenate the members' raw bytes; returns the buffer and each member's offset."""
+    flat = [m.tensor.reshape(-1).view(torch.uint8) for m in members]
+    offsets = np.cumsum([0] + [m.nbytes for m in members[:-1]]).tolist()
+    return torch.cat(flat).numpy(), offsets
+
+
 def _write_one(
     storage: Storage,
     path: str,
-    jobs: list[ChunkJob],
+    jobs: list[ChunkJob | PackJob],
     compression: str | None,
     algorithm: str,
     pack_bytes: int,
-) -> tuple[int, list[WrittenChunk]]:
+) -> tuple[int, list[WrittenChunk | WrittenPack]]:
     w = _FileWriter(storage, path, pack_bytes)
-    out: list[WrittenChunk] = []
+    out: list[WrittenChunk | WrittenPack] = []
     try:
         for j in jobs:
             w.pad()
+            if isinstance(j, PackJob):
+                raw, offsets = _pack_bytes(j.members)
+                codec = "raw" if compression is None else "zstd"
+                stored = codecs.encode(raw, codec, 1)
+                start = w.pos
+                w.add(stored)
+                members = [(m.name, o, m.offset, m.shape, m.dtype) for m, o in zip(j.members, offsets, strict=True)]
+                out.append(
+                    WrittenPack(path, start, len(stored), checksum(stored, algorithm), codec, raw.size, members)
+                )
+                continue
             itemsize = j.tensor.element_size()
             codec = codecs.codec_for(compression, itemsize) if j.nbytes else "raw"
             raw = as_bytes(j.tensor)
@@ -170,12 +230,12 @@ def write_files(
     algorithm: str = "xxh3_64",
     num_files: int = 2,
     pack_bytes: int = 4 << 20,
-) -> tuple[list[tuple[str, int]], list[WrittenChunk]]:
-    """Write ``jobs`` into payload files under ``prefix``; returns ``(files, chunks)``.
+) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]]:
+    """Write ``jobs`` into payload files under ``prefix``; returns ``(files, written)``.
 
     ``files`` is a list of ``(path, size)``; every file is durable when this returns.
     """
-    groups = plan_files(jobs, num_files)
+    groups = plan_files(make_units(jobs), num_files)
     paths = [join(prefix, f"r{rank:05d}-{i}.bin") for i in range(len(groups))]
     if len(groups) <= 1:
         results = [

@@ -1,7 +1,6 @@
 """Strict JSON encoding and decoding for manifests. Pure.
 
-``dumps`` is canonical (sorted keys, no whitespace, ASCII, no NaN), so a checksum over it is
-stable across a parse/serialize round trip. ``loads`` rejects duplicate keys, NaN/Infinity,
+``dumps`` writes compact ASCII JSON without NaN (sorted keys by default). ``loads`` rejects duplicate keys, NaN/Infinity,
 nesting deeper than the interpreter's recursion limit and huge integers, raising :class:`CorruptCheckpointError` for all of them.
 """
 
@@ -13,16 +12,18 @@ from typing import Any
 from ckptlib.errors import CorruptCheckpointError
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+def dumps(obj: Any, *, sort_keys: bool = True) -> str:
+    return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
     return out
 
 

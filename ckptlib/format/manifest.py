@@ -14,6 +14,7 @@ decoded, with the tensor names checked against ``Manifest.tensors``.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,10 +60,41 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Pack:
+    """One checksummed byte range holding many small tensor pieces, packed back to back.
+
+    Small tensors are packed so that each costs neither a file, nor a write, nor a checksum of
+    its own. The pack is stored (and compressed) as a whole; its members are raw bytes at
+    ``raw_offset`` inside the decoded pack.
+    """
+
+    file: int
+    start: int
+    length: int
+    """Stored bytes (after compression)."""
+    checksum: str
+    codec: str
+    """``raw`` or ``zstd`` (members have mixed dtypes, so no byte shuffle)."""
+    raw_length: int
+    """Bytes after decoding."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A box of a tensor stored inside a :class:`Pack`."""
+
+    pack: int
+    raw_offset: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     chunks: list[Chunk]
+    pieces: list[Piece] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +120,7 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     tree: Any
     metadata: Any = None
+    packs: list[Pack] = field(default_factory=list)
     checksum_algorithm: str = "xxh3_64"
     library: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -111,9 +144,25 @@ def _chunk_json(c: Chunk) -> list[Any]:
     return [c.file, c.start, c.length, c.checksum, list(c.offset), list(c.shape), c.codec]
 
 
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
+    if t.chunks:
+        out["chunks"] = [_chunk_json(c) for c in t.chunks]
+    if t.pieces:
+        out["packed"] = [
+            [p.pack, p.raw_offset] if p.shape == t.shape else [p.pack, p.raw_offset, list(p.offset), list(p.shape)]
+            for p in t.pieces
+        ]
+    return out
+
+
 def encode(m: Manifest) -> bytes:
-    """Serialize ``m`` canonically, with a checksum over the body."""
-    body = {
+    """Serialize ``m``, with a checksum over the body (see :func:`encode_body`)."""
+    return encode_body(to_body(m))
+
+
+def to_body(m: Manifest) -> dict[str, Any]:
+    return {
         "step": m.step,
         "save_id": m.save_id,
         "created": m.created,
@@ -122,18 +171,29 @@ def encode(m: Manifest) -> bytes:
         "checksum_algorithm": m.checksum_algorithm,
         "library": m.library,
         "files": [[f.path, f.size] for f in m.files],
-        "tensors": {
-            name: {"dtype": t.dtype, "shape": list(t.shape), "chunks": [_chunk_json(c) for c in t.chunks]}
-            for name, t in m.tensors.items()
-        },
+        "packs": [[p.file, p.start, p.length, p.checksum, p.codec, p.raw_length] for p in m.packs],
+        "tensors": {name: _tensor_json(t) for name, t in m.tensors.items()},
         "tree": m.tree,
         "metadata": m.metadata,
         "extra": m.extra,
     }
-    text = jsonio.dumps(body)
-    digest = checksum(text.encode("ascii"))
-    head = f'{{"format":"{FORMAT_NAME}","format_version":{FORMAT_VERSION},"checksum":"xxh3_64:{digest}"'
-    return f'{head},"body":{text}}}'.encode("ascii")
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The manifest file: a fixed head, the body's compact JSON, and ``}``.
+
+    The head carries the format marker, version and an xxh3-64 checksum of exactly the body's
+    bytes, so any change to the body is detected without re-serializing it.
+    """
+    text = jsonio.dumps(body, sort_keys=False).encode("ascii")
+    return _head(FORMAT_VERSION, checksum(text)) + text + b"}"
+
+
+def _head(version: int, digest: str) -> bytes:
+    """Everything before the body text; the checksum covers exactly the body's bytes."""
+    return (
+        f'{{"format":"{FORMAT_NAME}","format_version":{version},"checksum":"xxh3_64:{digest}","body":'
+    ).encode("ascii")
 
 
 # --------------------------------------------------------------------------- decode
@@ -168,16 +228,18 @@ class _V:
         return x
 
     def shape(self, x: Any, what: str) -> tuple[int, ...]:
-        dims = self.lst(x, what)
-        if len(dims) > MAX_NDIM:
+        if type(x) is not list:
+            raise self.fail(f"{what} must be a list")
+        if len(x) > MAX_NDIM:
             raise self.fail(f"{what} has more than {MAX_NDIM} dimensions")
-        out = tuple(self.int_(d, what) for d in dims)
         n = 1
-        for d in out:
+        for d in x:
+            if type(d) is not int or not 0 <= d <= MAX_SIZE:
+                raise self.fail(f"{what} must hold integers in [0, 2^62], got {d!r:.60}")
             n *= d
-            if n > MAX_SIZE:
-                raise self.fail(f"{what} {list(out)} declares more than 2^62 elements")
-        return out
+        if n > MAX_SIZE:
+            raise self.fail(f"{what} {x} declares more than 2^62 elements")
+        return tuple(x)
 
 
 def check_path(path: str, where: str = "") -> str:
@@ -210,7 +272,15 @@ def decode(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     body = v.obj(top.get("body"), "body")
     declared = v.str_(top.get("checksum"), "checksum", 200)
     algo, _, digest = declared.partition(":")
-    if algo != "xxh3_64" or checksum(jsonio.dumps(body).encode("ascii")) != digest:
+    head = _head(version, digest)
+    data = bytes(data)
+    if (
+        algo != "xxh3_64"
+        or set(top) != {"format", "format_version", "checksum", "body"}
+        or not data.startswith(head)
+        or not data.endswith(b"}")
+        or checksum(data[len(head) : -1]) != digest
+    ):
         raise v.fail("manifest checksum mismatch (the manifest was modified or is damaged)")
     return _decode_body(body, v)
 
@@ -246,10 +316,17 @@ def _decode_body(body: dict[str, Any], v: _V) -> Manifest:
         files.append(FileEntry(path, v.int_(f[1], f"files[{i}].size")))
 
     ranges: list[list[tuple[int, int, str]]] = [[] for _ in files]
+    packs = _decode_packs(body.get("packs", []), files, ranges, v)
+    members: list[list[tuple[int, int, str]]] = [[] for _ in packs]
     tensors: dict[str, TensorEntry] = {}
     for name, t in v.obj(body.get("tensors"), "tensors").items():
         v.str_(name, "tensor name", 4096)
-        tensors[name] = _decode_tensor(name, v.obj(t, f"tensor {name!r}"), files, ranges, v)
+        tensors[name] = _decode_tensor(name, v.obj(t, f"tensor {name!r}"), files, ranges, packs, members, v)
+    for i, ms in enumerate(members):
+        ms.sort()
+        for (_a0, a1, an), (b0, _b1, bn) in itertools.pairwise(ms):
+            if b0 < a1:
+                raise v.fail(f"pack {i}: members {an!r} and {bn!r} overlap")
 
     for i, rs in enumerate(ranges):
         rs.sort()
@@ -274,10 +351,42 @@ def _decode_body(body: dict[str, Any], v: _V) -> Manifest:
         tensors=tensors,
         tree=body.get("tree"),
         metadata=metadata,
+        packs=packs,
         checksum_algorithm=algorithm,
         library=str(body.get("library", ""))[:200],
         extra=extra,
     )
+
+
+def _decode_packs(
+    raw: Any, files: list[FileEntry], ranges: list[list[tuple[int, int, str]]], v: _V
+) -> list[Pack]:
+    packs = []
+    for i, p in enumerate(v.lst(raw, "packs")):
+        pw = f"pack {i}"
+        p = v.lst(p, pw)
+        if len(p) != 6:
+            raise v.fail(f"{pw} must have 6 fields")
+        if not files:
+            raise v.fail(f"{pw} references a file but none are listed")
+        fidx = v.int_(p[0], f"{pw} file", 0, len(files) - 1)
+        start = v.int_(p[1], f"{pw} start")
+        length = v.int_(p[2], f"{pw} length")
+        digest = v.str_(p[3], f"{pw} checksum", 64)
+        codec = p[4]
+        if codec not in ("raw", "zstd"):
+            raise v.fail(f"{pw}: unknown codec {codec!r:.40}")
+        raw_length = v.int_(p[5], f"{pw} raw length")
+        if codec == "raw" and raw_length != length:
+            raise v.fail(f"{pw}: stored length {length} != raw length {raw_length}")
+        if codec != "raw" and raw_length > length * MAX_ZSTD_RATIO + 65536:
+            raise v.fail(f"{pw}: claims {raw_length} raw bytes from {length} compressed (impossible)")
+        if start + length > files[fidx].size:
+            raise v.fail(f"{pw}: byte range ends past the end of {files[fidx].path!r}")
+        if length:
+            ranges[fidx].append((start, start + length, f"<{pw}>"))
+        packs.append(Pack(fidx, start, length, digest, codec, raw_length))
+    return packs
 
 
 def _decode_tensor(
@@ -285,56 +394,116 @@ def _decode_tensor(
     t: dict[str, Any],
     files: list[FileEntry],
     ranges: list[list[tuple[int, int, str]]],
+    packs: list[Pack],
+    members: list[list[tuple[int, int, str]]],
     v: _V,
 ) -> TensorEntry:
-    what = f"tensor {name!r:.200}"
+    # Hot path for checkpoints with many tensors: messages are only formatted on failure.
     dtype = t.get("dtype")
     if dtype not in DTYPES:
-        raise v.fail(f"{what}: dtype {dtype!r:.60} is not in the allowlist")
-    shape = v.shape(t.get("shape"), f"{what} shape")
+        raise v.fail(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist")
+    shape = v.shape(t.get("shape"), f"tensor {name!r:.200} shape")
     itemsize = ITEMSIZE[dtype]
     if _volume(shape) * itemsize > MAX_SIZE:
-        raise v.fail(f"{what}: declares more than 2^62 bytes")
+        raise v.fail(f"tensor {name!r:.200}: declares more than 2^62 bytes")
     chunks: list[Chunk] = []
-    for j, c in enumerate(v.lst(t.get("chunks"), f"{what} chunks")):
-        cw = f"{what} chunk {j}"
-        c = v.lst(c, cw)
-        if len(c) != 7:
-            raise v.fail(f"{cw} must have 7 fields")
-        fidx = v.int_(c[0], f"{cw} file", 0, max(len(files) - 1, 0))
-        if not files:
-            raise v.fail(f"{cw} references a file but none are listed")
-        start = v.int_(c[1], f"{cw} start")
-        length = v.int_(c[2], f"{cw} length")
-        digest = v.str_(c[3], f"{cw} checksum", 64)
-        offset = v.shape(c[4], f"{cw} offset")
-        cshape = v.shape(c[5], f"{cw} shape")
-        codec = c[6]
-        if codec not in CODECS:
-            raise v.fail(f"{cw}: unknown codec {codec!r:.40}")
-        if len(offset) != len(shape) or len(cshape) != len(shape):
-            raise v.fail(f"{cw}: offset/shape rank differs from the tensor's")
-        for d in range(len(shape)):
-            if offset[d] + cshape[d] > shape[d]:
-                raise v.fail(f"{cw}: box lies outside the tensor's shape {list(shape)}")
-        raw = _volume(cshape) * itemsize
-        if codec == "raw" and length != raw:
-            raise v.fail(f"{cw}: stored length {length} != raw size {raw}")
-        if codec != "raw" and raw > length * MAX_ZSTD_RATIO + 65536:
-            raise v.fail(f"{cw}: claims {raw} raw bytes from {length} compressed (impossible)")
-        if start + length > files[fidx].size:
-            raise v.fail(f"{cw}: byte range ends past the end of {files[fidx].path!r}")
-        if length:
-            ranges[fidx].append((start, start + length, name))
-        chunks.append(Chunk(fidx, start, length, digest, offset, cshape, codec))
-    _check_tiling(shape, chunks, what, v)
-    return TensorEntry(dtype, shape, chunks)
+    raw_chunks = t.get("chunks", ())
+    if raw_chunks:
+        for j, c in enumerate(v.lst(raw_chunks, f"tensor {name!r:.200} chunks")):
+            chunks.append(_decode_chunk(name, j, c, shape, itemsize, files, ranges, v))
+    pieces: list[Piece] = []
+    raw_pieces = t.get("packed", ())
+    if raw_pieces:
+        for j, p in enumerate(v.lst(raw_pieces, f"tensor {name!r:.200} packed")):
+            pieces.append(_decode_piece(name, j, p, shape, itemsize, packs, members, v))
+    if not (len(chunks) + len(pieces) == 1 and (chunks or pieces)[0].shape == shape):
+        _check_tiling(shape, [*chunks, *pieces], f"tensor {name!r:.200}", v)
+    return TensorEntry(dtype, shape, chunks, pieces)
+
+
+def _box(
+    name: str, what: str, off: Any, shp: Any, shape: tuple[int, ...], v: _V
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    offset = v.shape(off, f"tensor {name!r:.200} {what} offset")
+    box = v.shape(shp, f"tensor {name!r:.200} {what} shape")
+    if len(offset) != len(shape) or len(box) != len(shape):
+        raise v.fail(f"tensor {name!r:.200} {what}: offset/shape rank differs from the tensor's")
+    for o, n, size in zip(offset, box, shape, strict=True):
+        if o + n > size:
+            raise v.fail(f"tensor {name!r:.200} {what}: box lies outside the tensor's shape {list(shape)}")
+    return offset, box
+
+
+def _decode_chunk(
+    name: str,
+    j: int,
+    c: Any,
+    shape: tuple[int, ...],
+    itemsize: int,
+    files: list[FileEntry],
+    ranges: list[list[tuple[int, int, str]]],
+    v: _V,
+) -> Chunk:
+    if type(c) is not list or len(c) != 7:
+        raise v.fail(f"tensor {name!r:.200} chunk {j} must be a list of 7 fields")
+    cw = f"chunk {j}"
+    if not files:
+        raise v.fail(f"tensor {name!r:.200} {cw} references a file but none are listed")
+    fidx = v.int_(c[0], f"tensor {name!r:.200} {cw} file", 0, len(files) - 1)
+    start = v.int_(c[1], f"tensor {name!r:.200} {cw} start")
+    length = v.int_(c[2], f"tensor {name!r:.200} {cw} length")
+    digest = v.str_(c[3], f"tensor {name!r:.200} {cw} checksum", 64)
+    offset, cshape = _box(name, cw, c[4], c[5], shape, v)
+    codec = c[6]
+    if codec not in CODECS:
+        raise v.fail(f"tensor {name!r:.200} {cw}: unknown codec {codec!r:.40}")
+    raw = _volume(cshape) * itemsize
+    if codec == "raw" and length != raw:
+        raise v.fail(f"tensor {name!r:.200} {cw}: stored length {length} != raw size {raw}")
+    if codec != "raw" and raw > length * MAX_ZSTD_RATIO + 65536:
+        raise v.fail(f"tensor {name!r:.200} {cw}: claims {raw} raw bytes from {length} compressed (impossible)")
+    if start + length > files[fidx].size:
+        raise v.fail(f"tensor {name!r:.200} {cw}: byte range ends past the end of {files[fidx].path!r}")
+    if length:
+        ranges[fidx].append((start, start + length, name))
+    return Chunk(fidx, start, length, digest, offset, cshape, codec)
+
+
+def _decode_piece(
+    name: str,
+    j: int,
+    p: Any,
+    shape: tuple[int, ...],
+    itemsize: int,
+    packs: list[Pack],
+    members: list[list[tuple[int, int, str]]],
+    v: _V,
+) -> Piece:
+    if type(p) is not list or len(p) not in (2, 4):
+        raise v.fail(f"tensor {name!r:.200} packed piece {j} must be [pack, raw_offset(, offset, shape)]")
+    if not packs:
+        raise v.fail(f"tensor {name!r:.200} packed piece {j} references a pack but none are listed")
+    pidx, raw_offset = p[0], p[1]
+    if type(pidx) is not int or not 0 <= pidx < len(packs):
+        raise v.fail(f"tensor {name!r:.200} packed piece {j}: pack index {pidx!r:.40} out of range")
+    if type(raw_offset) is not int or not 0 <= raw_offset <= MAX_SIZE:
+        raise v.fail(f"tensor {name!r:.200} packed piece {j}: bad raw offset {raw_offset!r:.40}")
+    if len(p) == 2:  # the whole tensor
+        offset, box = (0,) * len(shape), shape
+    else:
+        offset, box = _box(name, f"packed piece {j}", p[2], p[3], shape, v)
+    end = raw_offset + _volume(box) * itemsize
+    if end > packs[pidx].raw_length:
+        raise v.fail(f"tensor {name!r:.200} packed piece {j}: ends past the end of pack {pidx}")
+    if end > raw_offset:
+        members[pidx].append((raw_offset, end, name))
+    return Piece(pidx, raw_offset, offset, box)
 
 
 _GRID_LIMIT = 1 << 22
 
 
-def _check_tiling(shape: tuple[int, ...], chunks: list[Chunk], what: str, v: _V) -> None:
+def _check_tiling(shape: tuple[int, ...], chunks: list[Chunk | Piece], what: str, v: _V) -> None:
     """Chunks must cover the tensor exactly once: no gaps (garbage) and no overlaps."""
     total = _volume(shape)
     if total == 0:

@@ -1,0 +1,191 @@
+"""``ckptlib``: look at, check and prune checkpoints from the shell (see docs/cli.md).
+
+    ckptlib ls URL                       one row per step: step, status, size, ranks, age
+    ckptlib inspect URL [--step N]       header and tensors: name, dtype, shape, sharding, bytes
+    ckptlib verify URL [--step N|--all]  deep check of checksums; exit 0 only if all good
+    ckptlib prune URL --keep-last N [--keep-every K] [--dry-run]
+
+Every command takes ``--json`` (one JSON document on stdout) and ``--storage-option
+KEY=VALUE`` (repeatable; fsspec storage options, values parsed as JSON when they parse).
+Exit status: 0 ok; 1 only from ``verify``, when it found a corrupt or incomplete step;
+2 usage or access error (bad arguments, a missing root, unreadable storage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def parse_storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(KEY, VALUE)``; VALUE is parsed as JSON when it parses
+    (``anon=true`` -> ``True``, ``retries=3`` -> ``3``), else kept as a string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _common_options(prefix: str, default: Any) -> argparse.ArgumentParser:
+    """``--json`` and ``--storage-option``, for the top-level parser and every subcommand."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--json", dest=f"{prefix}json", action="store_true", default=default,
+                   help="print one machine-readable JSON document on stdout (no colours)")
+    p.add_argument("--storage-option", dest=f"{prefix}storage_option", action="append",
+                   type=parse_storage_option, default=default, metavar="KEY=VALUE",
+                   help="fsspec storage option (repeatable); VALUE is parsed as JSON if it can "
+                   "be, e.g. anon=true, else taken as a string")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``ckptlib`` command."""
+    from ckptlib import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ckptlib",
+        description="Inspect, verify and prune ckptlib checkpoints (local paths or fsspec URLs).",
+        epilog="exit status: 0 ok; 1 verify found a corrupt or incomplete step; "
+        "2 usage or access error",
+        parents=[_common_options("global_", None)],
+    )
+    parser.add_argument("--version", action="version", version=f"ckptlib {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = _common_options("", None)
+    url_help = ("a CheckpointManager root (the folder holding step-* folders), "
+                "or a folder written by ckptlib.save()")
+
+    p = sub.add_parser("ls", parents=[common], help="list steps with status, size, ranks, age",
+                       description="One row per step under a CheckpointManager root: step, "
+                       "status (committed/incomplete/corrupt), size, ranks, age, and why a step "
+                       "is not usable.")
+    p.add_argument("url", metavar="URL", help="checkpoint root (local path or fsspec URL)")
+
+    p = sub.add_parser("inspect", parents=[common], help="show a checkpoint's header and tensors",
+                       description="Header (step, save id, world size, commit mode, metadata, ...) "
+                       "and tensors (name, dtype, shape, sharding, bytes) of the newest committed "
+                       "step, step N, or a single checkpoint folder.")
+    p.add_argument("url", metavar="URL", help=url_help)
+    p.add_argument("--step", type=_int_at_least(0), metavar="N", help="inspect step N")
+
+    p = sub.add_parser("verify", parents=[common], help="deep-check checksums (exit 1 if bad)",
+                       description="Read every chunk and check its checksum and compressed size "
+                       "against the manifest: the newest committed step by default. Exit 0 only "
+                       "if everything checked is good, 1 if a step is corrupt or incomplete.")
+    p.add_argument("url", metavar="URL", help=url_help)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_int_at_least(0), metavar="N", help="verify step N")
+    which.add_argument("--all", action="store_true",
+                       help="verify every step (any step that is not committed fails)")
+
+    p = sub.add_parser("prune", parents=[common], help="delete old steps by retention policy",
+                       description="Delete committed steps that the retention policy does not "
+                       "keep (never the newest committed one), and remove the debris of crashed "
+                       "saves. Corrupt and incomplete steps are left alone.")
+    p.add_argument("url", metavar="URL", help="checkpoint root (local path or fsspec URL)")
+    p.add_argument("--keep-last", type=_int_at_least(1), required=True, metavar="N",
+                   help="keep the newest N committed steps")
+    p.add_argument("--keep-every", type=_int_at_least(1), metavar="K",
+                   help="also keep steps divisible by K")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    p.add_argument("--debris-min-age", type=float, default=3600.0, metavar="SECONDS",
+                   help="remove a crashed save's .tmp- folder only once its save started this "
+                   "long ago; a younger one may be a save still running (default 3600; 0 removes "
+                   "all debris)")
+    return parser
+
+
+def _merge_common(args: argparse.Namespace) -> None:
+    args.json = bool(args.json or args.global_json)
+    options: dict[str, Any] = {}
+    for key, value in (args.global_storage_option or []) + (args.storage_option or []):
+        options[key] = value
+    args.storage_options = options or None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ckptlib`` command with ``argv`` (default ``sys.argv[1:]``); return the exit
+    status instead of exiting, so it can be called in-process."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    _merge_common(args)
+
+    from ckptlib.errors import CheckpointError
+
+    from .commands import cmd_inspect, cmd_ls, cmd_prune, cmd_verify
+    from .output import CliError, Output
+
+    commands = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune}
+    out = Output(args.json)
+
+    def fail(message: str, code: int = EXIT_USAGE) -> int:
+        out.note(f"ckptlib: {message}", style="red")
+        out.emit({"error": message, "exit_code": code})
+        return code
+
+    try:
+        return commands[args.command](args, out)
+    except CliError as e:
+        return fail(str(e), e.code)
+    except (CheckpointError, OSError, ValueError, ImportError) as e:
+        text = str(e) or type(e).__name__
+        if isinstance(e, ImportError):
+            text = f"{text} (a storage backend package is missing?)"
+        return fail(f"{args.url}: {text}" if args.url not in text else text)
+    except Exception as e:
+        # Backends can leak their own exception types (e.g. botocore's NoCredentialsError from
+        # s3fs): still one line and exit 2, never a traceback, unless asked for one.
+        if os.environ.get("CKPTLIB_TRACEBACK"):
+            raise
+        return fail(f"{args.url}: {type(e).__name__}: {e} (set CKPTLIB_TRACEBACK=1 for details)")
+    except KeyboardInterrupt:
+        out.note("ckptlib: interrupted", style="red")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `ckptlib ls ROOT | head`: the reader left, stop quietly
+        _silence_stdout()
+        return EXIT_USAGE if args.command == "verify" else 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

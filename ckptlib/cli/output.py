@@ -1,0 +1,153 @@
+"""Output for the ``ckptlib`` command: human formatting (rich) and JSON documents.
+
+Humans get rich tables on stdout (colours only on a terminal; plain and wide enough to grep
+when piped) and messages on stderr. ``--json`` gets exactly one JSON document on stdout and
+never colours or progress bars.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+PIPE_WIDTH = 200
+"""Line width when stdout is not a terminal (and ``COLUMNS`` is unset): tables stay on one line."""
+
+STATUS_STYLE = {
+    "committed": "green",
+    "ok": "green",
+    "corrupt": "bold red",
+    "incomplete": "yellow",
+    "gone": "dim",
+}
+
+
+class CliError(Exception):
+    """A usage or access problem: printed as one line on stderr, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Output:
+    """Where a command writes: a rich console for humans, or one JSON document."""
+
+    def __init__(self, json_mode: bool) -> None:
+        self.json_mode = json_mode
+        width: int | None = None
+        if not sys.stdout.isatty():
+            columns = os.environ.get("COLUMNS", "")
+            width = int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
+        self.console = Console(markup=False, highlight=False, emoji=False, width=width)
+        self.err = Console(stderr=True, markup=False, highlight=False, emoji=False)
+
+    @property
+    def interactive(self) -> bool:
+        """True when progress bars make sense: human output to a terminal."""
+        return not self.json_mode and self.console.is_terminal
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """Human output (ignored in ``--json`` mode)."""
+        if not self.json_mode:
+            self.console.print(*objects, **kwargs)
+
+    def note(self, message: str, style: str = "yellow") -> None:
+        """A message for humans on stderr (also in ``--json`` mode: stdout stays pure JSON)."""
+        self.err.print(Text(message, style=style), soft_wrap=True)
+
+    def emit(self, document: dict[str, Any]) -> None:
+        """Write ``document`` as the one JSON document on stdout (``--json`` mode only)."""
+        if self.json_mode:
+            sys.stdout.write(json.dumps(jsonable(document), indent=2, allow_nan=False) + "\n")
+            sys.stdout.flush()
+
+
+def status_text(status: str) -> Text:
+    """``status`` coloured by meaning."""
+    return Text(status, style=STATUS_STYLE.get(status, ""))
+
+
+def human_bytes(n: int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"-"``."""
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024.0
+        if value < 1024.0 or unit == "PiB":
+            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float | None) -> str:
+    """Seconds since an event -> ``"42s ago"``, ``"3m ago"``, ``"5h ago"``, ``"2d ago"``."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    future = seconds < -1.0
+    s = abs(seconds)
+    if s < 60:
+        text = f"{int(s)}s"
+    elif s < 3600:
+        text = f"{int(s // 60)}m"
+    elif s < 86400:
+        text = f"{int(s // 3600)}h"
+    else:
+        text = f"{int(s // 86400)}d"
+    return f"in {text} (clock skew?)" if future else f"{text} ago"
+
+
+def iso_time(timestamp: float | None) -> str | None:
+    """A Unix time as an ISO 8601 UTC string, or None."""
+    if timestamp is None or not math.isfinite(timestamp):
+        return None
+    try:
+        when = _dt.datetime.fromtimestamp(timestamp, tz=_dt.timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return None
+    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def jsonable(value: Any, depth: int = 0) -> Any:
+    """``value`` made safe for strict JSON: NaN/inf and bytes become strings, tuples lists,
+    non-string keys strings, anything else its ``str``."""
+    if depth > 64:
+        return "..."
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, bytes | bytearray):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v, depth + 1) for v in value]
+    return str(value)
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A one-line ``repr`` of at most ``limit`` characters."""
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def summarize(value: Any, limit: int = 200) -> str:
+    """One line describing user metadata: ``key=value, ...`` for a dict, else a short repr."""
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        parts = [f"{k}={short_repr(v, 40)}" for k, v in value.items()]
+        text = ", ".join(parts) if parts else "{}"
+    else:
+        text = short_repr(value, limit)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
