@@ -39,10 +39,11 @@ def save(
     parent, name = _split(url)
     storage = open_storage(parent, storage_options)
     storage.makedirs("")
-    flat = save_flow.prepare(state)
+    coordinator = default_coordinator()
+    flat = save_flow.prepare(state, coordinator.rank)
     opts = save_flow.SaveOptions(compression=compression, overwrite=overwrite)
     save_flow.persist(storage, name, flat, step=None, metadata=metadata, options=opts,
-                      coordinator=default_coordinator())
+                      coordinator=coordinator)
 
 
 def load(
@@ -51,16 +52,31 @@ def load(
     into: Any = None,
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
+    per_rank: str = "error",
 ) -> Any:
     """Load the checkpoint folder at ``url``.
 
     ``into=None`` returns a new nested structure with CPU tensors; ``into=state`` loads in
-    place into the tensors (and objects) of ``state`` and returns it. Checksums are verified
-    while reading unless ``verify=False``.
+    place into the tensors (and objects) of ``state`` and returns it, reading only the parts
+    of sharded tensors (``Shard``, DTensor) this rank holds, whatever the saved sharding.
+    Checksums are verified while reading unless ``verify=False``. ``per_rank`` decides what
+    ``PerRank`` values become when the world size changed: ``"error"`` (default),
+    ``"rank0"`` or ``"all"``. Needs no collective: every rank reads what it needs.
     """
     parent, name = _split(url)
     storage = open_storage(parent, storage_options)
-    return load_flow.load_checkpoint(storage, name, into, verify=verify)
+    rank, world = _rank_world()
+    return load_flow.load_checkpoint(
+        storage, name, into, verify=verify, rank=rank, world_size=world, per_rank=per_rank
+    )
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def load_metadata(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Any:

@@ -26,7 +26,7 @@ from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES
 from ckptlib.format.leaves import PerRank, Shard
 from ckptlib.format.manifest import Manifest
-from ckptlib.plan.flatten import is_stateful
+from ckptlib.plan.flatten import dtensor_piece, is_dtensor, is_stateful
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -36,9 +36,17 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tenso
         raise CheckpointError(f"cannot allocate tensor {name!r} of shape {list(shape)}: {e}") from None
 
 
+PER_RANK_POLICIES = ("error", "rank0", "all")
+
+
 class _Merge:
-    def __init__(self, m: Manifest) -> None:
+    def __init__(self, m: Manifest, rank: int = 0, world_size: int = 1, per_rank: str = "error") -> None:
+        if per_rank not in PER_RANK_POLICIES:
+            raise ValueError(f"per_rank must be one of {PER_RANK_POLICIES}")
         self.m = m
+        self.rank = rank
+        self.world_size = world_size
+        self.per_rank = per_rank
         self.requests: list[Request] = []
         # Run after the reads, in this order: copies into non-contiguous/GPU targets, bytes
         # values, then load_state_dict calls (which need both).
@@ -46,8 +54,25 @@ class _Merge:
         self.fills: list[Callable[[], None]] = []
         self.loads: list[Callable[[], None]] = []
 
+    def select(self, v: tree_codec.PerRankSaved, path: str) -> Any:
+        """This rank's value of a PerRank node, by the per_rank policy."""
+        saved = len(v.values)
+        if self.per_rank == "all":
+            return v.values
+        if self.per_rank == "rank0":
+            return v.values[0]
+        if saved != self.world_size:
+            raise StateMismatchError(
+                f"{path or '<root>'}: per-rank value saved by {saved} ranks, loading on "
+                f"{self.world_size}; pass per_rank='rank0' (every rank takes rank 0's value) or "
+                "per_rank='all' (every rank gets the list of all values)"
+            )
+        return v.values[self.rank]
+
     # -- fresh values (checkpoint wins)
-    def fresh(self, v: Any) -> Any:
+    def fresh(self, v: Any, path: str = "") -> Any:
+        if isinstance(v, tree_codec.PerRankSaved):
+            return self.fresh(self.select(v, path), path)
         if isinstance(v, tree_codec.TensorRef):
             e = self.m.tensors[v.name]
             t = _alloc(e.shape, DTYPES[e.dtype], v.name)
@@ -72,9 +97,17 @@ class _Merge:
 
     # -- merge into an existing target
     def merge(self, target: Any, v: Any, path: str) -> Any:
+        if isinstance(v, tree_codec.PerRankSaved):
+            v = self.select(v, path)
+            if self.per_rank == "all":
+                return self.fresh(v, path)
         if isinstance(target, PerRank):
             return PerRank(self.merge(target.value, v, path))
         if isinstance(v, tree_codec.TensorRef):
+            if is_dtensor(target):
+                local, gshape, offset = dtensor_piece(target, path)
+                self._tensor(Shard(local, gshape, offset), v.name, path)
+                return target
             if isinstance(target, Shard | torch.Tensor):
                 self._tensor(target, v.name, path)
                 return target
@@ -165,10 +198,13 @@ def load_checkpoint(
     verify: bool = True,
     manifest: Manifest | None = None,
     threads: int = 4,
+    rank: int = 0,
+    world_size: int = 1,
+    per_rank: str = "error",
 ) -> Any:
     m = manifest or read_manifest(storage, folder)
     saved = tree_codec.decode(m.tree, m.tensors, f"{storage.url}/{folder}")
-    plan = _Merge(m)
+    plan = _Merge(m, rank, world_size, per_rank)
     result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:

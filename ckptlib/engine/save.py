@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,12 @@ from ckptlib.engine import commit
 from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_files
 from ckptlib.errors import CheckpointError, CommitError, StepExistsError, UnsupportedValueError
 from ckptlib.format import manifest as mf
+from ckptlib.format.dtypes import dtype_name
+from ckptlib.plan.assign import PieceDesc, PlanError, assign
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
+from ckptlib.plan.trees import TreeMismatch
+from ckptlib.plan.trees import merge as merge_trees
+from ckptlib.testing import hooks
 
 DEFAULT_CHUNK_BYTES = 32 << 20
 
@@ -61,20 +67,12 @@ def encode_metadata(metadata: Any) -> Any:
 
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a dense CPU tensor (a copy only when needed)."""
+    t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():
         t = t.contiguous()
     return t
-
-
-def jobs_for(items: list[TensorItem], chunk_bytes: int, rank: int, world_size: int) -> list[ChunkJob]:
-    jobs: list[ChunkJob] = []
-    for it in items:
-        if it.replicated and rank != 0:
-            continue  # one copy of replicated tensors (balanced across ranks: distributed issue)
-        jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, chunk_bytes))
-    return jobs
 
 
 def new_save_id() -> str:
@@ -92,55 +90,161 @@ def persist(
     coordinator: Coordinator | None = None,
     save_id: str | None = None,
     created: float | None = None,
+    rounds: Iterable[list[TensorItem]] | None = None,
 ) -> SaveResult:
+    """Write this rank's share of ``flat`` and take part in the commit (every rank calls it).
+
+    ``rounds`` (async saves streamed through a staging budget, see engine/snapshot.py):
+    the tensors to write, handed out one round at a time; each round is written to its own
+    files before the next is requested, and ``flat.items`` then only supplies names and
+    shapes. A round that raises fails this rank's part of the save.
+    """
     opts = options or SaveOptions()
     coord = coordinator or LocalCoordinator()
     deadline = time.monotonic() + opts.timeout
     created = time.time() if created is None else created
-    save_id = coord.agree(save_id or new_save_id(), opts.timeout)
     meta_tree = encode_metadata(metadata)
-
-    staging: commit.Staging | None = None
-    result: dict[str, Any]
+    save_id = coord.agree(save_id or new_save_id(), opts.timeout)
+    coord.begin_session(save_id)
     try:
-        if coord.is_coordinator:
-            staging = commit.begin(storage, final, save_id)
-        prefix = coord.agree(staging.payload_prefix if staging else None, _left(deadline))
-        jobs = jobs_for(flat.items, opts.chunk_bytes, coord.rank, coord.world_size)
-        files, chunks = write_files(
-            storage, prefix, coord.rank, jobs, compression=opts.compression, num_files=opts.num_files
-        )
-        result = {"ok": True, "files": files, "chunks": chunks, "tree": flat.tree,
-                  "shapes": {it.name: it.global_shape for it in flat.items}}
-    except CheckpointError as e:
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    except OSError as e:
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    results = coord.gather(result, _left(deadline))
+        return _persist(storage, final, flat, step, meta_tree, opts, coord, save_id, created, deadline, rounds)
+    finally:
+        coord.end_session()
 
-    outcome: dict[str, Any] = {"ok": True}
+
+def _describe(it: TensorItem) -> PieceDesc:
+    t = it.tensor
+    return PieceDesc(it.name, it.global_offset, tuple(t.shape), t.numel() * t.element_size(),
+                     dtype_name(t.dtype), it.global_shape)
+
+
+def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool = False) -> CommitError:
+    detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
+    cls = StepExistsError if exists else CommitError
+    return cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
+
+
+def _persist(
+    storage: Storage,
+    final: str,
+    flat: FlatState,
+    step: int | None,
+    meta_tree: Any,
+    opts: SaveOptions,
+    coord: Coordinator,
+    save_id: str,
+    created: float,
+    deadline: float,
+    rounds: Iterable[list[TensorItem]] | None = None,
+) -> SaveResult:
+    # 1. The coordinator prepares the staging area; everyone learns where to write.
+    staging: commit.Staging | None = None
+    begin_error = None
+    if coord.is_coordinator:
+        try:
+            staging = commit.begin(storage, final, save_id)
+        except (CheckpointError, OSError) as e:
+            begin_error = f"{type(e).__name__}: {e}"
+    prefix, begin_error = coord.agree((staging.payload_prefix if staging else None, begin_error), _left(deadline))
+    if begin_error:
+        raise _fail(storage, final, {0: begin_error})
+
+    # 2. Who writes what: replicas deduplicated, bytes balanced (coordinator plans).
+    items = flat.items
+    if coord.world_size > 1:
+        descs = coord.gather([_describe(it) for it in items], _left(deadline))
+        plan: list[Any] | None = None
+        if coord.is_coordinator:
+            assert descs is not None
+            try:
+                plan = [("ok", p) for p in assign(descs)]
+            except PlanError as e:
+                plan = [("error", str(e))] * coord.world_size
+        status, mine = coord.scatter(plan, _left(deadline))
+        if status == "error":
+            if staging is not None:
+                commit.abort(storage, staging)
+            raise _fail(storage, final, {0: mine})
+        items = [items[i] for i in mine]
+
+    # 3. Write; report; the coordinator waits for every rank (or judges it dead).
+    result: dict[str, Any]
+    error: str | None = None
+    try:
+        if rounds is None:
+            jobs: list[ChunkJob] = []
+            for it in items:
+                jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
+            files, written = write_files(
+                storage, prefix, coord.rank, jobs, compression=opts.compression, num_files=opts.num_files
+            )
+        else:
+            files, written = _write_rounds(storage, prefix, coord.rank, rounds, items, opts)
+        hooks.point("before_commit", coord.rank)
+        result = {"files": files, "chunks": written, "tree": flat.tree,
+                  "shapes": {it.name: it.global_shape for it in flat.items}}
+    except (CheckpointError, OSError) as e:
+        error = f"{type(e).__name__}: {e}"
+        result = {"error": error}
+    coord.report_done(error)
+    if coord.is_coordinator:
+        failures = coord.wait_all_done(deadline)
+        coord.release(failures)
+    else:
+        failures = coord.wait_release(deadline)
+    if failures:
+        if staging is not None:
+            commit.abort(storage, staging)
+        raise _fail(storage, final, failures)
+
+    # 4. Everyone is alive and wrote: gather results, publish, agree on the outcome.
+    results = coord.gather(result, _left(deadline))
+    outcome: dict[str, Any] = {"failures": {}}
     body: dict[str, Any] | None = None
     if coord.is_coordinator:
-        assert results is not None
-        failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
-        if failures:
-            outcome = {"ok": False, "failures": failures}
-        else:
-            try:
-                assert staging is not None
-                body = _build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix)
-                commit.publish(storage, staging, mf.encode_body(body), overwrite=opts.overwrite)
-            except (CheckpointError, OSError) as e:
-                outcome = {"ok": False, "failures": {0: f"{type(e).__name__}: {e}"}, "exists": isinstance(e, FileExistsError)}
-        if not outcome["ok"] and staging is not None:
+        assert results is not None and staging is not None
+        failures = {r: res["error"] for r, res in enumerate(results) if "error" in res}
+        try:
+            if failures:
+                raise CommitError("some ranks failed")
+            body = _build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix)
+            commit.publish(storage, staging, mf.encode_body(body), overwrite=opts.overwrite)
+        except TreeMismatch as e:
+            outcome = {"failures": {0: str(e)}}
+        except (CheckpointError, OSError) as e:
+            outcome = {"failures": failures or {0: f"{type(e).__name__}: {e}"}, "exists": isinstance(e, FileExistsError)}
+        if outcome["failures"]:
             commit.abort(storage, staging)
     outcome = coord.agree(outcome, _left(deadline))
-    if not outcome["ok"]:
-        failures = {int(k): v for k, v in outcome["failures"].items()}
-        detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
-        err_cls = StepExistsError if outcome.get("exists") else CommitError
-        raise err_cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
+    if outcome["failures"]:
+        raise _fail(storage, final, {int(k): v for k, v in outcome["failures"].items()}, bool(outcome.get("exists")))
     return SaveResult(save_id, sum(size for _, size in body["files"]) if body else 0)
+
+
+def _write_rounds(
+    storage: Storage,
+    prefix: str,
+    rank: int,
+    rounds: Iterable[list[TensorItem]],
+    items: list[TensorItem],
+    opts: SaveOptions,
+) -> tuple[list[tuple[str, int]], list[Any]]:
+    """Write streamed rounds, each into its own files; only this rank's assigned items."""
+    mine = {it.name for it in items}
+    files: list[tuple[str, int]] = []
+    written: list[Any] = []
+    for k, rnd in enumerate(rounds):
+        jobs: list[ChunkJob] = []
+        for it in rnd:
+            if it.name in mine:
+                jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
+        f, w = write_files(
+            storage, prefix, rank, jobs, compression=opts.compression, num_files=opts.num_files,
+            tag=f"p{k}" if k else "",
+        )
+        files += f
+        written += w
+    return files, written
 
 
 def _left(deadline: float) -> float:
@@ -204,7 +308,7 @@ def _build_body(
         "files": files,
         "packs": packs,
         "tensors": tensors,
-        "tree": results[0]["tree"],
+        "tree": merge_trees([res["tree"] for res in results]),
         "metadata": metadata,
         "extra": {},
     }

@@ -32,6 +32,7 @@ from ckptlib.engine.bytes_view import as_bytes
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import dtype_name
+from ckptlib.testing import hooks
 
 ALIGN = 64
 PACK_MEMBER_MAX = 64 << 10  # tensors up to this size are packed together
@@ -134,7 +135,8 @@ def plan_files(jobs: list[ChunkJob | PackJob], num_files: int) -> list[list[Chun
 class _FileWriter:
     """Writes one payload file sequentially, packing small chunks into a staging buffer."""
 
-    def __init__(self, storage: Storage, path: str, pack_bytes: int) -> None:
+    def __init__(self, storage: Storage, path: str, pack_bytes: int, rank: int = 0) -> None:
+        self.rank = rank
         self.stream = storage.open_write(path)
         self.path = path
         self.pos = 0
@@ -146,6 +148,7 @@ class _FileWriter:
         if self.fill:
             self.stream.write(self.view[: self.fill])
             self.fill = 0
+            hooks.point("write", self.rank)
 
     def pad(self) -> None:
         gap = -self.pos % ALIGN
@@ -164,6 +167,7 @@ class _FileWriter:
                 self.fill = n
             else:
                 self.stream.write(data)
+                hooks.point("write", self.rank)
         self.pos += n
 
     def close(self) -> int:
@@ -186,8 +190,9 @@ def _write_one(
     compression: str | None,
     algorithm: str,
     pack_bytes: int,
+    rank: int = 0,
 ) -> tuple[int, list[WrittenChunk | WrittenPack]]:
-    w = _FileWriter(storage, path, pack_bytes)
+    w = _FileWriter(storage, path, pack_bytes, rank)
     out: list[WrittenChunk | WrittenPack] = []
     try:
         for j in jobs:
@@ -230,22 +235,25 @@ def write_files(
     algorithm: str = "xxh3_64",
     num_files: int = 2,
     pack_bytes: int = 4 << 20,
+    tag: str = "",
 ) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]]:
     """Write ``jobs`` into payload files under ``prefix``; returns ``(files, written)``.
 
     ``files`` is a list of ``(path, size)``; every file is durable when this returns.
     """
     groups = plan_files(make_units(jobs), num_files)
-    paths = [join(prefix, f"r{rank:05d}-{i}.bin") for i in range(len(groups))]
+    # ``tag`` keeps names unique when one rank calls this several times for one save
+    # (a snapshot streamed through a staging budget is written round by round).
+    paths = [join(prefix, f"r{rank:05d}{tag}-{i}.bin") for i in range(len(groups))]
     if len(groups) <= 1:
         results = [
-            _write_one(storage, p, g, compression, algorithm, pack_bytes)
+            _write_one(storage, p, g, compression, algorithm, pack_bytes, rank)
             for p, g in zip(paths, groups, strict=True)
         ]
     else:
         with cf.ThreadPoolExecutor(len(groups), thread_name_prefix="ckptlib-write") as pool:
             futs = [
-                pool.submit(_write_one, storage, p, g, compression, algorithm, pack_bytes)
+                pool.submit(_write_one, storage, p, g, compression, algorithm, pack_bytes, rank)
                 for p, g in zip(paths, groups, strict=True)
             ]
             # The pool's own shutdown joins the threads; each write has its own storage

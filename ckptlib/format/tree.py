@@ -10,7 +10,7 @@ Node schema (written by :mod:`ckptlib.plan.flatten`):
 - ``{"t": "dict", "items": [[key, node], ...]}`` with str or int keys, in order;
 - ``{"t": "list" | "tuple", "items": [node, ...]}``;
 - ``{"t": "stateful", "type": "...", "v": node}`` (a state dict of a module/optimizer/...);
-- ``{"t": "per_rank", "rank": R, "v": node}`` (issue: distributed).
+- ``{"t": "per_rank", "ranks": [node_rank0, node_rank1, ...]}`` (a ``ckptlib.PerRank`` value).
 
 :func:`decode` turns nodes into values with :class:`TensorRef`/:class:`BytesRef` placeholders
 for payload data (the engine's reader resolves them); it rejects unknown node kinds, excessive
@@ -41,6 +41,13 @@ class TensorRef:
 @dataclass(frozen=True, slots=True)
 class BytesRef:
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PerRankSaved:
+    """A decoded ``per_rank`` node: one value per saving rank."""
+
+    values: list[Any]
 
 
 class Stateful(dict):
@@ -111,7 +118,10 @@ def _decode(node: Any, names: Container[str], where: str, depth: int) -> Any:
         s.type_name = str(node.get("type", ""))[:200]
         return s
     if kind == "per_rank":
-        return _decode(node.get("v"), names, where, depth + 1)
+        ranks = node.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise _fail("per_rank node without a ranks list", where)
+        return PerRankSaved([_decode(v, names, where, depth + 1) for v in ranks])
     raise _fail(f"unknown node kind {kind!r:.40}", where)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ckptlib.errors import UnsupportedValueError
-from ckptlib.format.dtypes import dtype_name
+from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.format.leaves import PerRank, Shard
 
 INLINE_BYTES = 4096  # bytes values up to this size are stored inline (base64) in the manifest
@@ -77,7 +77,7 @@ def encode_scalar(x: Any, path: str) -> Any:
 
 def flatten(state: Any, rank: int = 0) -> FlatState:
     items: list[TensorItem] = []
-    tree = _encode(state, "", items, rank, 0)
+    tree = _Flattener(items, rank).encode(state, "", 0)
     return FlatState(tree, items)
 
 
@@ -89,60 +89,116 @@ def _key(k: Any, path: str) -> Any:
     return k
 
 
-def _encode(x: Any, path: str, items: list[TensorItem], rank: int, depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise UnsupportedValueError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
-    if isinstance(x, torch.Tensor):
-        return _tensor(x, path, items, tuple(x.shape), (0,) * x.dim(), True)
-    if isinstance(x, Shard):
-        return _tensor(x.local, path, items, tuple(x.global_shape), tuple(x.global_offset), False)
-    if isinstance(x, PerRank):
-        return {"t": "per_rank", "rank": rank, "v": _encode(x.value, f"{path}/@rank{rank}", items, rank, depth + 1)}
-    if isinstance(x, dict):
-        return {
-            "t": "dict",
-            "items": [
-                [_key(k, path), _encode(v, f"{path}/{escape(str(k))}", items, rank, depth + 1)]
-                for k, v in x.items()
-            ],
-        }
-    if isinstance(x, list | tuple):
-        kind = "list" if isinstance(x, list) else "tuple"
-        return {
-            "t": kind,
-            "items": [_encode(v, f"{path}/{i}", items, rank, depth + 1) for i, v in enumerate(x)],
-        }
-    if is_stateful(x):
-        sd = x.state_dict()
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Flattener:
+    """One walk over the state. Hot for states with many tensors: keep per-leaf work small."""
+
+    def __init__(self, items: list[TensorItem], rank: int) -> None:
+        self.items = items
+        self.rank = rank
+        self.in_per_rank = 0
+
+    def encode(self, x: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedValueError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
         cls = type(x)
-        return {
-            "t": "stateful",
-            "type": f"{cls.__module__}.{cls.__qualname__}",
-            "v": _encode(sd, path, items, rank, depth + 1),
-        }
-    if isinstance(x, bytes | bytearray | memoryview) and len(x) > INLINE_BYTES:
-        data = torch.frombuffer(bytearray(x), dtype=torch.uint8)
-        node = _tensor(data, path, items, (data.numel(),), (0,), True)
-        return {"t": "bytes", "ref": node["ref"]}
-    return encode_scalar(x, path)
+        if cls in _PLAIN_TENSORS:
+            return self.tensor(x, path, None, None, True)
+        if cls is dict:
+            return self.mapping(x, path, depth)
+        if x is None or cls is bool or cls is int or cls is str:
+            return x
+        if cls is float:
+            return x if math.isfinite(x) else {"t": "float", "v": repr(x)}
+        if isinstance(x, torch.Tensor):
+            if is_dtensor(x):
+                return self.dtensor(x, path)
+            return self.tensor(x, path, None, None, True)
+        if isinstance(x, Shard):
+            return self.tensor(x.local, path, tuple(x.global_shape), tuple(x.global_offset), False)
+        if isinstance(x, PerRank):
+            self.in_per_rank += 1
+            try:
+                inner = self.encode(x.value, f"{path}/@rank{self.rank}", depth + 1)
+            finally:
+                self.in_per_rank -= 1
+            return {"t": "per_rank", "rank": self.rank, "v": inner}
+        if isinstance(x, dict):
+            return self.mapping(x, path, depth)
+        if isinstance(x, list | tuple):
+            kind = "list" if isinstance(x, list) else "tuple"
+            return {"t": kind, "items": [self.encode(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
+        if is_stateful(x):
+            return {
+                "t": "stateful",
+                "type": f"{cls.__module__}.{cls.__qualname__}",
+                "v": self.encode(x.state_dict(), path, depth + 1),
+            }
+        if isinstance(x, bytes | bytearray | memoryview) and len(x) > INLINE_BYTES:
+            data = torch.frombuffer(bytearray(x), dtype=torch.uint8)
+            node = self.tensor(data, path, None, None, True)
+            return {"t": "bytes", "ref": node["ref"]}
+        return encode_scalar(x, path)
+
+    def mapping(self, x: dict[Any, Any], path: str, depth: int) -> Any:
+        items = []
+        for k, v in x.items():
+            if type(k) is not str:
+                _key(k, path)
+                sub = f"{path}/{k}"
+            else:
+                sub = f"{path}/{escape(k)}" if "/" in k or "~" in k else f"{path}/{k}"
+            items.append([k, self.encode(v, sub, depth + 1)])
+        return {"t": "dict", "items": items}
+
+    def tensor(
+        self,
+        t: torch.Tensor,
+        path: str,
+        global_shape: tuple[int, ...] | None,
+        global_offset: tuple[int, ...] | None,
+        replicated: bool,
+    ) -> dict[str, Any]:
+        if t.layout != torch.strided:
+            raise UnsupportedValueError(f"tensor at {path}: layout {t.layout} is not supported")
+        if t.dtype not in NAMES:
+            raise UnsupportedValueError(f"tensor at {path}: ckptlib cannot store dtype {t.dtype}")
+        name = path or "/"
+        shape = tuple(t.shape)
+        self.items.append(
+            TensorItem(
+                name,
+                t,
+                shape if global_shape is None else global_shape,
+                (0,) * len(shape) if global_offset is None else global_offset,
+                replicated and not self.in_per_rank,
+            )
+        )
+        return {"t": "tensor", "ref": name}
+
+    def dtensor(self, x: Any, path: str) -> dict[str, Any]:
+        local, global_shape, offset = dtensor_piece(x, path)
+        return self.tensor(local, path, global_shape, offset, False)
 
 
-def _tensor(
-    t: torch.Tensor,
-    path: str,
-    items: list[TensorItem],
-    global_shape: tuple[int, ...],
-    global_offset: tuple[int, ...],
-    replicated: bool,
-) -> dict[str, Any]:
-    if t.is_sparse or t.layout != torch.strided:
-        raise UnsupportedValueError(f"tensor at {path}: layout {t.layout} is not supported")
-    if type(t).__name__ == "DTensor":
-        raise UnsupportedValueError(f"DTensor at {path}: use ckptlib.Shard for now")
-    try:
-        dtype_name(t.dtype)
-    except TypeError as e:
-        raise UnsupportedValueError(f"tensor at {path}: {e}") from None
-    name = path or "/"
-    items.append(TensorItem(name, t.detach(), global_shape, global_offset, replicated))
-    return {"t": "tensor", "ref": name}
+def is_dtensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and type(x).__name__ == "DTensor"
+
+
+def dtensor_piece(x: Any, path: str) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, global shape, global offset) of this rank's piece of a DTensor.
+
+    Replicated dimensions make several ranks hold the same piece; the save planner writes
+    it once. Used by the save (flatten) and by loads into DTensor targets.
+    """
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in x.placements):
+        raise UnsupportedValueError(
+            f"DTensor at {path or '<root>'} has a Partial placement; redistribute it before saving/loading"
+        )
+    _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    return x.to_local(), tuple(x.shape), tuple(offset)

@@ -1,0 +1,112 @@
+"""Coordination between ranks during a save or load.
+
+The save flow (:mod:`ckptlib.engine.save`) calls, on every rank and in this order:
+1. :meth:`agree` -- the coordinator proposes the save id; :meth:`begin_session` starts liveness;
+2. :meth:`agree` (staging prefix), :meth:`gather` + :meth:`scatter` (who writes what);
+3. every rank writes, then :meth:`report_done`; the coordinator :meth:`wait_all_done`
+   (judging silent ranks dead) and :meth:`release` s the others, who :meth:`wait_release`;
+4. :meth:`gather` of write results, the coordinator publishes, :meth:`agree` on the outcome;
+5. :meth:`end_session`.
+Every rank either returns or raises the same :class:`CommitError` naming failed ranks.
+
+:class:`LocalCoordinator` is the single-process implementation; the torch.distributed one is
+:class:`ckptlib.dist.torch_dist.TorchCoordinator`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class Coordinator(ABC):
+    rank: int
+    world_size: int
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @abstractmethod
+    def agree(self, value: Any, timeout: float) -> Any:
+        """Return the coordinator's ``value`` on every rank (JSON-typed values only)."""
+
+    @abstractmethod
+    def gather(self, value: Any, timeout: float) -> list[Any] | None:
+        """Coordinator: every rank's ``value`` in rank order; other ranks: ``None``."""
+
+    @abstractmethod
+    def scatter(self, values: list[Any] | None, timeout: float) -> Any:
+        """Every rank gets its entry of the coordinator's ``values``."""
+
+    # -- liveness during the write phase (no-ops for a single process)
+    def begin_session(self, save_id: str) -> None:
+        """Start liveness tracking for one save."""
+
+    def end_session(self) -> None:
+        """Stop liveness tracking."""
+
+    def report_done(self, error: str | None) -> None:
+        """This rank finished writing (``error`` is None on success)."""
+
+    def wait_all_done(self, deadline: float) -> dict[int, str]:
+        """Coordinator: wait for every rank; rank -> error for ranks that failed or died."""
+        return {}
+
+    def release(self, failures: dict[int, str]) -> None:
+        """Coordinator: let the other ranks proceed (no failures) or fail with ``failures``."""
+
+    def wait_release(self, deadline: float) -> dict[int, str]:
+        """Other ranks: wait for :meth:`release`; returns the failures (empty: proceed)."""
+        return {}
+
+
+class LocalCoordinator(Coordinator):
+    rank = 0
+    world_size = 1
+
+    def __init__(self) -> None:
+        self._error: str | None = None
+
+    def agree(self, value: Any, timeout: float) -> Any:
+        return value
+
+    def gather(self, value: Any, timeout: float) -> list[Any] | None:
+        return [value]
+
+    def scatter(self, values: list[Any] | None, timeout: float) -> Any:
+        assert values is not None
+        return values[0]
+
+    def report_done(self, error: str | None) -> None:
+        self._error = error
+
+    def wait_all_done(self, deadline: float) -> dict[int, str]:
+        return {0: self._error} if self._error else {}
+
+
+_shared: dict[str, Coordinator] = {}
+
+
+def default_coordinator(dead_after: float | None = None) -> Coordinator:
+    """The torch.distributed coordinator when a default process group exists, else local.
+
+    The distributed one is created once per process (creating it is collective).
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            coord = _shared.get("torch")
+            if coord is None:
+                import os
+
+                from ckptlib.dist.torch_dist import DEFAULT_DEAD_AFTER, TorchCoordinator
+
+                env = os.environ.get("CKPTLIB_COORD_TIMEOUT")
+                timeout = dead_after or (float(env) if env else DEFAULT_DEAD_AFTER)
+                coord = _shared["torch"] = TorchCoordinator(timeout)
+            return coord
+    except ImportError:
+        pass
+    return LocalCoordinator()

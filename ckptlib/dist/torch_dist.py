@@ -1,0 +1,240 @@
+"""Coordination over torch.distributed: a dedicated gloo group for data, the job's store for
+liveness. Used by the save flow on every rank when a default process group is initialized.
+
+Why two channels: gloo collectives carry the data (save id, write results, outcome), but a
+collective cannot tell a slow writer from a dead or frozen one. So while ranks write -- which
+can legitimately take minutes -- they only talk through the store (``torch.distributed``'s
+own key-value store, namespaced by save id):
+
+- each rank bumps ``hb/<rank>`` about every ``heartbeat`` seconds while the save runs;
+- each rank posts ``done/<rank>`` (``ok`` or its error) when its files are durable;
+- the coordinator waits until every rank is done, judging a rank whose heartbeat has not moved
+  for ``dead_after`` seconds as failed (SIGKILLed or SIGSTOPped), and posts ``outcome``.
+
+Only when every rank is done do the ranks meet in a gloo collective (fast, everyone alive); its
+group timeout is ``dead_after``, so a rank that dies right then also fails the save in bounded
+time. Survivors of a failed save raise :class:`CommitError` naming the failed ranks. Keys carry
+the save id, so a rank that wakes up after its save was abandoned reads the failed outcome and
+cannot commit (only the coordinator publishes, and only for the save id everyone agreed on).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptlib.dist.coordinator import Coordinator
+from ckptlib.errors import CommitError, CommitTimeoutError
+
+DEFAULT_DEAD_AFTER = 30.0
+
+
+def _default_store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class TorchCoordinator(Coordinator):
+    """Created collectively (every rank, same order) the first time a save or load needs it."""
+
+    def __init__(self, dead_after: float = DEFAULT_DEAD_AFTER, heartbeat: float = 0.5) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.dead_after = dead_after
+        self.heartbeat = heartbeat
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after))
+        self.store = _default_store()
+        self._session: _Session | None = None
+
+    # -- gloo data channel
+    def _wrap(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except (RuntimeError, ValueError) as e:  # gloo raises RuntimeError/DistBackendError
+            failures = self._session.failed_ranks() if self._session else {}
+            if not failures and self._session is not None:
+                failures = self._session.read_release(5.0) or {}
+            detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+            raise CommitError(
+                f"coordination failed during {what}: {detail or e}", failures or {self.rank: str(e)}
+            ) from e
+
+    def agree(self, value: Any, timeout: float) -> Any:
+        box = [value]
+        self._wrap("agree", lambda: dist.broadcast_object_list(box, src=self._global(0), group=self.group))
+        return box[0]
+
+    def gather(self, value: Any, timeout: float) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        self._wrap("gather", lambda: dist.gather_object(value, out, dst=self._global(0), group=self.group))
+        return out
+
+    def scatter(self, values: list[Any] | None, timeout: float) -> Any:
+        out = [None]
+        self._wrap(
+            "scatter",
+            lambda: dist.scatter_object_list(out, values if self.rank == 0 else None, src=self._global(0), group=self.group),
+        )
+        return out[0]
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    # -- liveness channel
+    def begin_session(self, save_id: str) -> None:
+        self.end_session()
+        self._session = _Session(self.store, save_id, self.rank, self.world_size, self.dead_after, self.heartbeat)
+        self._session.start()
+
+    def end_session(self) -> None:
+        if self._session is not None:
+            self._session.stop()
+            self._session = None
+
+    def report_done(self, error: str | None) -> None:
+        assert self._session is not None
+        try:
+            self._session.post_done(error)
+        except Exception as e:  # the store lives in rank 0's process
+            raise CommitError(
+                f"coordinator (rank 0) unreachable: it died or its store is gone ({e})",
+                {0: "unreachable"},
+            ) from e
+
+    def wait_all_done(self, deadline: float) -> dict[int, str]:
+        """Coordinator: block until every rank is done; returns rank -> error for failed ranks."""
+        assert self._session is not None
+        try:
+            return self._session.wait_all_done(deadline)
+        except CommitError:
+            raise
+        except Exception as e:
+            raise CommitError(f"store failure while waiting for ranks: {e}", {0: str(e)}) from e
+
+    def release(self, failures: dict[int, str]) -> None:
+        assert self._session is not None
+        try:
+            self._session.set("release", json.dumps({str(k): v for k, v in failures.items()}))
+        except Exception as e:
+            raise CommitError(f"store failure while releasing ranks: {e}", {0: str(e)}) from e
+
+    def wait_release(self, deadline: float) -> dict[int, str]:
+        assert self._session is not None
+        return self._session.wait_release(deadline)
+
+
+class _Session:
+    """Store keys of one save; a heartbeat thread keeps ``hb/<rank>`` moving."""
+
+    def __init__(self, store: Any, save_id: str, rank: int, world: int, dead_after: float, every: float) -> None:
+        self.store = store
+        self.prefix = f"ckptlib/{save_id}/"
+        self.rank = rank
+        self.world = world
+        self.dead_after = dead_after
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="ckptlib-heartbeat", daemon=True)
+        self._failed: dict[int, str] = {}
+
+    def k(self, name: str) -> str:
+        return self.prefix + name
+
+    def set(self, name: str, value: str) -> None:
+        self.store.set(self.k(name), value)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.every * 4 + 1)
+
+    def _beat(self) -> None:
+        key = self.k(f"hb/{self.rank}")
+        while not self._stop.is_set():
+            try:
+                self.store.add(key, 1)
+            except Exception:  # the store host died: the waits below will notice
+                return
+            self._stop.wait(self.every)
+
+    def post_done(self, error: str | None) -> None:
+        self.set(f"done/{self.rank}", "ok" if error is None else "err:" + error)
+        self.store.add(self.k("ndone"), 1)
+
+    def failed_ranks(self) -> dict[int, str]:
+        return dict(self._failed)
+
+    def wait_all_done(self, deadline: float) -> dict[int, str]:
+        seen: dict[int, tuple[int, float]] = {}
+        pending = set(range(self.world))
+        while True:
+            now = time.monotonic()
+            if self.store.add(self.k("ndone"), 0) >= self.world:
+                break
+            for r in sorted(pending):
+                if self.store.check([self.k(f"done/{r}")]):
+                    pending.discard(r)
+                    continue
+                beat = self.store.add(self.k(f"hb/{r}"), 0)
+                last = seen.get(r)
+                if last is None or last[0] != beat:
+                    seen[r] = (beat, now)
+                elif now - last[1] > self.dead_after:
+                    self._failed[r] = f"no heartbeat for {self.dead_after:.0f}s (died, hung or stopped)"
+            if self._failed:
+                return dict(self._failed)
+            if now > deadline:
+                raise CommitTimeoutError(f"ranks {sorted(pending)} did not finish writing before the deadline")
+            time.sleep(min(0.2, self.every))
+        failures = {}
+        values = self.store.multi_get([self.k(f"done/{r}") for r in range(self.world)])
+        for r, v in enumerate(values):
+            text = v.decode()
+            if text != "ok":
+                failures[r] = text[4:]
+        self._failed.update(failures)
+        return failures
+
+    def read_release(self, wait: float) -> dict[int, str] | None:
+        """The coordinator's verdict, if it gives one within ``wait`` seconds."""
+        end = time.monotonic() + wait
+        key = self.k("release")
+        while True:
+            try:
+                if self.store.check([key]):
+                    raw = json.loads(self.store.get(key).decode())
+                    self._failed.update({int(k): v for k, v in raw.items()})
+                    return {int(k): v for k, v in raw.items()}
+            except Exception:
+                return {0: "coordinator (rank 0) unreachable: it died or its store is gone"}
+            if time.monotonic() > end:
+                return None
+            time.sleep(0.05)
+
+    def wait_release(self, deadline: float) -> dict[int, str]:
+        """Non-coordinators: wait for the verdict while watching the coordinator's heartbeat."""
+        last: tuple[int, float] | None = None
+        while True:
+            verdict = self.read_release(0.0)
+            if verdict is not None:
+                return verdict
+            now = time.monotonic()
+            try:
+                beat = self.store.add(self.k("hb/0"), 0)
+            except Exception:
+                return {0: "coordinator (rank 0) unreachable: it died or its store is gone"}
+            if last is None or last[0] != beat:
+                last = (beat, now)
+            elif now - last[1] > self.dead_after:
+                return {0: f"coordinator (rank 0) silent for {self.dead_after:.0f}s (died, hung or stopped)"}
+            if now > deadline:
+                raise CommitTimeoutError("the coordinator did not finish the save before the deadline")
+            time.sleep(0.1)

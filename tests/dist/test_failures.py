@@ -1,0 +1,67 @@
+"""A rank dies (SIGKILL) or freezes (SIGSTOP) mid-save: survivors fail fast, nothing commits,
+the previous checkpoint stays intact and a fresh job restores it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ckptlib.testing.hooks import PHASES
+
+from .launch import results, run, start
+
+DEAD_AFTER = 5.0  # coordination deadline for these tests (the default is 30 s)
+ENV = {"CKPTLIB_COORD_TIMEOUT": str(DEAD_AFTER)}
+
+
+def test_phases_are_named():
+    assert {"write", "before_commit", "manifest"} <= set(PHASES)
+
+
+@pytest.mark.parametrize(("victim", "phase"), [(1, "write"), (1, "before_commit"), (0, "write")])
+def test_sigkill_one_rank_mid_save(tmp_path, victim, phase):
+    world = 3
+    procs = start("fail", world, tmp_path, {"victim": victim, "phase": phase, "signal": "KILL"}, ENV)
+    for p in procs:
+        p.communicate(timeout=120)
+    assert procs[victim].returncode == -signal.SIGKILL
+    res = results("fail", world, tmp_path)
+    for rank, r in enumerate(res):
+        if rank == victim:
+            continue
+        assert r is not None and "crash" not in r, r
+        assert r["error"] == "CommitError", r
+        assert str(victim) in r["failures"] or victim == 0, r
+        assert r["elapsed"] < 4 * DEAD_AFTER + 10, r
+    assert not (tmp_path / "bad").exists()
+    # The previous checkpoint still restores, in a fresh job.
+    out = run("load", 3, tmp_path, {"name": "good", "dims": {}})
+    assert all(r["bad"] == [] for r in out)
+
+
+def test_sigstop_one_rank_mid_save_cannot_commit_later(tmp_path):
+    world = 2
+    procs = start("fail", world, tmp_path, {"victim": 1, "phase": "write", "signal": "STOP"}, ENV)
+    survivor = procs[0]
+    survivor.communicate(timeout=120)
+    r0 = results("fail", world, tmp_path)[0]
+    assert r0["error"] == "CommitError" and "1" in r0["failures"], r0
+    assert r0["elapsed"] < 4 * DEAD_AFTER + 10
+    assert not (tmp_path / "bad").exists()
+    # Wake the frozen rank: it must fail too, never publish.
+    os.kill(procs[1].pid, signal.SIGCONT)
+    try:
+        procs[1].communicate(timeout=60)
+    except Exception:
+        procs[1].kill()
+        procs[1].communicate(timeout=10)
+    time.sleep(0.5)
+    assert not (tmp_path / "bad").exists()
+    r1 = results("fail", world, tmp_path)[1]
+    if r1 is not None:  # it may also have died on the broken job; it must never succeed
+        assert r1.get("error") is not None, r1
+    out = run("load", 2, tmp_path, {"name": "good", "dims": {}})
+    assert all(r["bad"] == [] for r in out)

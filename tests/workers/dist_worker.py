@@ -1,0 +1,167 @@
+"""One rank of a multi-process test job (gloo on 127.0.0.1). Started by tests/dist/*.
+
+usage: dist_worker.py SCENARIO RANK WORLD PORT ROOT [JSON-ARGS]
+Writes ROOT/result-<scenario>-<rank>.json with what it observed; exits 0 unless it crashed.
+Every tensor's content is a pure function of its name, so any rank of any job can compute
+the expected bytes of any piece.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ckptlib
+
+SHAPES = {"plain": (64, 32), "bias": (7,), "emb": (41, 16), "col": (8, 30), "dt": (12, 6),
+          "half": (10, 10)}
+DTYPES = {"half": torch.bfloat16}
+
+
+def full(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    t = torch.randn(SHAPES[name], generator=g)
+    return t.to(DTYPES.get(name, torch.float32))
+
+
+def split(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Uneven split of n into world parts (the first parts one larger)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return start, base + (1 if rank < extra else 0)
+
+
+def shard(name: str, dim: int, world: int, rank: int) -> ckptlib.Shard:
+    t = full(name)
+    start, length = split(t.shape[dim], world, rank)
+    offset = [0] * t.dim()
+    offset[dim] = start
+    return ckptlib.Shard(t.narrow(dim, start, length).clone(), t.shape, offset)
+
+
+def empty_shard(name: str, dim: int, world: int, rank: int) -> ckptlib.Shard:
+    s = shard(name, dim, world, rank)
+    return ckptlib.Shard(torch.zeros_like(s.local), s.global_shape, s.global_offset)
+
+
+def dtensor(name: str, dim: int, world: int, zero: bool = False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    src = torch.zeros(SHAPES[name]) if zero else full(name)
+    return distribute_tensor(src, mesh, [Shard(dim)])
+
+
+def make_state(world: int, rank: int, dims: dict[str, int]) -> dict:
+    return {
+        "plain": full("plain"),
+        "nested": {"bias": full("bias"), "half": full("half"), "lr": 0.5, "name": "run"},
+        "emb": shard("emb", dims.get("emb", 0), world, rank),
+        "col": shard("col", dims.get("col", 1), world, rank),
+        "dt": dtensor("dt", dims.get("dt", 0), world),
+        "rng": ckptlib.PerRank(torch.full((4,), rank, dtype=torch.int64)),
+        "cursor": ckptlib.PerRank({"rank": rank, "pos": 100 + rank}),
+    }
+
+
+def sc_save(rank: int, world: int, root: str, args: dict) -> dict:
+    state = make_state(world, rank, args.get("dims", {}))
+    t0 = time.monotonic()
+    ckptlib.save(state, os.path.join(root, args.get("name", "ck")))
+    return {"elapsed": time.monotonic() - t0}
+
+
+def sc_load(rank: int, world: int, root: str, args: dict) -> dict:
+    dims = args.get("dims", {})
+    policy = args.get("per_rank", "error")
+    target = {
+        "plain": torch.zeros(SHAPES["plain"]),
+        "nested": {"bias": torch.zeros(7), "half": torch.zeros(10, 10, dtype=torch.bfloat16),
+                   "lr": 0.0, "name": ""},
+        "emb": empty_shard("emb", dims.get("emb", 1), world, rank),
+        "col": empty_shard("col", dims.get("col", 0), world, rank),
+        "dt": dtensor("dt", dims.get("dt", 1), world, zero=True),
+        "rng": ckptlib.PerRank(torch.zeros(4, dtype=torch.int64)),
+        "cursor": ckptlib.PerRank(None),
+    }
+    try:
+        ckptlib.load(os.path.join(root, args.get("name", "ck")), into=target, per_rank=policy)
+    except ckptlib.CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    bad = []
+    if not torch.equal(target["plain"], full("plain")):
+        bad.append("plain")
+    for k in ("bias", "half"):
+        if not torch.equal(target["nested"][k], full(k)):
+            bad.append(k)
+    for k in ("emb", "col"):
+        s = target[k]
+        want = full(k)
+        for d, (o, n) in enumerate(zip(s.global_offset, s.local.shape, strict=True)):
+            want = want.narrow(d, o, n)
+        if not torch.equal(s.local, want):
+            bad.append(k)
+    if not torch.equal(target["dt"].full_tensor(), full("dt")):
+        bad.append("dt")
+    return {
+        "bad": bad,
+        "lr": target["nested"]["lr"],
+        "rng": target["rng"].value.tolist() if isinstance(target["rng"], ckptlib.PerRank) else None,
+        "cursor": target["cursor"].value if isinstance(target["cursor"], ckptlib.PerRank) else None,
+    }
+
+
+def sc_fail(rank: int, world: int, root: str, args: dict) -> dict:
+    """Save once cleanly, then again with a rank told (by env) to die or freeze mid-write."""
+    state = make_state(world, rank, {})
+    ckptlib.save(state, os.path.join(root, "good"))
+    dist.barrier()
+    if rank == args["victim"]:
+        os.environ["CKPTLIB_TEST_KILL_AT"] = f"{args['phase']}:{rank}:{args['signal']}"
+        import importlib
+
+        from ckptlib.testing import hooks
+
+        importlib.reload(hooks)
+        for mod in ("ckptlib.engine.writer", "ckptlib.engine.save", "ckptlib.engine.commit"):
+            sys.modules[mod].hooks = hooks
+    t0 = time.monotonic()
+    try:
+        ckptlib.save(state, os.path.join(root, "bad"))
+    except ckptlib.CommitError as e:
+        return {"error": type(e).__name__, "message": str(e), "failures": {str(k): v for k, v in e.failures.items()},
+                "elapsed": time.monotonic() - t0}
+    return {"error": None, "elapsed": time.monotonic() - t0}
+
+
+def main() -> int:
+    scenario, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    out: dict
+    try:
+        out = globals()[f"sc_{scenario}"](rank, world, root, args)
+    except Exception:
+        out = {"crash": traceback.format_exc()}
+    with open(os.path.join(root, f"result-{scenario}-{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if scenario != "fail":
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
