@@ -9,6 +9,7 @@ resuming job always agree on which steps are usable.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 import time
@@ -411,7 +412,7 @@ class _Progress:
             )
 
             self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                 TransferSpeedColumn(), TimeRemainingColumn(),
                 console=self.out.console, transient=True,
             )
@@ -493,6 +494,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     rows = [_verify_row(c) for c in checks]
     failed = [r for r in rows if r["status"] not in ("committed", "gone")]
     code = EXIT_BAD if failed else EXIT_OK
+    out.exit_code = code
     out.emit({"url": args.url, "kind": target.kind, "ok": not failed, "exit_code": code,
               "steps": rows})
     if out.json_mode:
@@ -550,9 +552,11 @@ def _marker_created(storage: Storage, folder: str) -> float | None:
 
 
 class _AllExcept(Collection[str]):
-    """Every save id except ``removable`` -- passed to ``clean_debris`` as its ``active_ids``
-    so that it removes exactly the folders vetted by :func:`find_debris`, and never a save
-    that started after the listing."""
+    """Every save id except ``removable``, for membership tests only (it iterates as empty).
+
+    Passed to ``clean_debris`` as its ``active_ids`` on rename-capable storage, so that it
+    removes exactly the folders vetted by :func:`find_debris` and never a save that started
+    after the listing."""
 
     def __init__(self, removable: set[str]) -> None:
         self.removable = removable
@@ -600,6 +604,21 @@ def find_debris(storage: Storage, min_age: float, now: float) -> list[Debris]:
     return found
 
 
+def _clean_debris(storage: Storage, debris: list[Debris], min_age: float) -> list[str]:
+    """Remove debris through ``retire.clean_debris``.
+
+    Rename-capable storage (POSIX): only the ``.tmp-``/``.del-`` folders vetted by
+    :func:`find_debris`. Object stores: ``clean_debris``'s own rules, which judge a save in
+    progress by the age of its newest object (``grace``, set from ``--debris-min-age``).
+    """
+    if storage.supports_atomic_rename:
+        vetted = {d.save_id for d in debris if d.removable}
+        return retire.clean_debris(storage, _AllExcept(vetted)) if vetted else []
+    if "grace" in inspect.signature(retire.clean_debris).parameters:
+        return retire.clean_debris(storage, (), grace=max(min_age, 0.0))
+    return retire.clean_debris(storage, ())
+
+
 def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     """Delete committed steps the retention policy does not keep, and crashed-save debris.
 
@@ -634,12 +653,10 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
                     errors.append(f"could not delete step {p['step']}: {e}")
                     continue
                 deleted.append(p)
-            vetted = {d.save_id for d in debris if d.removable}
-            if vetted:
-                try:
-                    removed = retire.clean_debris(target.storage, _AllExcept(vetted))
-                except (OSError, CheckpointError) as e:
-                    errors.append(f"could not remove debris: {e}")
+            try:
+                removed = _clean_debris(target.storage, debris, args.debris_min_age)
+            except (OSError, CheckpointError) as e:
+                errors.append(f"could not remove debris: {e}")
     finally:
         target.storage.close()
 
@@ -648,6 +665,7 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
         for i in infos if i.status != "committed"
     ]
     code = EXIT_USAGE if errors else EXIT_OK
+    out.exit_code = code
     out.emit({
         "url": args.url,
         "dry_run": args.dry_run,

@@ -157,6 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return commands[args.command](args, out)
+    except BrokenPipeError as e:
+        if not out.broken_pipe:  # from storage, not from our output
+            return fail(f"{args.url}: {e}")
+        # e.g. `ckptlib ls ROOT | head`: the reader left; stop quietly with the real status.
+        _silence_stdout()
+        return out.exit_code if out.exit_code is not None else 0
     except CliError as e:
         return fail(str(e), e.code)
     except (CheckpointError, OSError, ValueError, ImportError) as e:
@@ -173,9 +179,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         out.note("ckptlib: interrupted", style="red")
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # e.g. `ckptlib ls ROOT | head`: the reader left, stop quietly
-        _silence_stdout()
-        return EXIT_USAGE if args.command == "verify" else 0
 
 
 def _silence_stdout() -> None:

@@ -37,17 +37,35 @@ class CliError(Exception):
         self.code = code
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``ckptlib ls ROOT | head``): raise, so that ``main`` ends
+        quietly with the command's own exit status (rich's default exits with status 1)."""
+        self.quiet = True
+        self.broken_pipe = True
+        raise BrokenPipeError
+
+    broken_pipe = False
+
+
 class Output:
     """Where a command writes: a rich console for humans, or one JSON document."""
 
     def __init__(self, json_mode: bool) -> None:
         self.json_mode = json_mode
+        self.exit_code: int | None = None
+        """The command's exit status once known, for ``main`` if the output pipe breaks."""
         width: int | None = None
         if not sys.stdout.isatty():
             columns = os.environ.get("COLUMNS", "")
             width = int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
-        self.console = Console(markup=False, highlight=False, emoji=False, width=width)
-        self.err = Console(stderr=True, markup=False, highlight=False, emoji=False)
+        self.console = _Console(markup=False, highlight=False, emoji=False, width=width)
+        self.err = _Console(stderr=True, markup=False, highlight=False, emoji=False)
+
+    @property
+    def broken_pipe(self) -> bool:
+        """True once writing to stdout or stderr failed because the reader went away."""
+        return self.console.broken_pipe or self.err.broken_pipe
 
     @property
     def interactive(self) -> bool:

@@ -41,43 +41,51 @@ class _Hasher:
 def verify_chunks(
     storage: Storage, folder: str, m: Manifest, progress: Callable[[int], None] | None = None
 ) -> None:
-    """Raise ``CorruptCheckpointError`` at the first bad chunk; ``progress(bytes)`` as it goes."""
-    by_file: dict[int, list[tuple[str, int]]] = {}
+    """Raise ``CorruptCheckpointError`` at the first bad chunk or pack.
+
+    Reads every stored byte the manifest references, file by file in offset order, and calls
+    ``progress(n)`` as it goes (``n`` bytes checked).
+    """
+    ranges: dict[int, list[tuple[int, int, str, str, int]]] = {}
     for name, t in m.tensors.items():
+        itemsize = ITEMSIZE[t.dtype]
         for i, c in enumerate(t.chunks):
-            by_file.setdefault(c.file, []).append((name, i))
-    for fidx, refs in sorted(by_file.items()):
+            raw = itemsize
+            for s in c.shape:
+                raw *= s
+            label = f"chunk {i} of tensor {name!r}"
+            ranges.setdefault(c.file, []).append((c.start, c.length, c.checksum, c.codec, raw, label))
+    for i, p in enumerate(m.packs):
+        ranges.setdefault(p.file, []).append((p.start, p.length, p.checksum, p.codec, p.raw_length, f"pack {i}"))
+    for fidx, items in sorted(ranges.items()):
         path = join(folder, m.files[fidx].path)
         where = f"{storage.url.rstrip('/')}/{path}"
         with storage.open_read(path) as h:
             if h.size != m.files[fidx].size:
                 raise CorruptCheckpointError(f"size is {h.size}, manifest records {m.files[fidx].size}", where)
-            for name, i in sorted(refs, key=lambda r: m.tensors[r[0]].chunks[r[1]].start):
-                t = m.tensors[name]
-                c = t.chunks[i]
-                hasher = _Hasher(m.checksum_algorithm)
-                stored = io.BytesIO() if c.codec != "raw" else None
-                pos = 0
-                while pos < c.length:
-                    n = min(PIECE, c.length - pos)
-                    data = h.read(c.start + pos, n)
-                    hasher.update(data)
-                    if stored is not None:
-                        stored.write(data)
-                    pos += n
-                    if progress:
-                        progress(n)
-                if hasher.hexdigest() != c.checksum:
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in chunk {i} of tensor {name!r} at bytes "
-                        f"[{c.start}, {c.start + c.length})",
-                        where,
-                    )
-                if stored is not None:
-                    raw = ITEMSIZE[t.dtype]
-                    for s in c.shape:
-                        raw *= s
-                    _check_zstd(stored.getvalue(), raw, f"{where} (tensor {name!r} chunk {i})")
+            for start, length, digest, codec, raw, label in sorted(items):
+                _verify_range(h, start, length, digest, codec, raw, label, m.checksum_algorithm, where, progress)
+
+
+def _verify_range(h, start, length, digest, codec, raw, label, algorithm, where, progress) -> None:
+    hasher = _Hasher(algorithm)
+    stored = io.BytesIO() if codec != "raw" else None
+    pos = 0
+    while pos < length:
+        n = min(PIECE, length - pos)
+        data = h.read(start + pos, n)
+        hasher.update(data)
+        if stored is not None:
+            stored.write(data)
+        pos += n
+        if progress:
+            progress(n)
+    if hasher.hexdigest() != digest:
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {label} at bytes [{start}, {start + length})", where
+        )
+    if stored is not None:
+        _check_zstd(stored.getvalue(), raw, f"{where} ({label})")
 
 
 def _check_zstd(data: bytes, raw_size: int, where: str) -> None:
