@@ -51,7 +51,6 @@ TEMPLATE_STEP = 10**9
 
 START_TIMEOUT_S = 120.0  # import torch + ckptlib on a loaded 2-core machine
 EXIT_TIMEOUT_S = 30.0
-DRAIN_TIMEOUT_S = 10.0
 
 
 def _load_worker_module():
@@ -66,28 +65,29 @@ build_state = _load_worker_module().build_state
 
 
 # --------------------------------------------------------------------------------------------
-# The worker process
+# The worker processes
 
 
 class WorkerDiedError(AssertionError):
     pass
 
 
-class Worker:
-    """One ``save_loop.py`` process in its own session, with non-blocking line reads."""
+class ForkServer:
+    """``save_loop.py --fork-server``: imports torch once, then forks one saving worker per kill.
+
+    Each worker is a real process in its own session; the test SIGKILLs that session. All
+    reads have deadlines (non-blocking pipe + selector).
+    """
 
     def __init__(self, root: Path, *, async_save: bool, log_path: Path) -> None:
-        cmd = [sys.executable, str(WORKER), str(root), "--seed", str(SEED)]
+        cmd = [sys.executable, str(WORKER), str(root), "--seed", str(SEED), "--fork-server"]
         cmd += ["--keep-last", str(KEEP_LAST)]
         if async_save:
             cmd.append("--async-save")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
-        env["PYTHONUNBUFFERED"] = "1"
         self.log_path = log_path
         with open(log_path, "wb") as err:
-            # A session of its own: the kill takes the worker and anything it started, like a
-            # crashing node would, and never reaches the standby worker or pytest.
             self.proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.PIPE,
@@ -102,10 +102,8 @@ class Worker:
         os.set_blocking(self._fd, False)
         self._buf = b""
         self._eof = False
-        self._scanned = 0
         self.lines: list[str] = []
-
-    # -- reading
+        self.unreaped: set[int] = set()  # forked workers not yet reaped
 
     def _read(self, deadline: float) -> None:
         """Read what is available (waiting at most until ``deadline``) into ``lines``."""
@@ -126,67 +124,103 @@ class Worker:
         *complete, self._buf = (self._buf + chunk).split(b"\n")
         self.lines.extend(line.decode("utf-8", "replace") for line in complete)
 
-    def wait_for(self, prefix: str, timeout: float) -> str:
+    def wait_line(self, prefix: str, timeout: float, since: int = 0) -> tuple[int, str]:
+        """The first line at index >= ``since`` that starts with ``prefix``, and its index."""
         deadline = time.monotonic() + timeout
+        i = since
         while True:
-            while self._scanned < len(self.lines):
-                line = self.lines[self._scanned]
-                self._scanned += 1
-                if line.startswith(prefix):
-                    return line
+            while i < len(self.lines):
+                if self.lines[i].startswith(prefix):
+                    return i, self.lines[i]
+                i += 1
             if self._eof:
                 self.proc.wait(timeout=EXIT_TIMEOUT_S)
                 raise WorkerDiedError(
-                    f"worker exited with {self.proc.returncode} before printing {prefix!r}\n"
+                    f"fork server exited with {self.proc.returncode} before {prefix!r}\n"
                     f"{self.stderr_tail()}"
                 )
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no {prefix!r} from the worker within {timeout} s")
+                raise TimeoutError(f"no {prefix!r} line within {timeout} s")
             self._read(deadline)
 
-    def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._eof:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"worker stdout still open {timeout} s after the kill")
-            self._read(deadline)
-
-    def numbers(self, prefix: str) -> list[int]:
-        return [int(line.split()[1]) for line in self.lines if line.startswith(prefix + " ")]
-
-    def stderr_tail(self, limit: int = 4000) -> str:
-        try:
-            text = self.log_path.read_text("utf-8", "replace")
-        except OSError as exc:
-            return f"(no stderr: {exc})"
-        return "worker stderr:\n" + (text[-limit:] or "(empty)")
-
-    # -- control
-
-    def go(self, start: int) -> None:
+    def _send(self, line: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"go {start}\n".encode())
+        self.proc.stdin.write(line.encode() + b"\n")
         self.proc.stdin.flush()
 
-    def kill(self) -> None:
-        """SIGKILL the worker's whole session, then reap it."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=EXIT_TIMEOUT_S)
+    def stderr_tail(self, path: Path | None = None, limit: int = 4000) -> str:
+        path = path or self.log_path
+        try:
+            text = path.read_text("utf-8", "replace")
+        except OSError as exc:
+            return f"(no stderr: {exc})"
+        return f"stderr of {path.name}:\n" + (text[-limit:] or "(empty)")
+
+    def start(self, start_step: int, err_path: Path) -> Worker:
+        since = len(self.lines)
+        self._send(f"fork {start_step} {err_path}")
+        _, line = self.wait_line("forked ", START_TIMEOUT_S, since)
+        worker = Worker(self, int(line.split()[1]), since, err_path)
+        self.unreaped.add(worker.pid)
+        self.wait_line(f"{worker.pid} started ", START_TIMEOUT_S, since)
+        return worker
 
     def close(self) -> None:
+        for pid in sorted(self.unreaped):  # after a failure: leave no saving process behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                since = len(self.lines)
+                self._send(f"reap {pid}")
+                self.wait_line(f"reaped {pid} ", EXIT_TIMEOUT_S, since)
+            except (OSError, AssertionError, TimeoutError):
+                pass  # the server is gone too; its children were killed all the same
         try:
-            self.kill()
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # the server exits at EOF
+            self.proc.wait(timeout=EXIT_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=EXIT_TIMEOUT_S)
         finally:
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                if pipe is not None:
-                    try:
-                        pipe.close()
-                    except OSError:
-                        pass
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+
+@dataclass
+class Worker:
+    """One forked saving process, from ``started`` until it is killed and reaped."""
+
+    server: ForkServer
+    pid: int
+    since: int  # index of the first server line that can belong to this worker
+    err_path: Path
+    exit_code: int | None = None
+    lines: list[str] = field(default_factory=list)
+
+    def kill_and_reap(self) -> int:
+        """SIGKILL the worker's session, reap it; return its exit code (-9 when we killed it)."""
+        if self.exit_code is not None:
+            return self.exit_code
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it exited by itself; the server has not reaped it yet
+        self.server._send(f"reap {self.pid}")
+        end, line = self.server.wait_line(f"reaped {self.pid} ", EXIT_TIMEOUT_S, self.since)
+        self.exit_code = int(line.split()[2])
+        self.server.unreaped.discard(self.pid)
+        # Every line the worker wrote was written before it died, so before the server's reply.
+        mine = f"{self.pid} "
+        self.lines = [
+            x[len(mine) :] for x in self.server.lines[self.since : end] if x.startswith(mine)
+        ]
+        return self.exit_code
+
+    def numbers(self, event: str) -> list[int]:
+        return [int(line.split()[1]) for line in self.lines if line.startswith(event + " ")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,45 +295,37 @@ class Observation:
         return ", ".join(f"{i.step}:{i.status}" for i in self.infos) or "-"
 
 
-def _restore_into_template(mgr: ckptlib.CheckpointManager, step: int | None) -> int | None:
-    """``restore`` into a template holding other bytes; check it loaded ``step`` in place."""
-    template = build_state(SEED, TEMPLATE_STEP)
-    before = _tensors(template)
-    where = "restore()" if step is None else f"restore(step={step})"
-    got = mgr.restore(template) if step is None else mgr.restore(template, step=step)
-    if got is not None:
-        assert_same(template, build_state(SEED, got), f"{where} -> step {got}")
-        after = _tensors(template)
-        for name, tensor in before.items():
-            assert after[name] is tensor, f"{where}: {name} was replaced, not loaded in place"
-    return got
-
-
 def observe(root: Path) -> Observation:
     # The listing is taken before any manager touches the root.
     listing = sorted(os.listdir(root)) if root.exists() else []
+    template = build_state(SEED, TEMPLATE_STEP)  # other bytes than any saved step
+    before = _tensors(template)
     with ckptlib.CheckpointManager(str(root)) as mgr:
         infos = mgr.steps()
         latest = mgr.latest_step()
-        for info in infos:
-            assert info.status in ("committed", "incomplete", "corrupt"), f"{info}"
-            assert (info.status == "committed") == (not info.reason), f"reason: {info}"
-        committed = sorted(info.step for info in infos if info.status == "committed")
-        assert len(set(committed)) == len(committed), f"a step is committed twice: {infos}"
-        newest = committed[-1] if committed else None
-        assert latest == newest, f"latest_step()={latest} but the newest committed is {newest}"
+        restored = mgr.restore(template)
+    for info in infos:
+        assert info.status in ("committed", "incomplete", "corrupt"), f"{info}"
+        assert (info.status == "committed") == (not info.reason), f"reason: {info}"
+    committed = sorted(info.step for info in infos if info.status == "committed")
+    assert len(set(committed)) == len(committed), f"a step is committed twice: {infos}"
+    newest = committed[-1] if committed else None
+    assert latest == newest, f"latest_step()={latest} but the newest committed is {newest}"
+    assert restored == latest, f"restore() loaded {restored}, latest_step() is {latest}"
 
-        restored = _restore_into_template(mgr, None)
-        assert restored == latest, f"restore() loaded {restored}, latest_step() is {latest}"
+    expected = {step: build_state(SEED, step) for step in committed}
+    if restored is not None:
+        assert_same(template, expected[restored], f"restore() -> step {restored}")
+        after = _tensors(template)
+        for name, tensor in before.items():
+            assert after[name] is tensor, f"restore(): {name} was replaced, not loaded in place"
 
-        # No partially written step is ever reported as committed: each one loads, bit-exact,
-        # both in place and as a fresh structure (which also checks container and leaf types).
-        for info in infos:
-            if info.status != "committed":
-                continue
-            assert _restore_into_template(mgr, info.step) == info.step
+    # No partially written step is ever reported as committed: each one loads, bit-exact, as
+    # a fresh structure (which also checks container and leaf types, e.g. tuple vs list).
+    for info in infos:
+        if info.status == "committed":
             fresh = ckptlib.load(str(root / info.path))
-            assert_same(fresh, build_state(SEED, info.step), f"load(step={info.step})")
+            assert_same(fresh, expected[info.step], f"load(step {info.step})")
 
     committed_names = {info.path for info in infos if info.status == "committed"}
     debris = {name for name in listing if name not in committed_names}
@@ -337,12 +363,7 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
     floor: int | None = None  # newest step that must never be lost again
     prev_debris: set[str] = set()
     start = 1
-    workers: list[Worker] = []
-
-    def spawn() -> Worker:
-        log_path = tmp_path / f"worker-{len(workers)}.err"
-        workers.append(Worker(root, async_save=async_save, log_path=log_path))
-        return workers[-1]
+    seconds: Counter[str] = Counter()  # where the time goes, printed at the end (no assertions)
 
     def check(label: str, worker: Worker) -> Observation:
         """Everything that must hold after ``worker`` was killed."""
@@ -353,11 +374,13 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
             f"{label} start={start} saved={saved[:1] + saved[-1:]} "
             f"committed_max={max(committed_seen, default=None)}"
         )
+        t0 = time.monotonic()
         try:
             obs = observe(root)
         except AssertionError as exc:
             history.append(note)
             fail(f"after {label}: {exc}")
+        seconds["observe"] += time.monotonic() - t0
         history.append(
             f"{note} -> latest={obs.latest} steps=[{obs.summary()}] debris={sorted(obs.debris)}"
         )
@@ -398,47 +421,43 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
             start = 1
         return obs
 
+    server = ForkServer(root, async_save=async_save, log_path=tmp_path / "fork-server.err")
+
+    def run_worker(label: str, index: int, *, until: str | None, delay: float) -> Worker:
+        """Start a worker at ``start``; kill it after ``delay`` s, or once a line ``until``."""
+        try:
+            t0 = time.monotonic()
+            worker = server.start(start, tmp_path / f"worker-{index}.err")
+            seconds["start"] += time.monotonic() - t0
+            if until is not None:
+                server.wait_line(f"{worker.pid} {until} ", START_TIMEOUT_S, worker.since)
+            time.sleep(delay)
+            seconds["run before kill"] += delay
+            code = worker.kill_and_reap()
+        except (WorkerDiedError, TimeoutError) as exc:
+            fail(f"{label}: {exc}")
+        if code != -signal.SIGKILL:
+            fail(
+                f"{label}: the worker exited with {code} before it was killed\n"
+                f"{server.stderr_tail(worker.err_path)}"
+            )
+        return worker
+
     try:
-        standby = spawn()
         for i in range(N_KILLS):
-            worker = standby
             if rng.random() < 0.25:
                 delay = rng.uniform(0.0, 0.1)  # manager start-up or the first save
             else:
                 delay = rng.uniform(0.0, MAX_DELAY_S)
-            try:
-                worker.go(start)
-                worker.wait_for("started", START_TIMEOUT_S)
-                # The next worker pays for `import torch` now; it does not touch root before `go`.
-                standby = spawn()
-                time.sleep(delay)
-                if worker.proc.poll() is not None:
-                    worker.drain()
-                    fail(
-                        f"kill #{i}: worker exited with {worker.proc.returncode} before the kill"
-                        f"\n{worker.stderr_tail()}"
-                    )
-                worker.kill()
-                worker.drain()
-            except (WorkerDiedError, TimeoutError) as exc:
-                fail(f"kill #{i}: {exc}\n{worker.stderr_tail()}")
-            worker.close()
-            check(f"kill #{i} (delay {delay:.3f}s)", worker)
+            label = f"kill #{i} (delay {delay:.3f}s)"
+            check(label, run_worker(label, i, until=None, delay=delay))
 
-        # Finally one run that is killed only after a save is known to be committed: the run
+        # Finally one run that is killed only after a save is known to be committed: it
         # recovers whatever the random kills left, and its save cleans up their debris.
-        worker = standby
-        try:
-            worker.go(start)
-            worker.wait_for("committed", START_TIMEOUT_S)
-            worker.kill()
-            worker.drain()
-        except (WorkerDiedError, TimeoutError) as exc:
-            fail(f"final run: {exc}\n{worker.stderr_tail()}")
-        worker.close()
-        obs = check("final kill (after a commit)", worker)
+        label = "final kill (after a commit)"
+        obs = check(label, run_worker(label, N_KILLS, until="committed", delay=0.0))
     finally:
-        for worker in workers:
-            worker.close()
+        server.close()
 
-    print(f"seed={SEED} variant={variant} {dict(stats)} final root: {obs.listing}")
+    timing = {k: round(v, 1) for k, v in seconds.items()}
+    print(f"seed={SEED} variant={variant} {dict(stats)} seconds: {timing} final: {obs.listing}")

@@ -59,8 +59,9 @@ def begin(storage: Storage, final: str, save_id: str) -> Staging:
     mode = commit_mode(storage)
     work = layout.tmp_dir(final, save_id) if mode == "rename" else final
     staging = Staging(final, save_id, work, join(work, save_id), mode)
-    storage.makedirs(staging.payload_prefix)
     if mode == "rename":
+        # The marker goes in first, so whatever a crash leaves in this folder is provably ours.
+        storage.makedirs(work)
         try:
             marker = json.dumps({"save_id": save_id, "created": time.time()}).encode()
             w = storage.open_write(join(work, layout.MARKER))
@@ -69,6 +70,7 @@ def begin(storage: Storage, final: str, save_id: str) -> Staging:
         except BaseException:
             abort(storage, staging)  # the folder name is unique to this save: safe to remove
             raise
+    storage.makedirs(staging.payload_prefix)
     return staging
 
 

@@ -27,7 +27,7 @@ from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_fil
 from ckptlib.errors import CheckpointError, CommitError, StepExistsError, UnsupportedValueError
 from ckptlib.format import manifest as mf
 from ckptlib.format.dtypes import dtype_name
-from ckptlib.plan.assign import PieceDesc, PlanError, assign
+from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
 from ckptlib.plan.trees import TreeMismatch
 from ckptlib.plan.trees import merge as merge_trees
@@ -152,20 +152,24 @@ def _persist(
     # 2. Who writes what: replicas deduplicated, bytes balanced (coordinator plans).
     items = flat.items
     if coord.world_size > 1:
-        descs = coord.gather([_describe(it) for it in items], _left(deadline))
-        plan: list[Any] | None = None
+        rep = [it for it in items if it.replicated]
+        shd = [it for it in items if not it.replicated]
+        rep_desc = [_describe(it) for it in rep]
+        mine_in = (digest(rep_desc), rep_desc if coord.is_coordinator else None, [_describe(it) for it in shd])
+        everyone = coord.gather(mine_in, _left(deadline))
+        plans: list[Any] | None = None
         if coord.is_coordinator:
-            assert descs is not None
+            assert everyone is not None
             try:
-                plan = [("ok", p) for p in assign(descs)]
+                plans = [("ok", p) for p in assign(everyone[0][1], [e[0] for e in everyone], [e[2] for e in everyone])]
             except PlanError as e:
-                plan = [("error", str(e))] * coord.world_size
-        status, mine = coord.scatter(plan, _left(deadline))
+                plans = [("error", str(e))] * coord.world_size
+        status, plan = coord.scatter(plans, _left(deadline))
         if status == "error":
             if staging is not None:
                 commit.abort(storage, staging)
-            raise _fail(storage, final, {0: mine})
-        items = [items[i] for i in mine]
+            raise _fail(storage, final, {0: plan})
+        items = [rep[i] for i in plan.replicated] + [shd[i] for i in plan.sharded]
 
     # 3. Write; report; the coordinator waits for every rank (or judges it dead).
     result: dict[str, Any]

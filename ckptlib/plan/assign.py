@@ -1,15 +1,19 @@
 """Who writes what: deduplicate replicas and balance bytes across ranks. Pure.
 
-Called by the coordinator during a distributed save with every rank's piece descriptors.
-A piece is identified by ``(name, global offset, local shape)``; a plain tensor is held by
-every rank (replicated), a ``Shard``/DTensor piece by the ranks that hold that box. Each
-distinct piece is written exactly once, by the least-loaded rank that holds it, largest
-pieces first. Runs in O(n log n + n log W) for pieces held by every rank, so planning
-10,000 tensors over 1,024 ranks takes well under a second.
+Called by the coordinator during a distributed save. Each rank describes its pieces in two
+lists: *replicated* pieces (plain tensors, identical on every rank; only rank 0 sends the
+list, the others send a digest of theirs so the coordinator can check they agree) and
+*sharded* pieces (``Shard``/DTensor boxes, ``PerRank`` tensors). A piece is identified by
+``(name, global offset, shape)``; each distinct piece is written exactly once, by the
+least-loaded rank holding it, largest pieces first.
+
+Cost: O(R log W) for R replicated pieces (a heap over ranks) plus O(S log S) for S sharded
+pieces in total, so planning stays linear-ish at 10,000 tensors x 1,024 ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,44 +30,71 @@ class PieceDesc:
 
 
 class PlanError(ValueError):
-    """Ranks disagree about a tensor (dtype or global shape)."""
+    """Ranks disagree about a tensor (dtype, global shape, or the set of replicated tensors)."""
 
 
-def assign(per_rank: Sequence[Sequence[PieceDesc]]) -> list[list[int]]:
-    """For each rank, the indices (into its own list) of the pieces it must write."""
-    world = len(per_rank)
+def digest(pieces: Sequence[PieceDesc]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for p in pieces:
+        h.update(repr((p.name, p.offset, p.shape, p.dtype, p.global_shape)).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    replicated: list[int]
+    """Positions in this rank's replicated list that it writes."""
+    sharded: list[int]
+    """Positions in this rank's sharded list that it writes."""
+
+
+def assign(
+    replicated: Sequence[PieceDesc],
+    digests: Sequence[str],
+    sharded: Sequence[Sequence[PieceDesc]],
+) -> list[Plan]:
+    world = len(sharded)
+    want = digest(replicated)
+    for r, d in enumerate(digests):
+        if d != want:
+            raise PlanError(
+                f"rank {r} holds a different set of plain (replicated) tensors than rank 0; plain "
+                "tensors must be identical on every rank (wrap per-rank state in ckptlib.PerRank, "
+                "shards in ckptlib.Shard)"
+            )
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {p.name: (p.dtype, p.global_shape) for p in replicated}
+    rep_out: list[list[int]] = [[] for _ in range(world)]
+    shard_out: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    # Sharded pieces: a piece held by one rank is written by it (the common case, O(1) each);
+    # pieces held by several ranks (replicas of a shard) go to the least-loaded holder.
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
-    sizes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
-    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    for rank, pieces in enumerate(per_rank):
+    for rank, pieces in enumerate(sharded):
         for i, p in enumerate(pieces):
-            known = meta.get(p.name)
-            if known is None:
-                meta[p.name] = (p.dtype, p.global_shape, rank)
-            elif known[:2] != (p.dtype, p.global_shape):
+            known = meta.setdefault(p.name, (p.dtype, p.global_shape))
+            if known != (p.dtype, p.global_shape):
                 raise PlanError(
-                    f"tensor {p.name!r}: rank {known[2]} has {known[0]} {list(known[1])}, "
+                    f"tensor {p.name!r}: ranks disagree: {known[0]} {list(known[1])} vs "
                     f"rank {rank} has {p.dtype} {list(p.global_shape)}"
                 )
-            key = (p.name, p.offset, p.shape)
-            holders.setdefault(key, []).append((rank, i))
-            sizes[key] = p.nbytes
-    out: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
-    heap = [(0, r) for r in range(world)]  # (load, rank), lazily refreshed
-    for key in sorted(holders, key=lambda k: (-sizes[k], k[0], k[1])):
-        hs = holders[key]
-        if len(hs) == world:
-            while True:
-                ld, r = heapq.heappop(heap)
-                if ld == load[r]:
-                    break
-            idx = hs[r][1] if hs[r][0] == r else dict(hs)[r]
+            holders.setdefault((p.name, p.offset, p.shape), []).append((rank, i))
+    shared = []
+    for hs in holders.values():
+        if len(hs) == 1:
+            r, i = hs[0]
+            shard_out[r].append(i)
+            load[r] += sharded[r][i].nbytes
         else:
-            r, idx = min(hs, key=lambda h: (load[h[0]], h[0]))
-        out[r].append(idx)
-        load[r] += sizes[key]
+            shared.append(hs)
+    for hs in sorted(shared, key=lambda hs: -sharded[hs[0][0]][hs[0][1]].nbytes):
+        r, i = min(hs, key=lambda h: (load[h[0]], h[0]))
+        shard_out[r].append(i)
+        load[r] += sharded[r][i].nbytes
+    heap = [(load[r], r) for r in range(world)]
+    heapq.heapify(heap)
+    for i in sorted(range(len(replicated)), key=lambda i: -replicated[i].nbytes):
+        _, r = heapq.heappop(heap)
+        rep_out[r].append(i)
+        load[r] += replicated[i].nbytes
         heapq.heappush(heap, (load[r], r))
-    for lst in out:
-        lst.sort()
-    return out
+    return [Plan(sorted(a), sorted(b)) for a, b in zip(rep_out, shard_out, strict=True)]

@@ -1,21 +1,27 @@
 """Crash-test worker: save a deterministic training state step after step, forever.
 
-Run by ``tests/test_crash_kill.py`` as a real subprocess that the test SIGKILLs at random
-moments. The state saved for a step is a pure function of ``(seed, step)`` (see
-:func:`build_state`), so the parent can recompute the exact bytes of any step without a log.
+Run by ``tests/test_crash_kill.py``, which SIGKILLs it at random moments. The state saved for
+a step is a pure function of ``(seed, step)`` (see :func:`build_state`), so the parent can
+recompute the exact bytes of any step without a log.
 
-Usage::
+Two modes:
 
-    python tests/workers/save_loop.py ROOT --seed S [--start-step K] [--async-save]
-                                             [--keep-last N] [--wait-every W]
+``save_loop.py ROOT --seed S --start-step K [--async-save] [--keep-last N] [--wait-every W]``
+    One process that saves steps K, K+1, ... until it is killed. Prints one line per event
+    (see below). Handy to reproduce a run by hand.
 
-Without ``--start-step`` the worker imports everything, prints ``idle`` and then reads one line
-``go K`` from stdin. The parent uses this to start the next worker (and pay for ``import torch``)
-while the previous one is still saving; the worker does not touch ``ROOT`` before ``go``.
+``save_loop.py ROOT --seed S --fork-server [--async-save] ...``
+    Imports torch and ckptlib once, then reads commands on stdin. ``fork K ERRFILE`` forks a
+    child that starts a new session (so ``killpg`` reaches it and nothing else), sends its
+    stderr to ERRFILE and runs the save loop from step K; the server answers ``forked PID``.
+    ``reap PID`` waits for that child and answers ``reaped PID CODE`` (CODE as in
+    ``subprocess``: ``-9`` for SIGKILL); every line the child wrote comes before it.
+    The children are real processes killed by a real SIGKILL: the fork server only saves the
+    ~1.5 s of ``import torch`` per kill that a 2-core CI machine cannot spare.
 
-Protocol on stdout (one line each, flushed):
+Events on stdout, one flushed line each (prefixed with ``PID `` in fork-server mode; lines
+are shorter than PIPE_BUF, so lines from different writers never interleave):
 
-``idle``            imports done, waiting for ``go K`` on stdin
 ``started K``       about to open the manager and save step K, K+1, ...
 ``saved N``         ``mgr.save(N, ...)`` returned
 ``committed N``     step N is known to be committed: a synchronous ``save`` returned, or (async)
@@ -26,7 +32,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import threading
+import traceback
 from typing import Any
 
 import torch
@@ -100,16 +109,79 @@ def build_state(seed: int, step: int) -> dict[str, Any]:
     }
 
 
-def _emit(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def _emit(line: str, prefix: str = "") -> None:
+    os.write(1, f"{prefix}{line}\n".encode())  # one write(2) per line: atomic on a pipe
+
+
+def save_forever(args: argparse.Namespace, start: int, prefix: str = "") -> None:
+    import ckptlib
+
+    torch.set_num_threads(1)
+    _emit(f"started {start}", prefix)
+    mgr = ckptlib.CheckpointManager(args.root, keep_last=args.keep_last, async_save=args.async_save)
+    step = start
+    while True:
+        state = build_state(args.seed, step)
+        handle = mgr.save(step, state)
+        _emit(f"saved {step}", prefix)
+        if not args.async_save:
+            if not handle.done():
+                raise AssertionError(f"synchronous save({step}) returned an unfinished handle")
+            handle.wait(timeout=60)
+            _emit(f"committed {step}", prefix)
+        elif args.wait_every and step % args.wait_every == 0:
+            handle.wait(timeout=60)
+            _emit(f"committed {step}", prefix)
+        step += 1
+
+
+def _child(args: argparse.Namespace, start: int, err_path: str) -> None:
+    """In a forked child: never returns into the server's loop."""
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(err, 2)
+        save_forever(args, start, prefix=f"{os.getpid()} ")
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+    finally:
+        os._exit(1)  # the loop only ends by an error (or a SIGKILL)
+
+
+def fork_server(args: argparse.Namespace) -> int:
+    import ckptlib  # noqa: F401  (imported once, before any fork)
+
+    # Forking is only safe while this process has no other threads.
+    assert threading.active_count() == 1, threading.enumerate()
+    _emit("ready")
+    for line in sys.stdin:
+        cmd, *rest = line.split()
+        if cmd == "fork":
+            start, err_path = int(rest[0]), rest[1]
+            pid = os.fork()
+            if pid == 0:
+                _child(args, start, err_path)
+            _emit(f"forked {pid}")
+        elif cmd == "reap":
+            pid = int(rest[0])
+            _, status = os.waitpid(pid, 0)
+            _emit(f"reaped {pid} {os.waitstatus_to_exitcode(status)}")
+        else:
+            print(f"unknown command {line!r}", file=sys.stderr)
+            return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root")
     parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--start-step", type=int, default=None)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--start-step", type=int)
+    mode.add_argument("--fork-server", action="store_true")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--keep-last", type=int, default=2)
     parser.add_argument(
@@ -119,39 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         help="async only: wait for the handle of every W-th step (0: never wait)",
     )
     args = parser.parse_args(argv)
-
-    torch.set_num_threads(1)
-    import ckptlib  # imported before `idle`: the parent overlaps this with the previous worker
-
-    start = args.start_step
-    if start is None:
-        _emit("idle")
-        line = sys.stdin.readline()
-        if not line:  # the parent went away
-            return 0
-        cmd, _, value = line.strip().partition(" ")
-        if cmd != "go":
-            print(f"unexpected command {line!r}", file=sys.stderr)
-            return 2
-        start = int(value)
-
-    _emit(f"started {start}")
-    mgr = ckptlib.CheckpointManager(args.root, keep_last=args.keep_last, async_save=args.async_save)
-    step = start
-    while True:
-        state = build_state(args.seed, step)
-        handle = mgr.save(step, state)
-        _emit(f"saved {step}")
-        if not args.async_save:
-            if not handle.done():
-                print(f"synchronous save({step}) returned an unfinished handle", file=sys.stderr)
-                return 3
-            handle.wait(timeout=60)
-            _emit(f"committed {step}")
-        elif args.wait_every and step % args.wait_every == 0:
-            handle.wait(timeout=60)
-            _emit(f"committed {step}")
-        step += 1
+    if args.fork_server:
+        return fork_server(args)
+    save_forever(args, args.start_step)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""The pure planners: writer assignment, tree merging, retention."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptlib.plan import retention, trees
+from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
+
+
+def desc(name, offset=(0,), shape=(10,), nbytes=40, gshape=None):
+    return PieceDesc(name, offset, shape, nbytes, "float32", gshape or shape)
+
+
+def test_replicated_written_once_and_balanced():
+    rep = [desc(f"t{i}", nbytes=100 * (i + 1)) for i in range(8)]
+    plans = assign(rep, [digest(rep)] * 4, [[], [], [], []])
+    written = sorted(i for p in plans for i in p.replicated)
+    assert written == list(range(8))  # each exactly once
+    loads = [sum(rep[i].nbytes for i in p.replicated) for p in plans]
+    assert max(loads) - min(loads) <= 800  # greedy largest-first balancing
+
+
+def test_sharded_pieces_written_by_holders_and_replicas_deduplicated():
+    a0 = desc("w", (0,), (5,), gshape=(10,))
+    a1 = desc("w", (5,), (5,), gshape=(10,))
+    # ranks 0/2 hold the first half, ranks 1/3 the second (DP replicas of a TP shard)
+    plans = assign([], [digest([])] * 4, [[a0], [a1], [a0], [a1]])
+    writers = {r for r, p in enumerate(plans) if p.sharded}
+    assert len(writers) == 2
+    assert sum(len(p.sharded) for p in plans) == 2
+
+
+def test_disagreements_are_errors():
+    with pytest.raises(PlanError, match="different set of plain"):
+        assign([desc("a")], [digest([desc("a")]), digest([desc("b")])], [[], []])
+    with pytest.raises(PlanError, match=r"rank 1 has float32 \[12\]"):
+        assign([], [digest([])] * 2, [[desc("w", gshape=(10,))], [desc("w", gshape=(12,))]])
+
+
+def test_tree_merge_per_rank_and_mismatch():
+    t0 = {"t": "dict", "items": [["lr", 0.1], ["rng", {"t": "per_rank", "rank": 0, "v": 5}]]}
+    t1 = {"t": "dict", "items": [["lr", 0.1], ["rng", {"t": "per_rank", "rank": 1, "v": 6}]]}
+    merged = trees.merge([t0, t1])
+    assert merged["items"][1][1] == {"t": "per_rank", "ranks": [5, 6]}
+    t1["items"][0][1] = 0.2
+    with pytest.raises(trees.TreeMismatch, match=r"wrap per-rank values in ckptlib\.PerRank"):
+        trees.merge([t0, t1])
+
+
+def test_retention_never_drops_newest():
+    d = retention.decide([10, 20, 30, 40], keep_last=1, keep_every=20)
+    assert [x.step for x in d if x.keep] == [40, 20]
+    assert all(x.keep for x in retention.decide([5], keep_last=1, keep_every=None))
+    with pytest.raises(ValueError):
+        retention.decide([1], keep_last=0, keep_every=None)
