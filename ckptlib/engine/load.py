@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from ckptlib.backends import Storage
+from ckptlib.backends import Storage, join
 from ckptlib.engine.reader import Reader, Request
-from ckptlib.engine.scan import read_manifest
-from ckptlib.errors import CheckpointError, StateMismatchError
+from ckptlib.engine.scan import check_files, read_manifest
+from ckptlib.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES
 from ckptlib.format.leaves import PerRank, Shard
-from ckptlib.format.manifest import Manifest
+from ckptlib.format.manifest import MANIFEST_NAME, Manifest
 from ckptlib.plan.flatten import dtensor_piece, is_dtensor, is_stateful
 
 
@@ -44,6 +44,7 @@ class _Merge:
         if per_rank not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank must be one of {PER_RANK_POLICIES}")
         self.m = m
+        self.where = ""
         self.rank = rank
         self.world_size = world_size
         self.per_rank = per_rank
@@ -80,6 +81,11 @@ class _Merge:
             return t
         if isinstance(v, tree_codec.BytesRef):
             e = self.m.tensors[v.name]
+            if e.dtype != "uint8" or len(e.shape) != 1:
+                raise CorruptCheckpointError(
+                    f"bytes value {v.name!r} must reference a 1-D uint8 tensor, not {e.dtype} {list(e.shape)}",
+                    self.where,
+                )
             t = _alloc(e.shape, DTYPES[e.dtype], v.name)
             self.requests.append(Request(v.name, t, (0,) * len(e.shape), e.shape))
             holder: list[Any] = [None]
@@ -203,8 +209,11 @@ def load_checkpoint(
     per_rank: str = "error",
 ) -> Any:
     m = manifest or read_manifest(storage, folder)
-    saved = tree_codec.decode(m.tree, m.tensors, f"{storage.url}/{folder}")
+    where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
+    check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
+    saved = tree_codec.decode(m.tree, m.tensors, where)
     plan = _Merge(m, rank, world_size, per_rank)
+    plan.where = where
     result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:

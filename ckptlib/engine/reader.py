@@ -117,7 +117,10 @@ class Reader:
             h = self._handles.get(file)
             if h is None:
                 entry = self.m.files[file]
-                h = self.storage.open_read(join(self.folder, entry.path))
+                try:
+                    h = self.storage.open_read(join(self.folder, entry.path))
+                except FileNotFoundError:
+                    raise CorruptCheckpointError("payload file is missing", self._where(file)) from None
                 if h.size != entry.size:
                     h.close()
                     raise CorruptCheckpointError(

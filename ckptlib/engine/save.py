@@ -26,6 +26,7 @@ from ckptlib.engine import commit
 from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_files
 from ckptlib.errors import CheckpointError, CommitError, StepExistsError, UnsupportedValueError
 from ckptlib.format import manifest as mf
+from ckptlib.format.codec import codec_for
 from ckptlib.format.dtypes import dtype_name
 from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
@@ -44,6 +45,9 @@ class SaveOptions:
     timeout: float = 600.0
     overwrite: bool = False
 
+    def __post_init__(self) -> None:
+        codec_for(self.compression, 1)  # ValueError for unknown compression, before any I/O
+
 
 @dataclass(frozen=True, slots=True)
 class SaveResult:
@@ -59,19 +63,21 @@ def prepare(state: Any, rank: int = 0) -> FlatState:
 def encode_metadata(metadata: Any) -> Any:
     if metadata is None:
         return None
-    flat = flatten(metadata)
+    flat = flatten(metadata, inline_bytes=True)
     if flat.items:
         raise UnsupportedValueError("metadata must not contain tensors; put them in the state")
     return flat.tree
 
 
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a dense CPU tensor (a copy only when needed)."""
+    """The tensor's values as a dense, standard-strided CPU tensor (a copy only when needed)."""
     t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    if not t.is_contiguous():
-        t = t.contiguous()
+    if not t.is_contiguous() or (t.dim() and t.stride(-1) != 1):
+        t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     return t
 
 
@@ -187,7 +193,7 @@ def _persist(
         hooks.point("before_commit", coord.rank)
         result = {"files": files, "chunks": written, "tree": flat.tree,
                   "shapes": {it.name: it.global_shape for it in flat.items}}
-    except (CheckpointError, OSError) as e:
+    except Exception as e:  # any failure must still reach the commit protocol and abort
         error = f"{type(e).__name__}: {e}"
         result = {"error": error}
     coord.report_done(error)
@@ -215,7 +221,7 @@ def _persist(
             commit.publish(storage, staging, mf.encode_body(body), overwrite=opts.overwrite)
         except TreeMismatch as e:
             outcome = {"failures": {0: str(e)}}
-        except (CheckpointError, OSError) as e:
+        except Exception as e:
             outcome = {"failures": failures or {0: f"{type(e).__name__}: {e}"}, "exists": isinstance(e, FileExistsError)}
         if outcome["failures"]:
             commit.abort(storage, staging)

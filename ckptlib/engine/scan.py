@@ -61,9 +61,11 @@ def check_files(storage: Storage, folder: str, m: mf.Manifest) -> None:
         size = storage.size(join(folder, f.path))
         where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"
         if size is None:
-            raise CorruptCheckpointError("payload file is missing (or not a regular file)", where)
+            if storage.exists(join(folder, f.path)):
+                raise CorruptCheckpointError("payload is a symlink or not a regular file; refused", where)
+            raise CorruptCheckpointError("payload file is missing", where)
         if size != f.size:
-            raise CorruptCheckpointError(f"payload file is {size} bytes, manifest records {f.size}", where)
+            raise CorruptCheckpointError(f"payload file size is {size} bytes, manifest records {f.size}", where)
 
 
 def check_step(

@@ -45,7 +45,13 @@ class FlatState:
 
 
 def escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
+    """A str dict key as one segment of a tensor name: ``~`` -> ``~0``, ``/`` -> ``~1``, and
+    keys that look like ints (or are empty) get a ``~s`` prefix, so ``{1: a, "1": b}`` name
+    two different tensors (int keys are written as plain digits)."""
+    key = key.replace("~", "~0").replace("/", "~1")
+    if not key or key.lstrip("-").isdigit():
+        key = "~s" + key
+    return key
 
 
 def is_stateful(obj: Any) -> bool:
@@ -61,13 +67,18 @@ def encode_scalar(x: Any, path: str) -> Any:
     if x is None or isinstance(x, bool | str):
         return x
     if isinstance(x, int):
+        if x.bit_length() > 13_000:  # ~4,000 digits: beyond what JSON readers accept
+            raise UnsupportedValueError(f"int at {path or '<root>'} has more than 4,000 digits")
         return int(x)
     if isinstance(x, float):
         return x if math.isfinite(x) else {"t": "float", "v": repr(x)}
     if isinstance(x, bytes | bytearray | memoryview):
         return {"t": "bytes", "b64": base64.b64encode(bytes(x)).decode("ascii")}
     if isinstance(x, torch.dtype):
-        return {"t": "dtype", "v": dtype_name(x)}
+        try:
+            return {"t": "dtype", "v": dtype_name(x)}
+        except TypeError as e:
+            raise UnsupportedValueError(f"{path or '<root>'}: {e}") from None
     raise UnsupportedValueError(
         f"cannot save {type(x).__module__}.{type(x).__qualname__} at {path or '<root>'}: "
         "ckptlib stores tensors and JSON-typed values (None, bool, int, float, str, bytes, "
@@ -75,9 +86,12 @@ def encode_scalar(x: Any, path: str) -> Any:
     )
 
 
-def flatten(state: Any, rank: int = 0) -> FlatState:
+def flatten(state: Any, rank: int = 0, *, inline_bytes: bool = False) -> FlatState:
+    """``inline_bytes=True`` keeps every bytes value in the tree (used for metadata)."""
     items: list[TensorItem] = []
-    tree = _Flattener(items, rank).encode(state, "", 0)
+    f = _Flattener(items, rank)
+    f.inline_bytes = inline_bytes
+    tree = f.encode(state, "", 0)
     return FlatState(tree, items)
 
 
@@ -99,6 +113,7 @@ class _Flattener:
         self.items = items
         self.rank = rank
         self.in_per_rank = 0
+        self.inline_bytes = False
 
     def encode(self, x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -108,7 +123,7 @@ class _Flattener:
             return self.tensor(x, path, None, None, True)
         if cls is dict:
             return self.mapping(x, path, depth)
-        if x is None or cls is bool or cls is int or cls is str:
+        if x is None or cls is bool or cls is str:
             return x
         if cls is float:
             return x if math.isfinite(x) else {"t": "float", "v": repr(x)}
@@ -136,7 +151,7 @@ class _Flattener:
                 "type": f"{cls.__module__}.{cls.__qualname__}",
                 "v": self.encode(x.state_dict(), path, depth + 1),
             }
-        if isinstance(x, bytes | bytearray | memoryview) and len(x) > INLINE_BYTES:
+        if isinstance(x, bytes | bytearray | memoryview) and len(x) > INLINE_BYTES and not self.inline_bytes:
             data = torch.frombuffer(bytearray(x), dtype=torch.uint8)
             node = self.tensor(data, path, None, None, True)
             return {"t": "bytes", "ref": node["ref"]}
@@ -149,7 +164,7 @@ class _Flattener:
                 _key(k, path)
                 sub = f"{path}/{k}"
             else:
-                sub = f"{path}/{escape(k)}" if "/" in k or "~" in k else f"{path}/{k}"
+                sub = f"{path}/{escape(k)}" if not k or "/" in k or "~" in k or k[0] in "-0123456789" else f"{path}/{k}"
             items.append([k, self.encode(v, sub, depth + 1)])
         return {"t": "dict", "items": items}
 
@@ -163,6 +178,8 @@ class _Flattener:
     ) -> dict[str, Any]:
         if t.layout != torch.strided:
             raise UnsupportedValueError(f"tensor at {path}: layout {t.layout} is not supported")
+        if t.device.type == "meta":
+            raise UnsupportedValueError(f"tensor at {path} is on the meta device (it has no data)")
         if t.dtype not in NAMES:
             raise UnsupportedValueError(f"tensor at {path}: ckptlib cannot store dtype {t.dtype}")
         name = path or "/"

@@ -1,0 +1,195 @@
+"""Shared test utilities: exact comparisons, random tensors, and manifest tampering.
+
+The tampering helpers mirror :func:`ckptlib.format.manifest.encode` so a test can edit the
+manifest's ``body`` and write it back *with a correct self-checksum*, which lets the test reach
+the validation that runs after the checksum check. They parse with the standard ``json``
+module on purpose (a test must be able to write things the library would refuse).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptlib.format import jsonio
+from ckptlib.format.checksum import checksum
+from ckptlib.format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+
+# --------------------------------------------------------------------------- tensors
+
+
+def random_tensor(shape: tuple[int, ...] | list[int], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor whose bytes are uniformly random (every bit pattern, NaN payloads included).
+
+    ``bool`` gets random 0/1 bytes only: other byte values are not valid booleans.
+    """
+    shape = tuple(shape)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's element bytes as a flat uint8 tensor (logical order, dense copy)."""
+    t = t.detach().cpu().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_tensor_equal(actual: Any, expected: torch.Tensor, where: str = "") -> None:
+    """Same dtype, shape and bytes (bitwise: NaN payloads, -0.0, ...)."""
+    assert isinstance(actual, torch.Tensor), f"{where}: expected a tensor, got {type(actual).__name__}"
+    assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.equal(tensor_bytes(actual), tensor_bytes(expected)), f"{where}: bytes differ"
+
+
+def _same_float(a: float, b: float) -> bool:
+    if math.isnan(a) and math.isnan(b):
+        return True  # a Python float NaN is recorded as "nan": sign/payload are not kept
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def assert_same(actual: Any, expected: Any, where: str = "<root>") -> None:
+    """Exact structural equality: container types, dict key order, value types, float bits,
+    tensor bytes. Loaded tensors must be plain ``torch.Tensor`` on the CPU."""
+    if isinstance(expected, torch.Tensor):
+        assert type(actual) is torch.Tensor, f"{where}: type {type(actual).__name__} is not torch.Tensor"
+        assert actual.device.type == "cpu", f"{where}: loaded on {actual.device}"
+        assert_tensor_equal(actual, expected, where)
+        return
+    expected_type = bytes if isinstance(expected, bytearray | memoryview) else type(expected)
+    assert type(actual) is expected_type, (
+        f"{where}: type {type(actual).__name__} != {expected_type.__name__}"
+    )
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{where}: keys {list(actual)!r} != {list(expected)!r}"
+        for k in expected:
+            assert_same(actual[k], expected[k], f"{where}/{k!r}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{where}/{i}")
+    elif isinstance(expected, float):
+        assert _same_float(actual, expected), f"{where}: {actual!r} != {expected!r}"
+    else:
+        assert actual == expected, f"{where}: {actual!r:.200} != {expected!r:.200}"
+
+
+# --------------------------------------------------------------------------- files
+
+
+def payload_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """Every payload file of a checkpoint folder (regular ``*.bin`` files), sorted."""
+    return sorted(p for p in Path(folder).rglob("*.bin") if p.is_file() and not p.is_symlink())
+
+
+def flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ (1 << bit)]))
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def manifest_path(folder: str | os.PathLike[str]) -> Path:
+    return Path(folder) / MANIFEST_NAME
+
+
+def read_manifest_doc(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The whole manifest document (``format``, ``format_version``, ``checksum``, ``body``)."""
+    return json.loads(manifest_path(folder).read_bytes())
+
+
+def encode_manifest(
+    body: Any, *, format_version: Any = FORMAT_VERSION, fmt: Any = FORMAT_NAME, digest: str | None = None
+) -> bytes:
+    """Manifest bytes for ``body``, framed like ``ckptlib.format.manifest.encode_body``: a fixed
+    head, the body's compact JSON, ``}``. The checksum is the library's own, over exactly the
+    body's bytes, unless ``digest`` is given (to forge a mismatch)."""
+    text = jsonio.dumps(body, sort_keys=False).encode("ascii")
+    if digest is None:
+        digest = checksum(text)
+    head = (
+        f'{{"format":{json.dumps(fmt)},"format_version":{json.dumps(format_version)},'
+        f'"checksum":"xxh3_64:{digest}","body":'
+    )
+    return head.encode("ascii") + text + b"}"
+
+
+def manifest_digest(folder: str | os.PathLike[str]) -> str:
+    """The hex digest recorded in ``folder``'s manifest."""
+    return read_manifest_doc(folder)["checksum"].partition(":")[2]
+
+
+def write_manifest_bytes(folder: str | os.PathLike[str], data: bytes) -> None:
+    manifest_path(folder).write_bytes(data)
+
+
+def rewrite_manifest(
+    folder: str | os.PathLike[str], edit: Callable[[dict[str, Any]], Any], **framing: Any
+) -> dict[str, Any]:
+    """Load ``folder``'s manifest, let ``edit`` change its body in place (its return value is
+    ignored), and write it back with a valid checksum. Returns the body written."""
+    body = read_manifest_doc(folder)["body"]
+    edit(body)
+    write_manifest_bytes(folder, encode_manifest(body, **framing))
+    return body
+
+
+def tensor_ranges(body: dict[str, Any], name: str) -> list[tuple[int, int, int]]:
+    """``(file index, start, length)`` of the stored bytes holding tensor ``name``: its chunks,
+    or the packs its pieces live in (whichever the writer used)."""
+    entry = body["tensors"][name]
+    out = [(c[0], c[1], c[2]) for c in entry.get("chunks", [])]
+    packs = body.get("packs", [])
+    for piece in entry.get("packed", []):
+        p = packs[piece[0]]
+        out.append((p[0], p[1], p[2]))
+    return out
+
+
+def payload_dir(folder: str | os.PathLike[str], body: dict[str, Any]) -> Path:
+    """The folder payload files live in (``<save_id>/`` inside the step folder)."""
+    return Path(folder) / body["files"][0][0].rsplit("/", 1)[0]
+
+
+def add_payload(folder: str | os.PathLike[str], body: dict[str, Any], data: bytes, name: str) -> int:
+    """Write ``data`` as a new payload file next to the others; list it in ``body["files"]``
+    and return its index."""
+    rel = f"{body['files'][0][0].rsplit('/', 1)[0]}/{name}"
+    (Path(folder) / rel).write_bytes(data)
+    body["files"].append([rel, len(data)])
+    return len(body["files"]) - 1
+
+
+def set_single_chunk(
+    body: dict[str, Any],
+    name: str,
+    *,
+    file: int,
+    stored: bytes,
+    dtype: str,
+    shape: list[int],
+    codec: str = "raw",
+    start: int = 0,
+) -> None:
+    """Make tensor ``name`` one chunk of ``stored`` bytes at ``file``/``start``, with a correct
+    checksum (the library's own function), whatever it was before."""
+    body["tensors"][name] = {
+        "dtype": dtype,
+        "shape": list(shape),
+        "chunks": [[file, start, len(stored), checksum(stored), [0] * len(shape), list(shape), codec]],
+    }

@@ -1,0 +1,693 @@
+"""Exact round trips through ``ckptlib.save`` / ``ckptlib.load``.
+
+Everything is compared exactly: container types and dict key order, value types, float bits,
+tensor dtype/shape/bytes (tensors are built from random bytes so every bit pattern, NaN
+payloads included, must survive). Library bugs found here are kept as strict xfails whose
+reason starts with ``BUG:``.
+"""
+
+from __future__ import annotations
+
+import copy
+import decimal
+import functools
+import math
+import os
+import re
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    assert_same,
+    assert_tensor_equal,
+    payload_files,
+    random_tensor,
+    read_manifest_doc,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ckptlib
+from ckptlib.engine import save as save_flow
+from ckptlib.format.dtypes import DTYPES
+from ckptlib.plan.flatten import INLINE_BYTES
+
+# complex32 tensors make torch warn once ("ComplexHalf support is experimental"); the warning
+# is torch's, not ours, and the suite turns warnings into errors.
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+
+DTYPE_NAMES = sorted(DTYPES)
+ONE_BYTE = [n for n in DTYPE_NAMES if DTYPES[n].itemsize == 1]
+
+
+def roundtrip(state: Any, path: str | os.PathLike[str], **save_kw: Any) -> Any:
+    ckptlib.save(state, path, **save_kw)
+    return ckptlib.load(path)
+
+
+def tensor_count(path: str | os.PathLike[str], name: str) -> int:
+    """How many chunks/packed pieces hold tensor ``name`` in the manifest."""
+    entry = read_manifest_doc(path)["body"]["tensors"][name]
+    return len(entry.get("chunks", [])) + len(entry.get("packed", []))
+
+
+@pytest.fixture
+def mem_url():
+    root = f"ckptlib-tests-{uuid.uuid4().hex}"
+    yield f"memory://{root}/ck"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(f"/{root}"):
+        fs.rm(f"/{root}", recursive=True)
+
+
+# --------------------------------------------------------------------------- plain values
+
+
+def plain_values() -> dict[Any, Any]:
+    return {
+        "none": None,
+        "true": True,
+        "false": False,
+        "ints": [0, 1, -1, 2**31, 2**63, 2**64 + 1, 2**100, -(2**100), -(2**63) - 1],
+        "floats": [0.0, -0.0, 1.5, -2.25, 0.1, 5e-324, 1.7976931348623157e308,
+                   float("nan"), float("inf"), float("-inf")],
+        "strs": ["", "ascii", "héllo wörld", "日本語 🚀", "\x00nul\x00", "\ud800 lone surrogate",
+                 'quote " backslash \\ slash / tilde ~'],
+        "bytes": [b"", b"\x00\xff\x01", bytes(range(256)) * 16],  # 4096 bytes: inline
+        "big_bytes": bytes(range(256)) * 16 + b"!",  # 4097 bytes: payload
+        "huge_bytes": os.urandom(100_000),
+        "empty": [{}, [], ()],
+        "nested": {"a": [1, (2, [3, {"b": (None, ())}])], "t": (((),),)},
+        # mixed int and str keys, order preserved (not sorted)
+        "keys": {"z": 1, 3: 2, "a": 3, -7: 4, 2**70: 5, "": 6, "a/b": 7, "~1": 8, "日本": 9},
+        7: "int key at top level",
+        -1: {"deep": {"deeper": {"deepest": [True]}}},
+    }
+
+
+def test_plain_values_roundtrip_exactly(tmp_path: Path) -> None:
+    state = plain_values()
+    loaded = roundtrip(state, tmp_path / "ck")
+    assert_same(loaded, state)
+    assert math.copysign(1.0, loaded["floats"][1]) == -1.0
+
+
+def test_bytes_inline_up_to_limit_then_payload(tmp_path: Path) -> None:
+    state = {
+        "at_limit": b"a" * INLINE_BYTES,
+        "over_limit": b"b" * (INLINE_BYTES + 1),
+        "nested": [(b"c" * (INLINE_BYTES * 3),)],
+        "bytearray": bytearray(b"xyz"),
+    }
+    loaded = roundtrip(state, tmp_path / "ck")
+    assert_same(loaded, state)
+    body = read_manifest_doc(tmp_path / "ck")["body"]
+    # the two large values are payload data, the small ones are inline in the manifest
+    assert len(body["tensors"]) == 2
+    assert "b64" not in str(body["tensors"])
+
+
+def test_dtype_values_roundtrip(tmp_path: Path) -> None:
+    state = {"dtypes": [DTYPES[n] for n in DTYPE_NAMES], "one": torch.bfloat16}
+    loaded = roundtrip(state, tmp_path / "ck")
+    assert loaded["dtypes"] == state["dtypes"]
+    assert all(type(d) is torch.dtype for d in loaded["dtypes"])
+    assert loaded["one"] is torch.bfloat16
+
+
+@pytest.mark.parametrize("root", [None, 0, "s", 2.5, b"b", [], (), {}, [1, (2,)]])
+def test_non_dict_roots(tmp_path: Path, root: Any) -> None:
+    assert_same(roundtrip(root, tmp_path / "ck"), root)
+
+
+def test_tensor_root(tmp_path: Path) -> None:
+    t = random_tensor((4, 3), torch.float32, 1)
+    assert_same(roundtrip(t, tmp_path / "ck"), t)
+
+
+def test_numpy_float_is_saved_as_float(tmp_path: Path) -> None:
+    loaded = roundtrip({"x": np.float64(0.25)}, tmp_path / "ck")
+    assert type(loaded["x"]) is float
+    assert loaded["x"] == 0.25
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
+def test_every_dtype_bitwise(tmp_path: Path, dtype_name: str, compression: str | None) -> None:
+    dt = DTYPES[dtype_name]
+    state = {
+        "small": random_tensor((3, 5, 7), dt, 1),  # packed with other small tensors
+        "large": random_tensor((70, 1024), dt, 2),  # > 64 KiB: a chunk of its own
+        "scalar": random_tensor((), dt, 3),
+        "one": random_tensor((1,), dt, 4),
+        "empty": random_tensor((0, 4), dt, 5),
+    }
+    assert_same(roundtrip(state, tmp_path / "ck", compression=compression), state)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_special_float_bit_patterns(tmp_path: Path, compression: str | None) -> None:
+    f32 = torch.tensor(
+        [0x7FC00000, 0x7FC00001, 0xFFC00000, 0x7F800001, 0x80000000, 0x00000001, 0x7F800000],
+        dtype=torch.int64,
+    ).to(torch.int32).view(torch.float32)
+    f16 = torch.tensor([0x7E01, 0xFE00, 0x8000, 0x7C00, 0x0001], dtype=torch.int32).to(
+        torch.uint16
+    ).view(torch.float16)
+    state = {"f32": f32, "f16": f16, "bf16": f16.view(torch.bfloat16)}
+    assert_same(roundtrip(state, tmp_path / "ck", compression=compression), state)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_zero_size_and_scalar_tensors(tmp_path: Path, compression: str | None) -> None:
+    state = {
+        "e0": torch.empty(0),
+        "e302": torch.empty(3, 0, 2, dtype=torch.float64),
+        "e00": torch.empty(0, 0, dtype=torch.int8),
+        "e_bool": torch.empty(0, 5, dtype=torch.bool),
+        "s_f32": torch.tensor(1.5),
+        "s_i64": torch.tensor(-(2**62), dtype=torch.int64),
+        "s_bool": torch.tensor(True),
+        "s_c64": torch.tensor(1 + 2j, dtype=torch.complex64),
+        "s_bf16": torch.tensor(-0.0, dtype=torch.bfloat16),
+    }
+    assert_same(roundtrip(state, tmp_path / "ck", compression=compression), state)
+
+
+def test_non_contiguous_views(tmp_path: Path) -> None:
+    base = random_tensor((6, 8), torch.float32, 7)
+    big = random_tensor((300, 300), torch.float64, 8)  # > 64 KiB views too
+    cube = random_tensor((3, 4, 5), torch.int16, 9)
+    state = {
+        "transpose": base.t(),
+        "step_slice": base[::2, 1::3],
+        "expand": torch.arange(4, dtype=torch.int32).unsqueeze(0).expand(5, 4),
+        "expand_scalar": torch.tensor(3.0).expand(7),
+        "offset_view": base[2:4, 3:],
+        "offset_contiguous": base.reshape(-1)[5:17],
+        "offset_rows": base[3:],
+        "permute": cube.permute(2, 0, 1),
+        "big_transpose": big.t(),
+        "big_step": big[::3, ::2],
+        "channels_last": random_tensor((2, 3, 4, 5), torch.float16, 10).to(
+            memory_format=torch.channels_last
+        ),
+        "diagonal": big.diagonal(),
+        "unfold": torch.arange(20.0).unfold(0, 4, 3),
+    }
+    assert state["offset_contiguous"].storage_offset() != 0
+    assert state["offset_rows"].is_contiguous() and state["offset_rows"].storage_offset() != 0
+    loaded = roundtrip(state, tmp_path / "ck")
+    assert_same(loaded, state)
+    for k, v in loaded.items():
+        assert v.is_contiguous(), k
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.arange(4.0)[::4], id="step"),
+        pytest.param(lambda: torch.tensor(3.0).expand(1), id="expand"),
+        pytest.param(lambda: torch.arange(2e5).reshape(2, -1)[:1, ::2][:, :1], id="column"),
+    ],
+)
+def test_single_element_strided_views(tmp_path: Path, make: Any) -> None:
+    t = make()
+    assert t.numel() == 1 and t.stride()[-1] != 1
+    assert_same(roundtrip({"t": t}, tmp_path / "ck"), {"t": t})
+
+
+def test_same_storage_saved_twice(tmp_path: Path) -> None:
+    base = random_tensor((10,), torch.float32, 11)
+    state = {"a": base, "b": base, "c": base[2:5]}
+    loaded = roundtrip(state, tmp_path / "ck")
+    assert_same(loaded, state)
+
+
+def test_parameters_and_grad_tensors(tmp_path: Path) -> None:
+    p = nn.Parameter(random_tensor((4, 4), torch.float32, 12))
+    y = p * 2  # requires grad, not a leaf
+    loaded = roundtrip({"p": p, "y": y}, tmp_path / "ck")
+    assert_same(loaded["p"], p.detach())
+    assert_same(loaded["y"], y.detach())
+    assert not loaded["p"].requires_grad
+
+
+def test_large_tensor_spans_default_sized_chunks(tmp_path: Path) -> None:
+    rows = save_flow.DEFAULT_CHUNK_BYTES // (1 << 20) * 2 + 6  # > 2 chunks of default size
+    t = random_tensor((rows, 1 << 18), torch.float32, 13)  # 1 MiB rows
+    path = tmp_path / "ck"
+    loaded = roundtrip({"w": t}, path)
+    assert tensor_count(path, "/w") >= 3
+    assert_same(loaded["w"], t)
+    del loaded
+    target = torch.empty((1 << 18, rows), dtype=torch.float32).t()  # non-contiguous target
+    ptr = target.data_ptr()
+    out = ckptlib.load(path, into={"w": target})
+    assert out["w"] is target and target.data_ptr() == ptr
+    assert_tensor_equal(target, t)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_large_tensor_small_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   compression: str | None) -> None:
+    monkeypatch.setattr(
+        save_flow, "SaveOptions", functools.partial(save_flow.SaveOptions, chunk_bytes=200_000)
+    )
+    t = random_tensor((64, 16384), torch.float32, 14)  # 4 MiB, 64 KiB rows
+    odd = random_tensor((3000, 37), torch.int16, 15)  # a big chunk + a small remainder
+    path = tmp_path / "ck"
+    state = {"w": t, "odd": odd, "b": torch.arange(10)}
+    loaded = roundtrip(state, path, compression=compression)
+    assert tensor_count(path, "/w") >= 20
+    assert tensor_count(path, "/odd") >= 2
+    assert_same(loaded, state)
+    # in place, contiguous target: read straight into it
+    target = {"w": torch.zeros_like(t), "odd": torch.zeros_like(odd), "b": torch.zeros(10, dtype=torch.int64)}
+    ptrs = {k: v.data_ptr() for k, v in target.items()}
+    ckptlib.load(path, into=target)
+    assert {k: v.data_ptr() for k, v in target.items()} == ptrs
+    assert_same(target, state)
+
+
+def test_many_small_tensors_are_packed(tmp_path: Path) -> None:
+    names = DTYPE_NAMES
+    state = {
+        f"t{i}": random_tensor((i % 17 + 1, 3), DTYPES[names[i % len(names)]], i) for i in range(1000)
+    }
+    path = tmp_path / "ck"
+    loaded = roundtrip(state, path)
+    files = payload_files(path)
+    assert 1 <= len(files) <= 2, files
+    body = read_manifest_doc(path)["body"]
+    assert len(body["files"]) <= 2
+    assert_same(loaded, state)
+
+
+def test_zstd_compresses_smooth_floats(tmp_path: Path) -> None:
+    state = {"smooth": torch.linspace(0, 1, 1 << 18), "bytes": torch.zeros(1 << 17, dtype=torch.uint8)}
+    raw_size = sum(f.stat().st_size for f in payload_files(_saved(tmp_path / "raw", state)))
+    z_path = _saved(tmp_path / "z", state, compression="zstd")
+    z_size = sum(f.stat().st_size for f in payload_files(z_path))
+    assert raw_size >= (1 << 20) + (1 << 17)
+    assert z_size < raw_size / 4, (z_size, raw_size)
+    body = read_manifest_doc(z_path)["body"]
+    assert body["tensors"]["/smooth"]["chunks"][0][6] == "zstd-shuffle"  # floats: byte shuffle
+    assert body["tensors"]["/bytes"]["chunks"][0][6] == "zstd"  # 1-byte elements: no shuffle
+    assert_same(ckptlib.load(z_path), state)
+
+
+def _saved(path: Path, state: Any, **kw: Any) -> Path:
+    ckptlib.save(state, path, **kw)
+    return path
+
+
+@pytest.mark.parametrize("size", [3, 100_000], ids=["small", "large"])
+@pytest.mark.parametrize("compression", ["lz4", "ZSTD", ""])
+def test_unknown_compression_is_refused(tmp_path: Path, compression: str, size: int) -> None:
+    with pytest.raises(ValueError, match="compression"):
+        ckptlib.save({"t": torch.ones(size)}, tmp_path / "ck", compression=compression)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- stateful objects
+
+
+def make_training(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def test_module_optimizer_scheduler_in_place(tmp_path: Path) -> None:
+    model, opt, sched = make_training(0)
+    train(model, opt, sched, 3, seed=1)
+    state = {"model": model, "optim": opt, "sched": sched, "epoch": 2}
+    path = tmp_path / "ck"
+    ckptlib.save(state, path)
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = copy.deepcopy(opt.state_dict())
+    want_sched = copy.deepcopy(sched.state_dict())
+    assert set(want_opt["state"]) == {0, 1, 2, 3, 4, 5}  # int keys
+
+    train(model, opt, sched, 2, seed=2)  # move everything away from the checkpoint
+    state["epoch"] = 99
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    ids = {k: id(v) for k, v in tensors.items()}
+    ptrs = {k: v.data_ptr() for k, v in tensors.items()}
+
+    out = ckptlib.load(path, into=state)
+    assert out is state
+    assert state["model"] is model and state["optim"] is opt and state["sched"] is sched
+    assert state["epoch"] == 2
+    now = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert {k: id(v) for k, v in now.items()} == ids
+    assert {k: v.data_ptr() for k, v in now.items()} == ptrs
+    assert_same(dict(model.state_dict()), want_model)
+    assert_same(opt.state_dict(), want_opt)
+    assert_same(sched.state_dict(), want_sched)
+
+
+def test_fresh_optimizer_resumes_bitwise(tmp_path: Path) -> None:
+    model, opt, sched = make_training(0)
+    train(model, opt, sched, 3, seed=1)
+    path = tmp_path / "ck"
+    ckptlib.save({"model": model, "optim": opt, "sched": sched}, path)
+
+    model2, opt2, sched2 = make_training(123)  # different weights, never stepped
+    assert opt2.state_dict()["state"] == {}
+    state2 = {"model": model2, "optim": opt2, "sched": sched2}
+    assert ckptlib.load(path, into=state2) is state2
+    assert_same(opt2.state_dict(), opt.state_dict())
+    assert_same(sched2.state_dict(), sched.state_dict())
+
+    train(model, opt, sched, 3, seed=5)
+    train(model2, opt2, sched2, 3, seed=5)
+    assert_same(dict(model2.state_dict()), dict(model.state_dict()))
+    assert_same(opt2.state_dict(), opt.state_dict())
+
+
+def test_stateful_objects_load_as_plain_dicts(tmp_path: Path) -> None:
+    model, opt, sched = make_training(0)
+    train(model, opt, sched, 2, seed=1)
+    loaded = roundtrip({"model": model, "optim": opt, "sched": sched}, tmp_path / "ck")
+    assert type(loaded["model"]) is dict and type(loaded["optim"]) is dict
+    assert_same(loaded["model"], dict(model.state_dict()))
+    assert_same(loaded["optim"], opt.state_dict())
+    assert_same(loaded["sched"], sched.state_dict())
+
+
+def test_load_into_adds_keys_only_in_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    ckptlib.save({"a": torch.ones(2), "b": [1, 2], "c": None}, path)
+    target = {"a": torch.zeros(2)}
+    ckptlib.load(path, into=target)
+    assert_same(target, {"a": torch.ones(2), "b": [1, 2], "c": None})
+
+
+# --------------------------------------------------------------------------- load(into=) errors
+
+
+@pytest.mark.parametrize(
+    ("target", "match"),
+    [
+        pytest.param({"a": {"w": torch.zeros(4)}, "n": 1}, r"/a/w.*shape", id="shape"),
+        pytest.param({"a": {"w": torch.zeros(3, 1)}, "n": 1}, r"/a/w.*shape", id="rank"),
+        pytest.param({"a": {"w": torch.zeros(3, dtype=torch.float64)}, "n": 1}, r"/a/w.*dtype", id="dtype"),
+        pytest.param({"a": {"w": torch.zeros(3), "extra": torch.zeros(1)}, "n": 1}, r"/a.*extra", id="missing"),
+        pytest.param({"a": {"w": torch.zeros(3)}, "n": 1, "top": 0}, r"top", id="missing-top"),
+        pytest.param({"a": [torch.zeros(3)], "n": 1}, r"/a", id="list-vs-dict"),
+        pytest.param({"a": {"w": {"x": 1}}, "n": 1}, r"/a/w", id="dict-vs-tensor"),
+    ],
+)
+def test_load_into_mismatch(tmp_path: Path, target: dict[str, Any], match: str) -> None:
+    path = tmp_path / "ck"
+    ckptlib.save({"a": {"w": torch.arange(3.0)}, "n": 5}, path)
+    before = copy.deepcopy(target)
+    with pytest.raises(ckptlib.StateMismatchError, match=match):
+        ckptlib.load(path, into=target)
+    assert_same(target, before)  # nothing was touched
+
+
+def test_load_into_module_shape_mismatch(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    ckptlib.save({"m": nn.Linear(4, 3)}, path)
+    with pytest.raises(ckptlib.StateMismatchError, match=r"weight"):
+        ckptlib.load(path, into={"m": nn.Linear(4, 5)})
+
+
+# --------------------------------------------------------------------------- unsupported values
+
+
+class _Opaque:
+    pass
+
+
+def _gen():
+    yield 1
+
+
+UNSUPPORTED = [
+    pytest.param(_Opaque(), "_Opaque", id="object"),
+    pytest.param({1, 2}, "set", id="set"),
+    pytest.param(frozenset(), "frozenset", id="frozenset"),
+    pytest.param(lambda x: x, "function", id="lambda"),
+    pytest.param(1 + 2j, "complex", id="complex"),
+    pytest.param(decimal.Decimal("1.5"), "Decimal", id="decimal"),
+    pytest.param(torch.device("cpu"), "device", id="device"),
+    pytest.param(np.int64(3), "int64", id="numpy-int"),
+    pytest.param(np.zeros(3), "ndarray", id="numpy-array"),
+    pytest.param(_gen(), "generator", id="generator"),
+    pytest.param({1.5: 0}, "1.5", id="float-key"),
+    pytest.param({(1, 2): 0}, r"\(1, 2\)", id="tuple-key"),
+    pytest.param({True: 0}, "True", id="bool-key"),
+    pytest.param(torch.eye(3).to_sparse(), "sparse", id="sparse-tensor"),
+]
+
+
+@pytest.mark.parametrize(("value", "what"), UNSUPPORTED)
+def test_unsupported_leaf_names_path_and_writes_nothing(tmp_path: Path, value: Any, what: str) -> None:
+    state = {"ok": torch.ones(2), "a": {"b": [1, value]}}
+    path = tmp_path / "ck"
+    with pytest.raises(ckptlib.UnsupportedValueError, match=what) as ei:
+        ckptlib.save(state, path)
+    assert "/a/b/1" in str(ei.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unsupported_dtype_value(tmp_path: Path) -> None:
+    with pytest.raises(ckptlib.UnsupportedValueError, match="/a/b"):
+        ckptlib.save({"a": {"b": torch.qint8}}, tmp_path / "ck")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_meta_tensor_is_unsupported(tmp_path: Path) -> None:
+    with pytest.raises(ckptlib.UnsupportedValueError, match="/a/m"):
+        ckptlib.save({"a": {"m": torch.empty(3, device="meta")}}, tmp_path / "ck")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_huge_int_fails_cleanly_or_roundtrips(tmp_path: Path) -> None:
+    state = {"x": 10**5000}
+    path = tmp_path / "ck"
+    try:
+        ckptlib.save(state, path)
+    except ckptlib.UnsupportedValueError as e:
+        assert "/x" in str(e)
+        assert list(tmp_path.iterdir()) == []
+    else:
+        assert_same(ckptlib.load(path), state)
+
+
+def test_conjugate_view_roundtrips(tmp_path: Path) -> None:
+    c = random_tensor((4, 3), torch.complex64, 16)
+    state = {"c": c.conj(), "big": random_tensor((100, 100), torch.complex128, 17).conj()}
+    loaded = roundtrip(state, tmp_path / "ck")
+    assert_tensor_equal(loaded["c"], c.conj().resolve_conj())
+    assert_same(loaded, {k: v.resolve_conj() for k, v in state.items()})
+
+
+def test_int_and_str_keys_with_same_text(tmp_path: Path) -> None:
+    state = {1: torch.ones(2), "1": torch.zeros(3), "n": {2: b"x" * 5000, "2": b"y" * 5000}}
+    path = tmp_path / "ck"
+    try:
+        ckptlib.save(state, path)
+    except ckptlib.UnsupportedValueError:
+        assert list(tmp_path.iterdir()) == []  # refusing up front is acceptable too
+        return
+    assert_same(ckptlib.load(path), state)
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def test_metadata_roundtrip(tmp_path: Path) -> None:
+    meta = {"run": "exp-1", "n": 3, 5: None, "f": [0.5, float("nan"), -0.0], "t": (1, "x"),
+            "b": b"\x00\x01", "dtype": torch.float16, "nested": {"k": [True, False]}}
+    path = tmp_path / "ck"
+    ckptlib.save({"w": torch.ones(2)}, path, metadata=meta)
+    assert_same(ckptlib.load_metadata(path), meta)
+    assert_same(ckptlib.load(path), {"w": torch.ones(2)})
+
+
+def test_metadata_absent_is_none(tmp_path: Path) -> None:
+    ckptlib.save({"w": torch.ones(2)}, tmp_path / "ck")
+    assert ckptlib.load_metadata(tmp_path / "ck") is None
+
+
+def test_metadata_with_tensor_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ckptlib.UnsupportedValueError):
+        ckptlib.save({}, tmp_path / "ck", metadata={"t": torch.ones(2)})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_metadata_with_unsupported_value_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ckptlib.UnsupportedValueError, match="set"):
+        ckptlib.save({}, tmp_path / "ck", metadata={"s": {1}})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_metadata_large_bytes(tmp_path: Path) -> None:
+    meta = {"blob": os.urandom(INLINE_BYTES + 1)}
+    ckptlib.save({}, tmp_path / "ck", metadata=meta)
+    assert_same(ckptlib.load_metadata(tmp_path / "ck"), meta)
+
+
+# --------------------------------------------------------------------------- existing steps, URLs
+
+
+def test_existing_checkpoint_is_kept_unless_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    ckptlib.save({"v": 1, "t": torch.ones(3)}, path)
+    with pytest.raises(ckptlib.StepExistsError):
+        ckptlib.save({"v": 2, "t": torch.zeros(3)}, path)
+    assert_same(ckptlib.load(path), {"v": 1, "t": torch.ones(3)})
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no staging debris
+
+    ckptlib.save({"v": 3, "t": torch.full((3,), 3.0)}, path, overwrite=True)
+    assert_same(ckptlib.load(path), {"v": 3, "t": torch.full((3,), 3.0)})
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    assert len(payload_files(path)) == 1  # the old payloads went with the old folder
+
+
+def test_step_exists_error_types() -> None:
+    assert issubclass(ckptlib.StepExistsError, ckptlib.CommitError)
+    assert issubclass(ckptlib.StepExistsError, FileExistsError)
+
+
+def test_memory_url(mem_url: str) -> None:
+    state = {"w": random_tensor((50, 50), torch.float64, 18), "s": "mem", 3: [b"x" * 5000]}
+    ckptlib.save(state, mem_url, metadata={"m": 1})
+    assert_same(ckptlib.load(mem_url), state)
+    assert ckptlib.load_metadata(mem_url) == {"m": 1}
+    with pytest.raises(ckptlib.StepExistsError):
+        ckptlib.save({"w": torch.zeros(1)}, mem_url)
+    assert_same(ckptlib.load(mem_url), state)
+    ckptlib.save({"w": torch.zeros(1)}, mem_url, overwrite=True)
+    assert_same(ckptlib.load(mem_url), {"w": torch.zeros(1)})
+    target = {"w": torch.ones(1)}
+    ckptlib.load(mem_url, into=target)
+    assert_same(target, {"w": torch.zeros(1)})
+
+
+def test_memory_url_compressed(mem_url: str) -> None:
+    state = {"w": torch.linspace(0, 1, 50_000), "i": random_tensor((5, 5), torch.int8, 19)}
+    ckptlib.save(state, mem_url, compression="zstd")
+    assert_same(ckptlib.load(mem_url), state)
+
+
+def test_file_url(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/ck"
+    state = {"w": random_tensor((7, 9), torch.bfloat16, 20), "k": (1, 2)}
+    ckptlib.save(state, url)
+    assert (tmp_path / "ck" / "manifest.json").is_file()
+    assert_same(ckptlib.load(url), state)
+    assert_same(ckptlib.load(tmp_path / "ck"), state)  # same folder as a plain path
+    assert_same(ckptlib.load(str(tmp_path / "ck") + "/"), state)
+
+
+def test_relative_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    ckptlib.save({"x": 1}, "sub/ck")
+    assert (tmp_path / "sub" / "ck" / "manifest.json").is_file()
+    assert ckptlib.load("sub/ck") == {"x": 1}
+
+
+def test_missing_checkpoint(tmp_path: Path, mem_url: str) -> None:
+    for url in (tmp_path / "nope", tmp_path / "no" / "such" / "root", mem_url):
+        with pytest.raises(ckptlib.CheckpointNotFoundError):
+            ckptlib.load(url)
+        with pytest.raises(FileNotFoundError):
+            ckptlib.load_metadata(url)
+
+
+# --------------------------------------------------------------------------- property test
+
+_INT_TEXT = re.compile(r"-?[0-9]+")
+
+_keys = st.one_of(
+    # str keys that never equal str(int key): see test_int_and_str_keys_with_same_text
+    st.text(max_size=6).filter(lambda s: not _INT_TEXT.fullmatch(s)),
+    st.integers(min_value=-(2**70), max_value=2**70),
+)
+
+
+def _make_tensor(dtype_name: str, shape: list[int], seed: int, view: str) -> torch.Tensor:
+    t = random_tensor(shape, DTYPES[dtype_name], seed)
+    if view == "t" and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    elif view == "step" and t.dim() >= 1:
+        t = t[::2]
+    if t.numel() == 1:  # see test_single_element_strided_views
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+_tensors = st.builds(
+    _make_tensor,
+    st.sampled_from(DTYPE_NAMES),
+    st.lists(st.integers(0, 4), max_size=3),
+    st.integers(0, 2**31),
+    st.sampled_from(["plain", "t", "step"]),
+)
+
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**300), max_value=2**300),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(),
+    st.binary(max_size=64),
+    st.binary(min_size=INLINE_BYTES - 2, max_size=INLINE_BYTES + 2),
+    st.sampled_from([DTYPES[n] for n in DTYPE_NAMES]),
+    _tensors,
+)
+
+_states = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(_keys, children, max_size=4),
+    ),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(state=_states, compression=st.sampled_from([None, "zstd"]), backend=st.sampled_from(["posix", "memory"]))
+def test_property_random_structures_roundtrip(state: Any, compression: str | None, backend: str) -> None:
+    if backend == "memory":
+        root = f"ckptlib-tests-{uuid.uuid4().hex}"
+        try:
+            assert_same(roundtrip(state, f"memory://{root}/ck", compression=compression), state)
+        finally:
+            fsspec.filesystem("memory").rm(f"/{root}", recursive=True)
+        return
+    with tempfile.TemporaryDirectory() as d:
+        assert_same(roundtrip(state, Path(d) / "ck", compression=compression), state)
