@@ -143,6 +143,58 @@ def sc_fail(rank: int, world: int, root: str, args: dict) -> dict:
     return {"error": None, "elapsed": time.monotonic() - t0}
 
 
+def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
+    """Data-parallel training with a fixed global batch whose result does not depend on the
+    number of ranks: per-sample gradients are gathered and summed in sample order."""
+    import hashlib
+    import signal
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckptlib.CheckpointManager(os.path.join(root, "ckpt"), keep_last=2) if args.get("save_every") else None
+    start = 0
+    if mgr is not None:
+        start = mgr.restore(state) or 0
+    batch = 8
+    for step in range(start + 1, args["steps"] + 1):
+        g = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(batch, 16, generator=g)
+        y = torch.randn(batch, 4, generator=g)
+        mine = {}
+        for i in range(rank, batch, world):
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[i : i + 1]), y[i : i + 1]).backward()
+            mine[i] = [p.grad.clone() for p in model.parameters()]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        merged = {}
+        for part in everyone:
+            merged.update(part)
+        for j, p in enumerate(model.parameters()):
+            total = merged[0][j].clone()
+            for i in range(1, batch):
+                total = total + merged[i][j]
+            p.grad = total / batch
+        opt.step()
+        state["step"] = step
+        if mgr is not None and step % args["save_every"] == 0:
+            mgr.save(step, state)
+        if step == args.get("die_at") and rank == args.get("victim", 1):
+            mgr.wait()  # so the newest committed step is known: the one before the kill
+            os.kill(os.getpid(), signal.SIGKILL)
+    if mgr is not None:
+        mgr.close()
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.numpy().tobytes())
+    for st in opt.state_dict()["state"].values():
+        for v in st.values():
+            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return {"digest": h.hexdigest(), "start": start}
+
+
 def main() -> int:
     scenario, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
@@ -158,7 +210,7 @@ def main() -> int:
         out = {"crash": traceback.format_exc()}
     with open(os.path.join(root, f"result-{scenario}-{rank}.json"), "w") as f:
         json.dump(out, f)
-    if scenario != "fail":
+    if scenario not in ("fail", "train"):
         dist.destroy_process_group()
     return 0
 
