@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import ckptlib
-from ckptlib.engine.scan import read_manifest
 from ckptlib.backends import open_storage
+from ckptlib.engine.scan import read_manifest
 
 from .launch import run
 
