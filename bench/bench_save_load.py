@@ -55,7 +55,10 @@ import torch
 
 GIB = 2**30
 GB = 1e9
-IO_CHUNK = 64 * 2**20  # bytes per read()/write() call for large transfers
+IO_CHUNK = 64 * 2**20  # bytes per read() call for large transfers
+# Bytes per write() call. On the reference VM, 2 GiB written in 16-64 MiB write() calls took
+# 2-5x longer than in 1-8 MiB calls (same data, same fsync), so the floor uses 4 MiB.
+WRITE_CHUNK = 4 * 2**20
 RAW_STAGING = 16 * 2**20  # small tensors are packed into a buffer this big before writing
 RAW_DIRECT_MIN = 4 * 2**20  # tensors at least this big are written straight from their memory
 RAW_SEGMENT_MIN = 2**20  # raw.read gives tensors at least this big their own buffer
@@ -253,7 +256,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
-        n = os.write(fd, data[:IO_CHUNK])
+        n = os.write(fd, data[:WRITE_CHUNK])
         data = data[n:]
 
 
@@ -552,6 +555,9 @@ def run_workload(
             if c.name in broken:
                 continue
             folder = base / f"{wl.name}-r{r}-{c.name.replace('+', '_')}"
+            # Flush everything (including the previous folder's deletion, whose block discards
+            # an ext4 `discard` mount would otherwise bill to the next fsync) before timing.
+            os.sync()
             try:
                 t, _ = _timed(lambda c=c, folder=folder: c.save(wl.state, folder))
             except Exception as exc:
@@ -711,6 +717,7 @@ def profile_ckptlib(wl: Workload, ckptlib: Any, base: Path, top: int) -> str:
         for name, fn in steps:
             if name != "ckptlib.save":
                 drop_cache(list_files(folder))
+            os.sync()
             gc.collect()
             prof = cProfile.Profile()
             t0 = time.perf_counter()
@@ -1100,13 +1107,16 @@ def main(argv: list[str] | None = None) -> int:
         "warm load: right after reading every file once. On a VM disk a cold read may still be "
         "served by the host's cache.",
         "- contenders: `raw` = the tensor bytes concatenated into one file (small tensors "
-        "packed into 16 MiB writes, large ones written straight from their memory) + fsync; "
+        "packed into a 16 MiB buffer, large ones written straight from their memory, 4 MiB "
+        "per write() call) + fsync; "
         "read back sequentially into fresh buffers (`raw.read`) or one preallocated buffer "
         "(`raw.read(into)`). `torch.save` = torch.save into an open file + flush + fsync; "
         "`torch.load(weights_only=True)`. `dcp` = torch.distributed.checkpoint save/load "
         f"without a process group; {info['dcp_fsync']}. `ckptlib` = `ckptlib.save(sd, path)`, "
         "`ckptlib.load(path)` (verify=True default) and `ckptlib.load(path, into=sd)`; its "
         "time includes its whole commit.",
+        "- before every save: `os.sync()` (so no contender pays for earlier write-back or "
+        "for block discards of the previous round's deleted folders).",
         "- before every timed operation: `gc.collect()` + glibc `malloc_trim(0)`, so loads that "
         "return new tensors pay first-touch page faults as a fresh resume process would.",
         "- into-loads (`dcp.load(into)`, `ckptlib.load(into)`, `raw.read(into)`) fill "

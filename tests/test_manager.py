@@ -119,6 +119,7 @@ def test_crash_debris_cleaned_only_if_ours(tmp_path):
     (ours / ("ab" * 16) / "r00000-0.bin").write_bytes(b"partial")
     foreign = tmp_path / f"{layout.step_dir(6)}.tmp-{'cd' * 16}"
     foreign.mkdir()
+    (foreign / "data.bin").write_bytes(b"not ours: no marker")
     (tmp_path / "notes.txt").write_text("user file")
     mgr = ckptlib.CheckpointManager(tmp_path, async_save=False)
     assert [(i.step, i.status) for i in mgr.steps()] == [(5, "incomplete"), (6, "incomplete")]

@@ -17,6 +17,7 @@ Any mismatch raises :class:`CorruptCheckpointError` naming the payload file and 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import threading
 from dataclasses import dataclass, field
 
@@ -148,7 +149,9 @@ class Reader:
             full = req.box_shape == entry.shape
             for p in entry.pieces:
                 if full:
-                    hit = (p.offset, tuple(o + n for o, n in zip(p.offset, p.shape, strict=True)))
+                    hit = (p.offset, entry.shape)  # whole-tensor piece (the packed common case)
+                    if p.shape != entry.shape:
+                        hit = (p.offset, tuple(o + n for o, n in zip(p.offset, p.shape, strict=True)))
                 else:
                     hit = _intersect(p, req) if p.shape else ((), ())
                     if hit is None:
@@ -217,16 +220,17 @@ class Reader:
         else:
             raw = np.empty(p.raw_length, dtype=np.uint8)
             codecs.decode_into(stored, p.codec, 1, raw, self._where(p.file))
+        base = raw.ctypes.data
         for piece, dtype, tg in task.members:
             n = ITEMSIZE[dtype]
             for s in piece.shape:
                 n *= s
-            src = raw[piece.raw_offset : piece.raw_offset + n]
             req = tg.req
             if req.box_shape == piece.shape and req.dest.is_contiguous():
-                if n:
-                    as_bytes(req.dest)[:] = src
+                if n:  # the whole tensor: one memmove into its memory (hot for small tensors)
+                    ctypes.memmove(req.dest.data_ptr(), base + piece.raw_offset, n)
                 continue
+            src = raw[piece.raw_offset : piece.raw_offset + n]
             view = torch.from_numpy(src).view(DTYPES[dtype]).reshape(piece.shape)
             sl = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, piece.offset, strict=True))
             d = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, req.box_offset, strict=True))

@@ -38,6 +38,31 @@ def loads(data: bytes | str, where: str = "") -> Any:
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(f"not UTF-8 ({e})", where) from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant)
+        # Duplicate keys, cheaply: every key occurrence in the text ends with '":', so the
+        # text holds at least as many '":' as the parsed objects hold keys, and more only if
+        # some key was repeated (or a string contains '":'). Equal counts prove there were no
+        # duplicates; otherwise parse again with the exact (slower) check.
+        if _count_keys(obj) != text.count('":'):
+            obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        return obj
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"invalid JSON: {e}", where) from None
+
+
+def _count_keys(obj: Any) -> int:
+    n = 0
+    stack = [obj]
+    pop, push = stack.pop, stack.append
+    while stack:
+        x = pop()
+        if type(x) is dict:
+            n += len(x)
+            x = x.values()
+        elif type(x) is not list:
+            continue
+        for v in x:
+            t = type(v)
+            if t is dict or t is list:
+                push(v)
+    return n
