@@ -15,10 +15,12 @@ from ckptlib.errors import (
     CommitError,
     CommitTimeoutError,
     CorruptCheckpointError,
+    FatalStorageError,
     ManifestVersionError,
     StateMismatchError,
     StepExistsError,
     StorageError,
+    StorageTimeoutError,
     UnsupportedValueError,
 )
 from ckptlib.format.leaves import PerRank, Shard
@@ -31,6 +33,7 @@ __all__ = [
     "CommitError",
     "CommitTimeoutError",
     "CorruptCheckpointError",
+    "FatalStorageError",
     "ManifestVersionError",
     "PerRank",
     "SaveHandle",
@@ -39,6 +42,7 @@ __all__ = [
     "StepExistsError",
     "StepInfo",
     "StorageError",
+    "StorageTimeoutError",
     "UnsupportedValueError",
     "__version__",
     "load",

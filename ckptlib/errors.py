@@ -66,5 +66,13 @@ class StorageError(CheckpointError, OSError):
     """The storage backend failed (I/O error, permission, unreachable server)."""
 
 
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage operation (or the save it belongs to) ran past its deadline."""
+
+
+class FatalStorageError(StorageError):
+    """A storage failure that retrying cannot fix (access denied, missing bucket, ...)."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A state leaf cannot be saved without pickle (e.g. an arbitrary Python object)."""

@@ -4,6 +4,9 @@ Object-store semantics: no folder rename, whole-object puts are atomic. The comm
 therefore publishes manifests with :meth:`put_if_absent` when ``supports_conditional_put`` is
 set, else with a plain put followed by a read-back check (see ``ckptlib.engine.commit``).
 ``memory://`` is process-local; its create-only put is made atomic by a lock.
+
+Tests can hand in a ready filesystem (``FsspecStorage(url, fs=...)``), e.g. the fault-injecting
+wrapper :class:`ckptlib.testing.faults.FaultyFileSystem` around a memory filesystem.
 """
 
 from __future__ import annotations
@@ -65,13 +68,19 @@ class _FsRead(ReadHandle):
 class FsspecStorage(Storage):
     supports_atomic_rename = False
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, *, fs: Any = None
+    ) -> None:
+        if fs is None:
+            fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        else:
+            path = url.split("://", 1)[-1]
         self.fs = fs
         self.base = path.rstrip("/")
         self.url = url
         self._lock = threading.Lock()
-        self.supports_conditional_put = fs.protocol in ("memory",) or "memory" in fs.protocol
+        protocol = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+        self.supports_conditional_put = "memory" in protocol
 
     def _full(self, path: str) -> str:
         return join(self.base, path) if path else self.base
@@ -119,7 +128,7 @@ class FsspecStorage(Storage):
         try:
             infos = self.fs.ls(full, detail=True)
         except FileNotFoundError:
-            if path == "" and self.fs.protocol and "memory" in self.fs.protocol:
+            if path == "" and self.supports_conditional_put:
                 return []  # an empty in-memory root
             raise
         out = []
@@ -132,6 +141,21 @@ class FsspecStorage(Storage):
 
     def exists(self, path: str = "") -> bool:
         return bool(self.fs.exists(self._full(path)))
+
+    def tree_modified(self, path: str) -> float | None:
+        """Newest creation/modification time of any file under folder ``path`` (None: none)."""
+        try:
+            infos = self.fs.find(self._full(path), detail=True)
+        except FileNotFoundError:
+            return None
+        times = []
+        for info in infos.values():
+            t = info.get("mtime", info.get("created", info.get("LastModified")))
+            if hasattr(t, "timestamp"):
+                t = t.timestamp()
+            if t is not None:
+                times.append(float(t))
+        return max(times, default=None)
 
     def delete(self, path: str) -> None:
         try:

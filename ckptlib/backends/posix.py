@@ -7,6 +7,15 @@ the path one component at a time with ``O_NOFOLLOW`` so a checkpoint cannot poin
 folder through a symlink, and open with ``O_NONBLOCK`` so a FIFO cannot hang the reader.
 Folder renames use ``renameat2(RENAME_NOREPLACE)`` where the kernel has it, so two jobs
 committing the same step cannot both win.
+
+Parallel and network file systems: nothing here trusts a folder listing alone. Manifests and
+payloads are opened by name; a file that is missing, or shorter than a read needs, is retried
+with backoff for up to ``visibility_timeout`` seconds before it counts as missing (``FileNotFoundError``)
+or short (``CorruptCheckpointError``) -- on NFS a file written by another node can take an
+attribute-cache period to appear or reach its full size. The default is 0 (no waiting) on
+local file systems and :data:`NETWORK_VISIBILITY_TIMEOUT` on mounts whose type is a network
+or parallel file system (see :func:`mount_type`); ``storage_options={"visibility_timeout": S}``
+sets it. See ``docs/storage.md`` for mount options.
 """
 
 from __future__ import annotations
@@ -18,9 +27,40 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
+from ckptlib.backends.retry import RetryPolicy, call_sync
 from ckptlib.errors import CorruptCheckpointError, StorageError
+
+NETWORK_VISIBILITY_TIMEOUT = 10.0
+NETWORK_FS_TYPES = frozenset(
+    {"nfs", "nfs4", "lustre", "gpfs", "wekafs", "cifs", "smb3", "smbfs", "beegfs", "fuse.glusterfs",
+     "glusterfs", "ceph", "fuse.ceph", "panfs", "orangefs", "9p", "fuse.s3fs", "fuse.gcsfuse"}
+)
+
+
+def mount_type(path: str) -> str:
+    """File-system type of the mount holding ``path`` (from /proc/self/mounts), or ``""``."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return ""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+class _NotYet(Exception):
+    """A file is not (fully) visible yet: retried within the visibility timeout."""
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -73,22 +113,30 @@ class _PosixWrite(WriteStream):
 
 
 class _PosixRead(ReadHandle):
-    def __init__(self, fd: int, path: str, size: int) -> None:
+    def __init__(self, fd: int, path: str, size: int, wait: Callable[[Callable[[], Any], str], Any]) -> None:
         self.fd = fd
         self.path = path
         self.size = size
+        self._wait = wait
 
     def read_into(self, start: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" else out
         pos, total = 0, len(out)
-        try:
+
+        def attempt() -> None:
+            nonlocal pos
             while pos < total:
                 n = os.preadv(self.fd, [out[pos:]], start + pos)
                 if n == 0:
-                    raise CorruptCheckpointError(
-                        f"file is shorter than expected (needed bytes up to {start + total})", self.path
-                    )
+                    raise _NotYet()
                 pos += n
+
+        try:
+            self._wait(attempt, f"read {self.path}")
+        except _NotYet:
+            raise CorruptCheckpointError(
+                f"file is shorter than expected (needed bytes up to {start + total})", self.path
+            ) from None
         except OSError as e:
             raise _storage_error("read", self.path, e) from e
 
@@ -102,9 +150,29 @@ class PosixStorage(Storage):
     supports_atomic_rename = True
     supports_conditional_put = False
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, visibility_timeout: float | None = None, **_ignored: Any) -> None:
+        """``visibility_timeout``: seconds to keep retrying a missing or short file (None: by
+        mount type). Other storage options are ignored (POSIX has no other settings)."""
         self.root = os.path.abspath(root)
         self.url = self.root
+        if visibility_timeout is None:
+            probe = self.root
+            while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+                probe = os.path.dirname(probe)
+            kind = mount_type(probe)
+            network = kind in NETWORK_FS_TYPES or kind.startswith("nfs")
+            visibility_timeout = NETWORK_VISIBILITY_TIMEOUT if network else 0.0
+        self.visibility_timeout = float(visibility_timeout)
+        self._policy = RetryPolicy(
+            attempts=1_000_000, attempt_timeout=float("inf"), deadline=self.visibility_timeout,
+            backoff=0.02, backoff_max=1.0,
+        )
+
+    def _visible(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn``, retrying "not there (yet)" for up to ``visibility_timeout`` seconds."""
+        if self.visibility_timeout <= 0:
+            return fn()
+        return call_sync(fn, what, self._policy, transient=lambda e: isinstance(e, FileNotFoundError | _NotYet))
 
     def _p(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -177,6 +245,9 @@ class PosixStorage(Storage):
 
     # -- reading
     def open_read(self, path: str) -> ReadHandle:
+        return self._visible(lambda: self._open_read(path), f"open {self._p(path)}")
+
+    def _open_read(self, path: str) -> ReadHandle:
         full = self._p(path)
         parts = [p for p in path.split("/") if p]
         try:
@@ -204,7 +275,7 @@ class PosixStorage(Storage):
             os.close(fd)
             raise CorruptCheckpointError("is not a regular file; refused", full)
         os.set_blocking(fd, True)
-        return _PosixRead(fd, full, st.st_size)
+        return _PosixRead(fd, full, st.st_size, self._visible)
 
     def size(self, path: str) -> int | None:
         try:
@@ -229,6 +300,23 @@ class PosixStorage(Storage):
 
     def exists(self, path: str = "") -> bool:
         return os.path.lexists(self._p(path))
+
+    def tree_modified(self, path: str) -> float | None:
+        """Newest modification time of anything under folder ``path`` (None: missing)."""
+        full = self._p(path)
+        newest: float | None = None
+        for top, dirs, files in os.walk(full):
+            for name in [*dirs, *files]:
+                try:
+                    t = os.lstat(os.path.join(top, name)).st_mtime
+                except FileNotFoundError:
+                    continue
+                newest = t if newest is None else max(newest, t)
+        try:
+            t = os.lstat(full).st_mtime
+        except FileNotFoundError:
+            return newest
+        return t if newest is None else max(newest, t)
 
     # -- deleting
     def delete(self, path: str) -> None:

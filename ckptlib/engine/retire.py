@@ -8,7 +8,10 @@ crash half-way never leaves something that looks like a valid checkpoint:
   leaves payloads without a manifest: an "incomplete" step that the debris rules below remove.
 
 Debris is only ever deleted when it is provably ours or provably dead:
-- ``*.tmp-<id>``/``*.del-<id>`` folders holding the ``.ckptlib`` marker (rename-capable storage);
+- ``*.tmp-<id>``/``*.del-<id>`` folders holding the ``.ckptlib`` marker (rename-capable storage),
+  or, when a crash mid-deletion already took the marker, holding nothing but what ckptlib
+  writes there (manifest, manifest partials, ``<save_id>/r<rank>...bin`` payloads). ckptlib's
+  own deletions remove the marker last, so they never create marker-less debris;
 - object stores, inside a step folder whose manifest is valid: every ``<save_id>/`` payload
   prefix other than the manifest's (a save that lost the commit race, or crashed after a
   newer save of the same step committed), unless that save id is active in this process;
@@ -41,13 +44,14 @@ DEFAULT_GRACE = 3600.0
 """Seconds without a write before a manifest-less step or an upload counts as dead."""
 
 SAVE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
+PAYLOAD_RE = re.compile(r"^r\d{5}[\w.-]*\.bin$")
 
 
 def delete_step(storage: Storage, folder: str) -> None:
     if storage.supports_atomic_rename:
         gone = layout.del_dir(folder, uuid.uuid4().hex)
         storage.rename(folder, gone)
-        storage.delete_tree(gone)
+        _delete_marker_last(storage, gone)
     else:
         storage.delete(join(folder, MANIFEST_NAME))
         storage.delete_tree(folder)
@@ -77,9 +81,9 @@ def clean_debris(
             continue
         if layout.parse_step(m.group(1)) is None and m.group(2) == "tmp":
             continue
-        if storage.size(join(e.name, layout.MARKER)) is None:
+        if storage.size(join(e.name, layout.MARKER)) is None and not _only_ours(storage, e.name):
             continue  # not provably ours: leave it alone
-        storage.delete_tree(e.name)
+        _delete_marker_last(storage, e.name)
         removed.append(e.name)
     if not storage.supports_atomic_rename:
         removed += _clean_object_store(storage, entries, set(active_ids), grace, now)
@@ -122,6 +126,45 @@ def _clean_object_store(storage: Storage, entries, active: set[str], grace: floa
             abort_upload(path, upload_id)
             removed.append(f"{path} (upload {upload_id})")
     return removed
+
+
+def _delete_marker_last(storage: Storage, folder: str) -> None:
+    """Delete ``folder`` so that a crash part-way leaves the ownership marker in place."""
+    try:
+        entries = storage.listdir(folder)
+    except FileNotFoundError:
+        return
+    for e in entries:
+        if e.name == layout.MARKER:
+            continue
+        if e.is_dir:
+            storage.delete_tree(join(folder, e.name))
+        else:
+            storage.delete(join(folder, e.name))
+    storage.delete_tree(folder)
+
+
+def _only_ours(storage: Storage, folder: str) -> bool:
+    """Whether a marker-less ``*.tmp-``/``*.del-`` folder holds only what ckptlib writes there."""
+    try:
+        entries = storage.listdir(folder)
+    except FileNotFoundError:
+        return False
+    for e in entries:
+        if not e.is_dir and (
+            e.name in (layout.MARKER, MANIFEST_NAME)
+            or (e.name.startswith(MANIFEST_NAME + ".") and e.name.endswith(".partial"))
+        ):
+            continue
+        if not (e.is_dir and SAVE_ID_RE.match(e.name)):
+            return False
+        try:
+            files = storage.listdir(join(folder, e.name))
+        except FileNotFoundError:
+            continue
+        if any(f.is_dir or not PAYLOAD_RE.match(f.name) for f in files):
+            return False
+    return True
 
 
 def _prefix_ids(storage: Storage, folder: str) -> set[str]:

@@ -21,10 +21,17 @@ import torch
 
 from ckptlib import __version__
 from ckptlib.backends import Storage
+from ckptlib.backends.retry import deadline_scope
 from ckptlib.dist.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
 from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_files
-from ckptlib.errors import CheckpointError, CommitError, StepExistsError, UnsupportedValueError
+from ckptlib.errors import (
+    CheckpointError,
+    CommitError,
+    CommitTimeoutError,
+    StepExistsError,
+    UnsupportedValueError,
+)
 from ckptlib.format import manifest as mf
 from ckptlib.format.codec import codec_for
 from ckptlib.format.dtypes import dtype_name
@@ -113,7 +120,9 @@ def persist(
     save_id = coord.agree(save_id or new_save_id(), opts.timeout)
     coord.begin_session(save_id)
     try:
-        return _persist(storage, final, flat, step, meta_tree, opts, coord, save_id, created, deadline, rounds)
+        # One deadline for the whole save: every storage operation inside is bounded by it.
+        with deadline_scope(storage, opts.timeout):
+            return _persist(storage, final, flat, step, meta_tree, opts, coord, save_id, created, deadline, rounds)
     finally:
         coord.end_session()
 
@@ -126,7 +135,8 @@ def _describe(it: TensorItem) -> PieceDesc:
 
 def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool = False) -> CommitError:
     detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
-    cls = StepExistsError if exists else CommitError
+    timed_out = any(msg.startswith(("StorageTimeoutError", "CommitTimeoutError")) for msg in failures.values())
+    cls = StepExistsError if exists else CommitTimeoutError if timed_out else CommitError
     return cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
 
 

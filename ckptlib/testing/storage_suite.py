@@ -1,11 +1,15 @@
 """A storage conformance suite, shipped so every backend (ours or a user's) runs the same tests.
 
 Use: subclass :class:`StorageSuite` in a test module and provide a ``storage`` pytest fixture
-returning a fresh, empty :class:`~ckptlib.backends.Storage`. The tests exercise only the
-public interface and the capability flags.
+returning a fresh, empty :class:`~ckptlib.backends.Storage` whose root exists (``makedirs("")``
+was called). The tests exercise only the public interface and the capability flags; ckptlib
+runs them against memory, POSIX and S3 (``tests/backends/test_conformance.py``).
 """
 
 from __future__ import annotations
+
+import os
+import threading
 
 import pytest
 
@@ -78,3 +82,95 @@ class StorageSuite:
             with pytest.raises(FileExistsError):
                 storage.put_if_absent("once", b"second")
             assert storage.read("once") == b"first"
+
+    def test_large_write_in_pieces(self, storage: Storage) -> None:
+        """Bigger than an S3 part (multipart, parallel parts), written in uneven pieces."""
+        data = os.urandom(1 << 20) * 12 + b"tail"
+        w = storage.open_write("big/payload.bin")
+        pos = 0
+        for n in (1, 3 << 20, 7 << 20, 100, 5 << 20):
+            w.write(memoryview(data)[pos : pos + n])
+            pos += n
+        w.write(data[pos:])
+        w.close()
+        assert storage.size("big/payload.bin") == len(data)
+        with storage.open_read("big/payload.bin") as h:
+            assert h.size == len(data)
+            buf = bytearray(len(data))
+            h.read_into(0, memoryview(buf))
+            assert bytes(buf) == data
+            assert h.read(len(data) - 10, 10) == data[-10:]
+            assert h.read((5 << 20) - 3, 6) == data[(5 << 20) - 3 : (5 << 20) + 3]
+
+    def test_large_abort_leaves_nothing(self, storage: Storage) -> None:
+        w = storage.open_write("big/aborted.bin")
+        w.write(os.urandom(1 << 20) * 11)
+        w.abort()
+        assert storage.size("big/aborted.bin") is None
+        uploads = getattr(storage, "list_uploads", None)
+        if uploads is not None:
+            assert uploads("") == []
+
+    def test_empty_file(self, storage: Storage) -> None:
+        w = storage.open_write("e/empty.bin")
+        w.close()
+        assert storage.size("e/empty.bin") == 0
+        assert storage.read("e/empty.bin") == b""
+
+    def test_read_whole(self, storage: Storage) -> None:
+        storage.put_atomic("w/m.json", b'{"a": 1}')
+        assert storage.read("w/m.json") == b'{"a": 1}'
+        with pytest.raises(FileNotFoundError):
+            storage.read("w/none.json")
+
+    def test_exists(self, storage: Storage) -> None:
+        storage.put_atomic("x/y/z", b"1")
+        assert storage.exists("x/y/z") and storage.exists("x/y") and storage.exists("x")
+        assert not storage.exists("x/q")
+
+    def test_deleted_folder_not_listed(self, storage: Storage) -> None:
+        """A deleted step must not come back as an empty folder (some S3 servers keep one)."""
+        storage.put_atomic("keep/a", b"1")
+        storage.put_atomic("gone/sub/b", b"2")
+        storage.delete_tree("gone")
+        assert {e.name for e in storage.listdir("")} == {"keep"}
+        assert not storage.exists("gone")
+
+    def test_delete_then_recreate(self, storage: Storage) -> None:
+        storage.put_atomic("r/m", b"old")
+        storage.delete("r/m")
+        assert storage.size("r/m") is None
+        storage.put_atomic("r/m", b"new")
+        assert storage.read("r/m") == b"new"
+
+    def test_create_only_race_has_one_winner(self, storage: Storage) -> None:
+        """Many writers race to create one commit point: exactly one wins, the rest are told."""
+        if not (storage.supports_conditional_put or storage.supports_atomic_rename):
+            pytest.skip("no create-only primitive")
+        n = 6
+        start = threading.Barrier(n)
+        wins, losses = [], []
+
+        def racer(i: int) -> None:
+            start.wait(timeout=30)
+            try:
+                if storage.supports_conditional_put:
+                    storage.put_if_absent("race/manifest.json", f"writer {i}".encode())
+                else:
+                    storage.rename(f"race-src-{i}", "race/step")
+                wins.append(i)
+            except FileExistsError:
+                losses.append(i)
+
+        if not storage.supports_conditional_put:
+            storage.makedirs("race")
+            for i in range(n):
+                storage.put_atomic(f"race-src-{i}/manifest.json", f"writer {i}".encode())
+        threads = [threading.Thread(target=racer, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(wins) == 1 and len(losses) == n - 1, (wins, losses)
+        where = "race/manifest.json" if storage.supports_conditional_put else "race/step/manifest.json"
+        assert storage.read(where) == f"writer {wins[0]}".encode()

@@ -1,34 +1,35 @@
-"""The shared storage conformance suite, run against each backend."""
+"""The one storage conformance suite, run against memory, POSIX and S3 (SeaweedFS and moto).
+
+The ``storage`` fixture (conftest) is parametrized over the backends; the tests are the
+shipped :class:`ckptlib.testing.storage_suite.StorageSuite`, unchanged for every backend.
+"""
 
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
 from ckptlib.backends import open_storage
-from ckptlib.backends.base import Storage
 from ckptlib.errors import CorruptCheckpointError
 from ckptlib.testing.storage_suite import StorageSuite
 
 
-class TestPosix(StorageSuite):
-    @pytest.fixture
-    def storage(self, tmp_path) -> Storage:
-        return open_storage(tmp_path / "root")
+class TestStorage(StorageSuite):
+    pass
 
 
-class TestFileUrl(StorageSuite):
-    @pytest.fixture
-    def storage(self, tmp_path) -> Storage:
-        return open_storage(f"file://{tmp_path}/root")
+def test_file_url_is_posix(tmp_path):
+    s = open_storage(f"file://{tmp_path}/root")
+    assert type(s).__name__ == "PosixStorage" and s.supports_atomic_rename
 
 
-class TestMemory(StorageSuite):
-    @pytest.fixture
-    def storage(self) -> Storage:
-        return open_storage(f"memory://conformance-{uuid.uuid4().hex}")
+def test_s3_url_is_s3(seaweed):
+    s = open_storage("s3://ckptlib-tests/x", seaweed.storage_options())
+    assert type(s).__name__ == "S3Storage"
+    assert s.supports_conditional_put and not s.supports_atomic_rename
+    off = open_storage("s3://ckptlib-tests/x", seaweed.storage_options(ckptlib_conditional_put=False))
+    assert not off.supports_conditional_put
 
 
 def test_posix_refuses_symlinks_and_fifos(tmp_path):

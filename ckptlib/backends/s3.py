@@ -1,0 +1,629 @@
+"""S3 storage (``s3://bucket/prefix``) over s3fs's aiobotocore client, with retries and deadlines.
+
+Object-store semantics: no rename; whole-object puts are atomic; the manifest is published
+with a create-only conditional put (``If-None-Match: *``) when ``supports_conditional_put``
+(the default; set the storage option ``ckptlib_conditional_put=False`` for servers without
+it, and the commit falls back to put + read-back, see ``ckptlib.engine.commit``).
+
+Threads: every public method is called on a ckptlib thread (the caller's, a writer or reader
+pool thread, or the manager's background save thread) and blocks it; the requests themselves
+run as coroutines on fsspec's I/O event-loop thread, each wrapped by
+:func:`ckptlib.backends.retry.call_async` (exponential backoff with jitter for transient
+errors, none for fatal ones, a timeout per attempt, a deadline per operation, and the
+storage's :attr:`S3Storage.deadline` scope for whole saves). Nothing runs on the loop thread
+that could block it.
+
+Writes: :meth:`S3Storage.open_write` returns a stream that buffers ``part_size`` bytes and
+then switches to a multipart upload whose parts go out in parallel (at most
+``parts_in_flight`` per stream); ``close()`` waits for every part and completes the upload;
+``abort()`` (or any failure) aborts it, so no incomplete upload is left behind by a save that
+could talk to the server. A file smaller than one part is a single ``PutObject``.
+
+Reads: ranged GETs; a read larger than ``read_split`` is split into ranges fetched in
+parallel. Listings go straight to ``ListObjectsV2`` (no listings cache: a stale cache must
+never hide or resurrect a step).
+
+Storage options (everything else is passed to ``s3fs.S3FileSystem`` unchanged):
+``ckptlib_conditional_put`` (bool, default True), ``ckptlib_part_size`` (bytes, default 16 MiB,
+at least 5 MiB), ``ckptlib_parts_in_flight`` (default 4), ``ckptlib_read_split`` (bytes, default
+16 MiB), ``ckptlib_retry`` (a :class:`~ckptlib.backends.retry.RetryPolicy` or a dict of its
+fields). Unless given in ``config_kwargs``, botocore's own retries are turned off (ours take
+their place, so attempts do not multiply), its timeouts follow ``attempt_timeout``, and
+checksums are computed only where S3 requires them (ckptlib checksums every chunk itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import errno
+import io
+import logging
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fsspec.asyn import sync
+
+from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+from ckptlib.backends.retry import (
+    DeadlineScope,
+    FatalStorageError,
+    RetryPolicy,
+    StorageTimeoutError,
+    call_async,
+    error_code,
+)
+from ckptlib.errors import CorruptCheckpointError, StorageError
+
+log = logging.getLogger("ckptlib.storage")
+
+T = TypeVar("T")
+
+MIN_PART = 5 << 20
+DEFAULT_PART = 16 << 20
+CLEANUP_DEADLINE = 10.0
+"""Abort/cleanup calls after a failure get their own short budget (the save's may be spent);
+what they cannot remove in time is left to ``retire.clean_debris``."""
+CLEANUP_ATTEMPT = 5.0
+
+
+class _ShortBody(ConnectionError):
+    """A GET returned fewer bytes than asked (a cut connection): transient."""
+
+
+def _missing(e: BaseException) -> bool:
+    code, status = error_code(e)
+    return status == 404 or code in ("404", "NoSuchKey", "NotFound", "NoSuchUpload")
+
+
+def _fatal(e: BaseException, what: str) -> BaseException | None:
+    """The ckptlib error for a fatal ClientError (``None``: let the retry policy decide)."""
+    code, status = error_code(e)
+    if code == "NoSuchBucket":
+        return FatalStorageError(errno.ENOENT, f"{what}: the bucket does not exist")
+    if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+        return FatalStorageError(errno.EACCES, f"{what}: access denied ({code or status})")
+    if code in ("InvalidBucketName", "InvalidArgument", "EntityTooSmall", "InvalidPart", "MalformedXML"):
+        return FatalStorageError(f"{what}: {code}: {e}")
+    return None
+
+
+def _flag(value: Any) -> bool:
+    """A boolean storage option, also from the CLI's ``KEY=VALUE`` strings."""
+    if isinstance(value, str):
+        if value.strip().lower() in ("0", "false", "no", "off", ""):
+            return False
+        if value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        raise ValueError(f"not a boolean: {value!r}")
+    return bool(value)
+
+
+class _S3Write(WriteStream):
+    """A payload object being written (see the module docstring). One writer thread."""
+
+    def __init__(self, store: S3Storage, path: str) -> None:
+        self.store = store
+        self.path = path
+        self.key = store._key(path)
+        self.buf = bytearray()
+        self.size = 0
+        self.upload_id: str | None = None
+        self.parts: dict[int, str] = {}
+        self.inflight: deque[tuple[int, cf.Future[Any]]] = deque()
+        self.next_part = 1
+        self.state = "open"
+        self.put_tried = False
+
+    def _check(self) -> None:
+        if self.state != "open":
+            raise StorageError(f"write to {self.store.url}/{self.path} after it was {self.state}")
+
+    def write(self, data) -> None:
+        self._check()
+        mv = memoryview(data).cast("B")
+        part = self.store.part_size
+        try:
+            while mv:
+                take = min(len(mv), part - len(self.buf))
+                self.buf += mv[:take]
+                mv = mv[take:]
+                self.size += take
+                if len(self.buf) >= part:
+                    self._send_part()
+        except BaseException:
+            self.state = "failed"
+            raise
+
+    def _send_part(self) -> None:
+        s = self.store
+        if self.upload_id is None:
+            resp = s._run(
+                s._call(lambda: s.client.create_multipart_upload(Bucket=s.bucket, Key=self.key), self.path),
+                f"start upload of {self.path}",
+            )
+            self.upload_id = resp["UploadId"]
+        body, self.buf = bytes(self.buf), bytearray()
+        num = self.next_part
+        self.next_part += 1
+        upload_id = self.upload_id
+
+        async def put() -> Any:
+            return await s.client.upload_part(
+                Bucket=s.bucket, Key=self.key, UploadId=upload_id, PartNumber=num, Body=io.BytesIO(body)
+            )
+
+        self.inflight.append((num, s._submit(s._call(put, self.path), f"upload part {num} of {self.path}")))
+        while len(self.inflight) >= s.parts_in_flight:
+            self._wait_one()
+
+    def _wait_one(self) -> None:
+        num, fut = self.inflight.popleft()
+        resp = self.store._result(fut, f"upload part {num} of {self.path}")
+        self.parts[num] = resp["ETag"]
+
+    def close(self) -> None:
+        if self.state == "closed":
+            return
+        self._check()
+        s = self.store
+        try:
+            if self.upload_id is None:
+                data = bytes(self.buf)
+                self.put_tried = True
+                s._run(
+                    s._call(lambda: s.client.put_object(Bucket=s.bucket, Key=self.key, Body=io.BytesIO(data)), self.path),
+                    f"put {self.path}",
+                )
+            else:
+                if self.buf:
+                    self._send_part()
+                while self.inflight:
+                    self._wait_one()
+                self._complete()
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.buf = bytearray()
+        self.state = "closed"
+
+    def _complete(self) -> None:
+        s = self.store
+        parts = [{"PartNumber": n, "ETag": self.parts[n]} for n in sorted(self.parts)]
+        tries = 0
+
+        async def complete() -> Any:
+            nonlocal tries
+            tries += 1
+            try:
+                return await s.client.complete_multipart_upload(
+                    Bucket=s.bucket, Key=self.key, UploadId=self.upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            except Exception as e:
+                # A retry after a completion whose response was lost finds no upload: the
+                # object is there if its size is ours.
+                if tries > 1 and _missing(e):
+                    head = await s.client.head_object(Bucket=s.bucket, Key=self.key)
+                    if int(head["ContentLength"]) == self.size:
+                        return head
+                raise
+
+        s._run(complete, f"complete upload of {self.path}")
+
+    def abort(self) -> None:
+        if self.state in ("closed", "aborted"):
+            return
+        self.state = "aborted"
+        s = self.store
+        for _, fut in self.inflight:
+            fut.cancel()
+        for _, fut in self.inflight:
+            try:
+                fut.result(timeout=CLEANUP_DEADLINE)
+            except BaseException:  # cancelled or failed parts are expected here
+                pass
+        self.inflight.clear()
+        self.buf = bytearray()
+        try:
+            if self.upload_id is not None:
+                s.abort_upload(self.path, self.upload_id)
+            elif self.put_tried:  # a put whose answer was lost may still have landed
+                s._run(
+                    lambda: s.client.delete_object(Bucket=s.bucket, Key=self.key),
+                    f"delete partial {self.path}", cleanup=True,
+                )
+        except Exception as e:
+            log.warning("ckptlib: could not clean up %s/%s (a later cleanup will): %s", s.url, self.path, e)
+
+
+class _S3Read(ReadHandle):
+    def __init__(self, store: S3Storage, path: str, size: int) -> None:
+        self.store = store
+        self.path = path
+        self.key = store._key(path)
+        self.size = size
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        n = len(out)
+        if start + n > self.size:
+            raise CorruptCheckpointError(
+                f"file is shorter than expected (needed bytes up to {start + n}, has {self.size})",
+                f"{self.store.url}/{self.path}",
+            )
+        if n:
+            self.store._read_ranges(self.key, self.path, start, out)
+
+    def close(self) -> None:
+        pass
+
+
+class S3Storage(Storage):
+    supports_atomic_rename = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        import s3fs  # lazy: the s3 extra is optional
+
+        opts = dict(storage_options or {})
+        self.supports_conditional_put = _flag(opts.pop("ckptlib_conditional_put", True))
+        self.part_size = max(MIN_PART, int(opts.pop("ckptlib_part_size", DEFAULT_PART)))
+        self.parts_in_flight = max(1, int(opts.pop("ckptlib_parts_in_flight", 4)))
+        self.read_split = max(1 << 20, int(opts.pop("ckptlib_read_split", DEFAULT_PART)))
+        self.policy = RetryPolicy.from_options(opts.pop("ckptlib_retry", None))
+        self.deadline = DeadlineScope()
+        """``with storage.deadline(seconds):`` bounds every operation inside (a whole save)."""
+        self.stats: Counter[str] = Counter()
+        """Counts of retries (``retries``) and requests by kind, for tests and benchmarks."""
+
+        rest = url.split("://", 1)[1] if "://" in url else url
+        self.bucket, _, prefix = rest.partition("/")
+        if not self.bucket:
+            raise ValueError(f"no bucket in {url!r}")
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+        config = dict(opts.pop("config_kwargs", None) or {})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        config.setdefault("connect_timeout", min(10.0, self.policy.attempt_timeout))
+        config.setdefault("read_timeout", self.policy.attempt_timeout)
+        config.setdefault("max_pool_connections", max(32, 4 * self.parts_in_flight))
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("response_checksum_validation", "when_required")
+        opts.setdefault("skip_instance_cache", True)
+        opts.setdefault("use_listings_cache", False)
+        self.fs = s3fs.S3FileSystem(config_kwargs=config, **opts)
+        self.loop = self.fs.loop
+        self.client = sync(self.loop, self.fs.set_session)
+
+    # ------------------------------------------------------------------ plumbing
+    def _key(self, path: str) -> str:
+        return join(self.prefix, path) if path else self.prefix
+
+    def _submit(
+        self, fn: Callable[[], Awaitable[T]], what: str, *, cleanup: bool = False
+    ) -> cf.Future[T]:
+        policy = self.policy
+        if cleanup:
+            policy = RetryPolicy(
+                attempts=policy.attempts, attempt_timeout=min(policy.attempt_timeout, CLEANUP_ATTEMPT),
+                deadline=min(policy.deadline, CLEANUP_DEADLINE), backoff=policy.backoff,
+                backoff_max=policy.backoff_max,
+            )
+        self.stats[what.split(" ", 1)[0]] += 1
+        coro = call_async(
+            fn, f"{what} ({self.url})", policy, scope=None if cleanup else self.deadline, stats=self.stats
+        )
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _result(self, fut: cf.Future[T], what: str) -> T:
+        # call_async bounds itself by its deadline; this outer wait is only a safety net.
+        limit = self.policy.deadline + 30.0
+        done, _ = cf.wait([fut], timeout=limit)
+        if not done:
+            fut.cancel()
+            raise StorageTimeoutError(errno.ETIMEDOUT, f"{what} ({self.url}): no answer in {limit:.0f}s")
+        return fut.result()
+
+    def _run(self, fn: Callable[[], Awaitable[T]], what: str, *, cleanup: bool = False) -> T:
+        return self._result(self._submit(fn, what, cleanup=cleanup), what)
+
+    def _call(self, fn: Callable[[], Awaitable[T]], what: str) -> Callable[[], Awaitable[T]]:
+        """Wrap one request so fatal S3 answers become ckptlib errors inside the retry loop."""
+
+        async def go() -> T:
+            try:
+                return await fn()
+            except Exception as e:
+                fatal = _fatal(e, what)
+                if fatal is not None:
+                    raise fatal from e
+                if _missing(e):
+                    raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{what}") from None
+                raise
+
+        return go
+
+    # ------------------------------------------------------------------ writing
+    def open_write(self, path: str) -> WriteStream:
+        return _S3Write(self, path)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        key = self._key(path)
+        body = bytes(data)
+        self._run(
+            self._call(lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=io.BytesIO(body)), path),
+            f"put {path}",
+        )
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        if not self.supports_conditional_put:
+            super().put_if_absent(path, data)
+        key = self._key(path)
+        body = bytes(data)
+        tries = 0
+
+        async def put() -> Any:
+            nonlocal tries
+            tries += 1
+            try:
+                return await self.client.put_object(
+                    Bucket=self.bucket, Key=key, Body=io.BytesIO(body), IfNoneMatch="*"
+                )
+            except Exception as e:
+                code, status = error_code(e)
+                if status == 412 or code == "PreconditionFailed":
+                    if tries > 1 and await self._same_bytes(key, body):
+                        return None  # our own earlier attempt landed; its answer was lost
+                    raise FileExistsError(errno.EEXIST, "already exists", f"{self.url}/{path}") from None
+                fatal = _fatal(e, path)
+                if fatal is not None:
+                    raise fatal from e
+                raise
+
+        self._run(put, f"create {path}")
+
+    async def _same_bytes(self, key: str, body: bytes) -> bool:
+        try:
+            resp = await self.client.get_object(Bucket=self.bucket, Key=key)
+            async with resp["Body"] as stream:
+                return await stream.read() == body
+        except Exception:
+            return False
+
+    def makedirs(self, path: str) -> None:
+        """No folders on S3; for the root, check that the bucket is there (fatal if not)."""
+        if path:
+            return
+
+        async def head() -> Any:
+            try:
+                return await self.client.head_bucket(Bucket=self.bucket)
+            except Exception as e:
+                code, status = error_code(e)
+                if status == 404 or code in ("NoSuchBucket", "404"):
+                    raise FatalStorageError(errno.ENOENT, f"bucket {self.bucket!r} does not exist") from None
+                fatal = _fatal(e, f"bucket {self.bucket}")
+                if fatal is not None:
+                    raise fatal from e
+                raise
+
+        self._run(head, "check bucket")
+
+    # ------------------------------------------------------------------ reading
+    def open_read(self, path: str) -> ReadHandle:
+        size = self.size(path)
+        if size is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{path}")
+        return _S3Read(self, path, size)
+
+    def read(self, path: str) -> bytes:
+        key = self._key(path)
+
+        async def get() -> bytes:
+            resp = await self.client.get_object(Bucket=self.bucket, Key=key)
+            async with resp["Body"] as stream:
+                data = await stream.read()
+            if len(data) != int(resp["ContentLength"]):
+                raise _ShortBody(f"got {len(data)} of {resp['ContentLength']} bytes")
+            return data
+
+        return self._run(self._call(get, path), f"get {path}")
+
+    def _read_ranges(self, key: str, path: str, start: int, out: memoryview) -> None:
+        n = len(out)
+        step = self.read_split
+        ranges = [(a, min(a + step, n)) for a in range(0, n, step)]
+
+        def one(a: int, b: int) -> Callable[[], Awaitable[None]]:
+            async def get() -> None:
+                resp = await self.client.get_object(
+                    Bucket=self.bucket, Key=key, Range=f"bytes={start + a}-{start + b - 1}"
+                )
+                async with resp["Body"] as stream:
+                    data = await stream.read()
+                if len(data) != b - a:
+                    raise _ShortBody(f"got {len(data)} of {b - a} bytes")
+                out[a:b] = data
+
+            return self._call(get, path)
+
+        futs = [self._submit(one(a, b), f"get {path} [{start + a}, {start + b})") for a, b in ranges]
+        try:
+            for f in futs:
+                self._result(f, f"get {path}")
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            cf.wait(futs, timeout=CLEANUP_DEADLINE)  # nothing may write into ``out`` after we return
+            raise
+
+    def size(self, path: str) -> int | None:
+        key = self._key(path)
+        try:
+            head = self._run(
+                self._call(lambda: self.client.head_object(Bucket=self.bucket, Key=key), path),
+                f"head {path}",
+            )
+        except FileNotFoundError:
+            return None
+        return int(head["ContentLength"])
+
+    def modified(self, path: str) -> float | None:
+        """Last-modified time (Unix seconds) of one object, or None if there is none."""
+        key = self._key(path)
+        try:
+            head = self._run(
+                self._call(lambda: self.client.head_object(Bucket=self.bucket, Key=key), path),
+                f"head {path}",
+            )
+        except FileNotFoundError:
+            return None
+        return head["LastModified"].timestamp()
+
+    async def _list(self, prefix: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
+        """Raw ListObjectsV2 pages' ``Contents`` and ``CommonPrefixes`` under ``prefix``."""
+        out: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if delimiter:
+                kw["Delimiter"] = delimiter
+            if token:
+                kw["ContinuationToken"] = token
+            if limit:
+                kw["MaxKeys"] = limit
+            resp = await self.client.list_objects_v2(**kw)
+            out.extend({"Key": c["Prefix"], "dir": True} for c in resp.get("CommonPrefixes", []))
+            out.extend({**c, "dir": False} for c in resp.get("Contents", []))
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token or (limit and len(out) >= limit):
+                return out
+
+    def _list_sync(self, path: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
+        prefix = self._key(path)
+        prefix = prefix + "/" if prefix else ""
+        return self._run(self._call(lambda: self._list(prefix, delimiter, limit), path or "/"), f"list {path or '/'}")
+
+    def listdir(self, path: str = "") -> list[Entry]:
+        """Entries under ``path``. A folder is listed only if some object is under it: servers
+        such as SeaweedFS keep empty folder entries after their objects are deleted, and a
+        deleted step must not come back as an empty "incomplete" one."""
+        prefix = self._key(path)
+        prefix = prefix + "/" if prefix else ""
+
+        async def go() -> list[dict[str, Any]]:
+            items = await self._list(prefix, "/")
+            dirs = [it for it in items if it["dir"]]
+            if dirs:
+                sem = asyncio.Semaphore(16)
+
+                async def probe(it: dict[str, Any]) -> bool:
+                    async with sem:
+                        return bool(await self._list(it["Key"], None, 1))
+
+                alive = await asyncio.gather(*(probe(it) for it in dirs))
+                dead = {it["Key"] for it, ok in zip(dirs, alive, strict=True) if not ok}
+                items = [it for it in items if it["Key"] not in dead]
+            return items
+
+        items = self._run(self._call(go, path or "/"), f"list {path or '/'}")
+        base = self._key(path)
+        cut = len(base) + 1 if base else 0
+        out: dict[str, Entry] = {}
+        for it in items:
+            name = it["Key"][cut:].rstrip("/")
+            if not name:
+                continue  # a folder-marker object for ``path`` itself
+            out.setdefault(name, Entry(name, it["dir"]))
+        if not out:
+            if not path:
+                self.makedirs("")  # an empty root is fine; a missing bucket is not
+                return []
+            raise FileNotFoundError(errno.ENOENT, "no such folder", f"{self.url}/{path}")
+        return list(out.values())
+
+    def tree_modified(self, path: str) -> float | None:
+        """Newest last-modified time of any object under folder ``path`` (None: empty)."""
+        items = self._list_sync(path, None)
+        times = [it["LastModified"].timestamp() for it in items if not it["dir"]]
+        return max(times, default=None)
+
+    def exists(self, path: str = "") -> bool:
+        if not path:
+            try:
+                self.makedirs("")
+            except FatalStorageError:
+                return False
+            return True
+        return self.size(path) is not None or bool(self._list_sync(path, None, 1))
+
+    # ------------------------------------------------------------------ deleting
+    def delete(self, path: str) -> None:
+        key = self._key(path)
+        try:
+            self._run(
+                self._call(lambda: self.client.delete_object(Bucket=self.bucket, Key=key), path),
+                f"delete {path}",
+            )
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, path: str) -> None:
+        if not path:
+            raise ValueError("refusing to delete the storage root")
+        for key, upload_id, _ in self.list_uploads(path):
+            self.abort_upload(key, upload_id)
+        keys = [it["Key"] for it in self._list_sync(path, None) if not it["dir"]]
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            resp = self._run(
+                self._call(lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete=b), path),
+                f"delete {path}/",
+            )
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                raise StorageError(f"delete {self.url}/{path}: {len(errors)} object(s) not deleted: {errors[0]}")
+
+    # ------------------------------------------------------------------ multipart uploads
+    def list_uploads(self, path: str = "") -> list[tuple[str, str, float]]:
+        """Incomplete multipart uploads under folder ``path``: ``(path, upload id, started)``.
+
+        ``path`` of each upload is relative to the storage root; ``started`` is Unix seconds.
+        """
+        prefix = self._key(path)
+        prefix = prefix + "/" if prefix else ""
+        cut = len(self.prefix) + 1 if self.prefix else 0
+
+        async def go() -> list[tuple[str, str, float]]:
+            out = []
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            while True:
+                resp = await self.client.list_multipart_uploads(**kw)
+                for u in resp.get("Uploads", []) or []:
+                    out.append((u["Key"][cut:], u["UploadId"], u["Initiated"].timestamp()))
+                if not resp.get("IsTruncated"):
+                    return out
+                kw["KeyMarker"] = resp.get("NextKeyMarker", "")
+                kw["UploadIdMarker"] = resp.get("NextUploadIdMarker", "")
+
+        return self._run(self._call(go, path or "/"), f"list uploads {path or '/'}")
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        """Abort one multipart upload (an upload that is already gone is fine)."""
+        key = self._key(path)
+        try:
+            self._run(
+                self._call(
+                    lambda: self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
+                    path,
+                ),
+                f"abort upload of {path}",
+                cleanup=True,
+            )
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Nothing to release eagerly: s3fs closes its client when the storage is collected."""

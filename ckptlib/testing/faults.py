@@ -1,0 +1,405 @@
+"""Fault injection for tests: a wrapper around any fsspec filesystem, and one around any
+:class:`~ckptlib.backends.Storage`, driven by the same :class:`Fault` rules.
+
+A :class:`Fault` picks calls by operation name, a glob on the path, optionally a rank, and
+either explicit call numbers (``calls=(2,)``: the second matching call) or a steady rate
+(``every=5``: every fifth matching call). What it does:
+
+- ``error``: raise ``error`` (an exception instance or a zero-argument factory);
+- ``slow``: sleep ``delay`` seconds, then run the call;
+- ``truncate``: a write keeps only its first ``keep`` bytes (and still reports success);
+- ``stale_listing``: every matching listing after the first returns what the first one
+  returned (entries created since are missing, deleted ones are still there);
+- ``delay_visibility``: after a matching write, the next ``hidden_for`` reads or stats of that
+  path act as if it did not exist (and listings omit it).
+
+Every fault counts how often it fired; :meth:`FaultInjector.verify` (called on leaving the
+``with`` block of either wrapper) raises ``AssertionError`` naming any fault that never fired,
+so a test cannot pass because its fault silently missed the code it meant to hit.
+
+Thread-safe: the save and load paths call storage from several threads.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsspec.spec import AbstractFileSystem
+
+from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
+from ckptlib.errors import StorageError
+
+KINDS = ("error", "slow", "truncate", "stale_listing", "delay_visibility")
+WRITE_OPS = {"pipe_file", "put_atomic", "put_if_absent", "close", "open_write"}
+READ_OPS = {"cat_file", "info", "exists", "open", "open_read", "read", "size"}
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+@dataclass
+class Fault:
+    op: str
+    """Operation name (``pipe_file``, ``cat_file``, ``ls``, ``open_read``, ``listdir``, ``close``...)
+    or ``*`` for any."""
+    path: str = "*"
+    """``fnmatch`` glob on the path the operation gets (relative for storages)."""
+    kind: str = "error"
+    calls: Collection[int] | None = (1,)
+    """Matching calls (1-based) that fault; ``None``: every matching call (unless ``every``)."""
+    every: int | None = None
+    """Fault every ``every``-th matching call instead of ``calls`` (a steady rate)."""
+    error: BaseException | Callable[[], BaseException] | None = None
+    delay: float = 0.0
+    keep: int = 0
+    hidden_for: int = 1
+    rank: int | None = None
+    """Only in the process of this rank (torch.distributed's, else ``$RANK``, else 0)."""
+    seen: int = field(default=0, init=False)
+    fired: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; one of {KINDS}")
+        if self.every is not None:
+            self.calls = None
+
+    def matches(self, op: str, path: str) -> bool:
+        if self.rank is not None and self.rank != _rank():
+            return False
+        return (self.op in ("*", op)) and fnmatch.fnmatchcase(path.lstrip("/"), self.path.lstrip("/"))
+
+    def choose(self) -> bool:
+        """Count one matching call; True if this one faults."""
+        self.seen += 1
+        if self.every is not None:
+            return self.seen % self.every == 0
+        return self.calls is None or self.seen in self.calls
+
+    def make_error(self, op: str, path: str) -> BaseException:
+        if self.error is None:
+            return StorageError(f"injected fault: {op} {path}")
+        if isinstance(self.error, BaseException):
+            return self.error
+        return self.error()
+
+    def __repr__(self) -> str:
+        sel = f"every={self.every}" if self.every else f"calls={self.calls}"
+        return f"Fault({self.kind} {self.op} {self.path!r} {sel}, fired {self.fired})"
+
+
+class FaultInjector:
+    """The shared rule engine behind both wrappers."""
+
+    def __init__(self, faults: Iterable[Fault], sleep: Callable[[float], None] = time.sleep) -> None:
+        self.faults = list(faults)
+        self.sleep = sleep
+        self._lock = threading.Lock()
+        self._hidden: dict[str, list[Any]] = {}  # path -> [reads still hidden, fault]
+        self._snapshots: dict[tuple[int, str], Any] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def add(self, fault: Fault) -> Fault:
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def before(self, op: str, path: str) -> list[Fault]:
+        """Apply ``error``/``slow`` faults for a call; return the other chosen faults."""
+        chosen = []
+        with self._lock:
+            self.calls.append((op, path))
+            for f in self.faults:
+                if f.kind == "delay_visibility" or not f.matches(op, path):
+                    continue
+                if f.kind == "stale_listing":
+                    chosen.append(f)  # decides per call in listing()
+                    continue
+                if f.choose():
+                    chosen.append(f)
+        for f in chosen:
+            if f.kind == "slow":
+                with self._lock:
+                    f.fired += 1
+                self.sleep(f.delay)
+            elif f.kind == "error":
+                with self._lock:
+                    f.fired += 1
+                raise f.make_error(op, path)
+        return [f for f in chosen if f.kind in ("truncate", "stale_listing")]
+
+    def truncate(self, chosen: list[Fault], data: bytes) -> bytes:
+        for f in chosen:
+            if f.kind == "truncate":
+                with self._lock:
+                    f.fired += 1
+                return data[: f.keep]
+        return data
+
+    def wrote(self, op: str, path: str) -> None:
+        with self._lock:
+            for f in self.faults:
+                if f.kind == "delay_visibility" and f.matches(op, path) and f.choose():
+                    self._hidden[path.lstrip("/")] = [f.hidden_for, f]  # fires when a read misses
+
+    def hidden(self, path: str) -> bool:
+        """True if a read of ``path`` must miss now (consumes one hidden read)."""
+        key = path.lstrip("/")
+        with self._lock:
+            entry = self._hidden.get(key)
+            if entry is None or entry[0] <= 0:
+                return False
+            entry[0] -= 1
+            entry[1].fired += 1
+            return True
+
+    def is_hidden(self, path: str) -> bool:
+        with self._lock:
+            entry = self._hidden.get(path.lstrip("/"))
+            return entry is not None and entry[0] > 0
+
+    def listing(self, chosen: list[Fault], path: str, real: Callable[[], Any]) -> Any:
+        for f in chosen:
+            if f.kind != "stale_listing":
+                continue
+            key = (id(f), path.rstrip("/"))
+            with self._lock:
+                snap = self._snapshots.get(key)
+                f.seen += 1
+            if snap is None:
+                out = real()
+                with self._lock:
+                    self._snapshots[key] = out
+                return out
+            with self._lock:
+                f.fired += 1
+            return snap
+        return real()
+
+    def verify(self) -> None:
+        unfired = [f for f in self.faults if f.fired == 0]
+        if unfired:
+            raise AssertionError(f"configured faults that never fired: {unfired}")
+
+
+class FaultyFileSystem(AbstractFileSystem):
+    """An fsspec filesystem that forwards to ``fs`` and injects :class:`Fault` s on the way.
+
+    Use with ``FsspecStorage(url, fs=FaultyFileSystem(inner, faults))``. Operation names are
+    fsspec's: ``pipe_file``, ``cat_file``, ``info``, ``ls``, ``exists``, ``rm_file``, ``rm``,
+    ``find``, ``open``.
+    """
+
+    protocol = "faulty"
+    cachable = False
+
+    def __init__(self, fs: AbstractFileSystem, faults: Iterable[Fault] = (), **kw: Any) -> None:
+        super().__init__()
+        self.fs = fs
+        self.protocol = fs.protocol  # capability checks see the wrapped filesystem's protocol
+        self.injector = FaultInjector(faults, **kw)
+
+    def __enter__(self) -> FaultyFileSystem:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            self.injector.verify()
+
+    def verify(self) -> None:
+        self.injector.verify()
+
+    def _hide(self, path: str) -> None:
+        if self.injector.hidden(path):
+            raise FileNotFoundError(path)
+
+    def pipe_file(self, path, value, **kw):
+        chosen = self.injector.before("pipe_file", path)
+        self.fs.pipe_file(path, self.injector.truncate(chosen, bytes(value)), **kw)
+        self.injector.wrote("pipe_file", path)
+
+    def cat_file(self, path, start=None, end=None, **kw):
+        self.injector.before("cat_file", path)
+        self._hide(path)
+        return self.fs.cat_file(path, start=start, end=end, **kw)
+
+    def info(self, path, **kw):
+        self.injector.before("info", path)
+        self._hide(path)
+        return self.fs.info(path, **kw)
+
+    def exists(self, path, **kw):
+        self.injector.before("exists", path)
+        if self.injector.hidden(path):
+            return False
+        return self.fs.exists(path, **kw)
+
+    def ls(self, path, detail=True, **kw):
+        chosen = self.injector.before("ls", path)
+        out = self.injector.listing(chosen, path, lambda: self.fs.ls(path, detail=detail, **kw))
+        return [
+            e for e in out
+            if not self.injector.is_hidden(e["name"] if isinstance(e, dict) else e)
+        ]
+
+    def find(self, path, **kw):
+        self.injector.before("find", path)
+        return self.fs.find(path, **kw)
+
+    def rm_file(self, path, **kw):
+        self.injector.before("rm_file", path)
+        return self.fs.rm_file(path, **kw)
+
+    def rm(self, path, recursive=False, **kw):
+        self.injector.before("rm", path)
+        return self.fs.rm(path, recursive=recursive, **kw)
+
+    def makedirs(self, path, exist_ok=False):
+        return self.fs.makedirs(path, exist_ok=exist_ok)
+
+    def mkdir(self, path, create_parents=True, **kw):
+        return self.fs.mkdir(path, create_parents=create_parents, **kw)
+
+    def _open(self, path, mode="rb", **kw):
+        self.injector.before("open", path)
+        if "r" in mode:
+            self._hide(path)
+        return self.fs._open(path, mode=mode, **kw)
+
+
+class _FaultyWrite(WriteStream):
+    def __init__(self, owner: FaultyStorage, path: str, inner: WriteStream) -> None:
+        self.owner, self.path, self.inner = owner, path, inner
+        self.written = 0
+
+    def write(self, data) -> None:
+        chosen = self.owner.injector.before("write", self.path)
+        data = memoryview(data).cast("B")
+        for f in chosen:
+            if f.kind == "truncate":
+                keep = max(0, f.keep - self.written)
+                with self.owner.injector._lock:
+                    f.fired += 1
+                data = data[:keep]
+        self.written += len(data)
+        self.inner.write(data)
+
+    def close(self) -> None:
+        self.owner.injector.before("close", self.path)
+        self.inner.close()
+        self.owner.injector.wrote("close", self.path)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class FaultyStorage(Storage):
+    """A :class:`Storage` that forwards to ``inner`` and injects :class:`Fault` s.
+
+    Operation names are the Storage methods' (``open_write``, ``write``, ``close``,
+    ``put_atomic``, ``put_if_absent``, ``rename``, ``open_read``, ``read``, ``size``,
+    ``listdir``, ``exists``, ``delete``, ``delete_tree``); paths are relative to the root.
+    Works for every backend, including POSIX, whose own calls do not go through fsspec.
+    """
+
+    def __init__(self, inner: Storage, faults: Iterable[Fault] = (), **kw: Any) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.supports_atomic_rename = inner.supports_atomic_rename
+        self.supports_conditional_put = inner.supports_conditional_put
+        self.injector = FaultInjector(faults, **kw)
+
+    def __enter__(self) -> FaultyStorage:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            self.injector.verify()
+
+    def verify(self) -> None:
+        self.injector.verify()
+
+    def __getattr__(self, name: str) -> Any:  # optional extras: tree_modified, list_uploads...
+        return getattr(self.inner, name)
+
+    def _miss(self, path: str) -> None:
+        if self.injector.hidden(path):
+            raise FileNotFoundError(path)
+
+    def open_write(self, path: str) -> WriteStream:
+        self.injector.before("open_write", path)
+        return _FaultyWrite(self, path, self.inner.open_write(path))
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        chosen = self.injector.before("put_atomic", path)
+        self.inner.put_atomic(path, self.injector.truncate(chosen, bytes(data)))
+        self.injector.wrote("put_atomic", path)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        chosen = self.injector.before("put_if_absent", path)
+        self.inner.put_if_absent(path, self.injector.truncate(chosen, bytes(data)))
+        self.injector.wrote("put_if_absent", path)
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.injector.before("rename", src)
+        self.inner.rename(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        self.injector.before("sync_dir", path)
+        self.inner.sync_dir(path)
+
+    def open_read(self, path: str) -> ReadHandle:
+        self.injector.before("open_read", path)
+        self._miss(path)
+        return self.inner.open_read(path)
+
+    def read(self, path: str) -> bytes:
+        self.injector.before("read", path)
+        self._miss(path)
+        return self.inner.read(path)
+
+    def size(self, path: str) -> int | None:
+        self.injector.before("size", path)
+        if self.injector.hidden(path):
+            return None
+        return self.inner.size(path)
+
+    def listdir(self, path: str = "") -> list[Entry]:
+        chosen = self.injector.before("listdir", path)
+        out = self.injector.listing(chosen, path, lambda: self.inner.listdir(path))
+        prefix = f"{path.strip('/')}/" if path.strip("/") else ""
+        return [e for e in out if not self.injector.is_hidden(prefix + e.name)]
+
+    def exists(self, path: str = "") -> bool:
+        self.injector.before("exists", path)
+        if self.injector.hidden(path):
+            return False
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        self.injector.before("delete", path)
+        self.inner.delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.injector.before("delete_tree", path)
+        self.inner.delete_tree(path)
+
+    def close(self) -> None:
+        self.inner.close()
