@@ -697,10 +697,16 @@ def run_demo(args: argparse.Namespace) -> int:
         return fail(summary, out, *problems)
     summary["resume_exact"] = True
     redone = summary["steps_redone"]
-    say(
-        f"  resume is exact: killed after step {crash.killed_after}, resumed from committed step "
-        f"{resumed_from}, {redone} step{'s' if redone != 1 else ''} redone"
+    story = (
+        f"killed after step {crash.killed_after}, "
+        + (
+            f"resumed from committed step {resumed_from}"
+            if resumed_from is not None
+            else "no checkpoint had been committed yet, so it started over"
+        )
+        + f" ({redone} step{'s' if redone != 1 else ''} redone)"
     )
+    say(f"  resume is exact: {story}")
 
     # -- ckptlib ls ----------------------------------------------------------------------------
     say()
@@ -720,9 +726,8 @@ def run_demo(args: argparse.Namespace) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     say()
     say(
-        f"PASS: killed after step {crash.killed_after}, resumed from committed step "
-        f"{resumed_from} ({redone} step{'s' if redone != 1 else ''} redone); final weights and "
-        "optimizer state are bitwise identical to the uninterrupted run (max abs diff 0)."
+        f"PASS: {story}; final weights and optimizer state are bitwise identical to the "
+        "uninterrupted run (max abs diff 0)."
     )
     say(f"      summary: {out / 'summary.json'}  ({summary['seconds']}s)")
     return 0
