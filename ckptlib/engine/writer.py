@@ -30,6 +30,7 @@ import torch
 
 from ckptlib.backends import Storage, join
 from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import dtype_name
@@ -257,6 +258,10 @@ def write_files(
 
     ``files`` is a list of ``(path, size)``; every file is durable when this returns.
     """
+    if storage.supports_atomic_rename and not storage.exists(prefix):
+        # The coordinator removed the staging folder: this save was abandoned (e.g. this rank
+        # was frozen past the deadline). Never recreate it.
+        raise CommitError(f"staging folder {prefix} is gone: the save was abandoned")
     groups = plan_files(make_units(jobs), num_files)
     # ``tag`` keeps names unique when one rank calls this several times for one save
     # (a snapshot streamed through a staging budget is written round by round).

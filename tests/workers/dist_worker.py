@@ -1,4 +1,4 @@
-"""One rank of a multi-process test job (gloo on 127.0.0.1). Started by tests/dist/*.
+"""One rank of a multi-process test job (gloo on 127.0.0.1). Started by tests/distributed/*.
 
 usage: dist_worker.py SCENARIO RANK WORLD PORT ROOT [JSON-ARGS]
 Writes ROOT/result-<scenario>-<rank>.json with what it observed; exits 0 unless it crashed.
