@@ -7,7 +7,6 @@ VPY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -c requirements/constraints.txt -e '.[test,s3]' torch==2.13.0
 	touch $@
 
