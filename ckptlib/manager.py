@@ -1,13 +1,22 @@
 """CheckpointManager: schedule saves, restore the newest consistent step, apply retention.
 
-Threads: ``save()`` runs on the training thread. With ``async_save=True`` it flattens the
-state and snapshots it into reused buffers (:class:`~ckptlib.engine.snapshot.Stager`), then
-hands the persist + commit + retention to one background thread and returns a
-:class:`SaveHandle`. Only one save is in flight at a time: a new ``save()`` first waits for
-the previous one (``in_flight="wait"``) or skips itself with a warning (``"skip"``).
+Threads (details in docs/async.md):
+
+- ``save()`` runs on the training thread. With ``async_save=True`` it flattens the state,
+  plans its staging (:class:`~ckptlib.engine.snapshot.Stager`, reused buffers under a memory
+  budget), starts the persist thread (``ckptlib-save-<step>``: write + commit + retention)
+  and copies the state into the staging arena. It returns a :class:`SaveHandle` once the copy
+  is safe. In overlap mode the copy of parameters and optimizer state continues on a snapshot
+  thread (``ckptlib-snapshot-<step>``) and the next optimizer step waits for it.
+- Only one save is in flight at a time: a new ``save()`` first waits for the previous one
+  (``in_flight="wait"``) or skips itself with a warning (``"skip"``). The staging arena is
+  therefore never overwritten while a writer still reads it.
+- ``save_on_signal()`` installs signal handlers (main thread) for a final checkpoint on
+  preemption (:mod:`ckptlib.engine.preemption`).
 
 Errors: a background failure is raised exactly once, on the caller's thread, by the first of
-``handle.wait()``, the next ``save()``, ``wait()`` or ``close()`` to see it.
+``handle.wait()``, the next ``save()``, ``wait()`` or ``close()`` to see it. A save whose
+snapshot or write failed is never committed.
 """
 
 from __future__ import annotations
@@ -15,33 +24,49 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from ckptlib.backends import Storage, open_storage
 from ckptlib.dist.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine import retire
 from ckptlib.engine import save as save_flow
+from ckptlib.engine.preemption import PreemptionWatcher
 from ckptlib.engine.scan import StepInfo, scan
-from ckptlib.engine.snapshot import Stager
+from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CommitTimeoutError,
     CorruptCheckpointError,
+    StepExistsError,
 )
 from ckptlib.format import layout
 from ckptlib.plan import retention
+from ckptlib.plan.flatten import FlatState, TensorItem
 
 log = logging.getLogger("ckptlib")
 
+FAILURE_EXIT_CODE = 1
+"""Exit code of a preempted process whose final checkpoint did not commit in time."""
+
 
 class SaveHandle:
-    """The result of ``CheckpointManager.save``: poll with :meth:`done`, block with :meth:`wait`."""
+    """The result of ``CheckpointManager.save``: poll with :meth:`done`, block with :meth:`wait`.
+
+    Created on the training thread; finished by the manager's persist thread. ``wait`` and
+    ``done`` may be called from any thread.
+    """
 
     def __init__(self, step: int, timeout: float) -> None:
         self.step = step
@@ -51,6 +76,7 @@ class SaveHandle:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._raised = False
+        self._snapshot: Snapshot | None = None
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -59,6 +85,10 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the save committed or failed (or was skipped)."""
         return self._event.is_set()
+
+    def snapshot_done(self) -> bool:
+        """True once the state was copied (the training loop may mutate it freely)."""
+        return self._snapshot is None or self._snapshot.staged_done()
 
     def _take_error(self) -> BaseException | None:
         with self._lock:
@@ -81,7 +111,26 @@ class SaveHandle:
 
 
 class CheckpointManager:
-    """Save steps under one root folder and resume from the newest consistent one."""
+    """Save steps under one root folder and resume from the newest consistent one.
+
+    Async options (see docs/async.md):
+
+    - ``in_flight``: what ``save()`` does while the previous save still persists: ``"wait"``
+      for it, or ``"skip"`` the new save with a ``RuntimeWarning``.
+    - ``staging_budget``: bytes of reused staging memory (None: as much as the state). A
+      larger state streams through two halves of the budget, and ``save()`` returns once its
+      last round is staged (it waits for the writer to drain the earlier rounds).
+    - ``overlap``: ``save()`` copies only what forward/backward may change (buffers and any
+      tensor not owned by a module parameter or an optimizer found in ``state``) before
+      returning; parameters and optimizer state are copied by a background thread, and the
+      next ``optimizer.step()`` (any optimizer, via step pre-hooks) waits for that copy.
+      Code that mutates parameters by other means calls :meth:`wait_for_snapshot` first.
+    - ``save_timeout``: deadline of one save's persist + commit; ``snapshot_timeout``:
+      deadline of one snapshot (a stalled copy abandons the save instead of the training).
+    - ``persist_nice``: the persist thread lowers its own CPU priority by this much (Linux,
+      per thread; None: unchanged) so that on a busy machine the training thread's compute
+      wins over checksums and writes. The snapshot copy is never deprioritized.
+    """
 
     def __init__(
         self,
@@ -95,6 +144,10 @@ class CheckpointManager:
         in_flight: str = "wait",
         save_timeout: float = 600.0,
         coordinator: Coordinator | None = None,
+        overlap: bool = False,
+        staging_budget: int | None = None,
+        snapshot_timeout: float = 300.0,
+        persist_nice: int | None = 10,
     ) -> None:
         if in_flight not in ("wait", "skip"):
             raise ValueError("in_flight must be 'wait' or 'skip'")
@@ -107,23 +160,56 @@ class CheckpointManager:
         self.compression = compression
         self.in_flight = in_flight
         self.save_timeout = save_timeout
+        self.snapshot_timeout = snapshot_timeout
+        self.overlap = overlap
+        self.persist_nice = persist_nice
+        self.snapshot_wait_seconds = 0.0
+        """Seconds the training thread spent waiting for overlap-mode snapshots (all saves)."""
         self.coordinator = coordinator or default_coordinator()
-        self._stager = Stager()
+        self._stager = Stager(staging_budget)
         self._handles: list[SaveHandle] = []
         self._thread: threading.Thread | None = None
+        self._snap_thread: threading.Thread | None = None
+        self._snap: Snapshot | None = None
+        self._hooks: list[RemovableHandle] = []
         self._active_ids: set[str] = set()
         self._closed = False
         self._root_ready = False
+        self._watcher: PreemptionWatcher | None = None
+        self._preempt_state_fn: Callable[[], tuple[int, Any]] | None = None
+        self._preempt_exit_code = 0
+        self._busy = False
+        self._deferred_final = False
+        self._was_preempted = False
         self._finalizer = weakref.finalize(self, _drain, self._handles)
         atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any, *, metadata: Any = None) -> SaveHandle:
-        """Save ``state`` as ``step``. Async by default: returns once the snapshot is taken."""
+        """Save ``state`` as ``step``. Training thread.
+
+        Async (default): returns once the snapshot is safe -- every tensor copied into the
+        staging arena (in overlap mode: every tensor but parameters and optimizer state, whose
+        copy continues in the background until the next optimizer step). Persist and commit
+        run on a background thread; the handle reports them.
+        """
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._busy = True
+        try:
+            handle = self._save(step, state, metadata)
+        finally:
+            self._busy = False
+        if self._deferred_final:  # a save_in_handler signal arrived inside this call
+            self._deferred_final = False
+            assert self._preempt_state_fn is not None
+            self._final_save(*self._preempt_state_fn())
+        return handle
+
+    def _save(self, step: int, state: Any, metadata: Any) -> SaveHandle:
+        self._finish_snapshot()
         self._raise_pending()
         handle = SaveHandle(step, self.save_timeout)
         if self._thread is not None and self._thread.is_alive():
@@ -131,7 +217,7 @@ class CheckpointManager:
                 warnings.warn(
                     f"ckptlib: skipping save of step {step}: the previous save is still persisting",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 handle.skipped = True
                 handle._finish()
@@ -147,16 +233,40 @@ class CheckpointManager:
             self._persist(handle, flat, step, metadata, save_id, created)
             self._raise_pending()
             return handle
-        flat = self._stager.snapshot(flat)
+
+        deadline = time.monotonic() + self.snapshot_timeout
+        deferred = _deferred_mask(state, flat) if self.overlap else None
+        snap = self._stager.begin(flat, deferred)
+        handle._snapshot = snap
         self._handles.append(handle)
         self._active_ids.add(save_id)
         self._thread = threading.Thread(
-            target=self._persist,
-            args=(handle, flat, step, metadata, save_id, created),
+            target=self._persist_async,
+            args=(handle, snap, step, metadata, save_id, created),
             name=f"ckptlib-save-{step}",
             daemon=True,
         )
         self._thread.start()
+        sync_upto = snap.sync_rounds if self.overlap else snap.nrounds
+        try:
+            snap.stage(sync_upto, deadline)
+        except SnapshotAborted:
+            pass  # the persist thread failed first; its error reaches the handle
+        except BaseException as e:
+            # Raised here, on the caller's thread: the handle must not raise it again.
+            snap.fail(e)
+            self._join_thread()
+            handle._take_error()
+            self._handles.remove(handle)
+            raise
+        if not snap.staged_done():
+            self._snap = snap
+            self._snap_thread = threading.Thread(
+                target=_stage_rest, args=(snap, deadline), name=f"ckptlib-snapshot-{step}",
+                daemon=True,
+            )
+            self._snap_thread.start()
+            self._install_hooks()
         return handle
 
     def _ensure_root(self) -> None:
@@ -164,19 +274,54 @@ class CheckpointManager:
             self.storage.makedirs("")
             self._root_ready = True
 
-    def _persist(self, handle: SaveHandle, flat, step: int, metadata: Any, save_id: str, created: float) -> None:
+    def _options(self) -> save_flow.SaveOptions:
+        return save_flow.SaveOptions(compression=self.compression, timeout=self.save_timeout)
+
+    def _persist(self, handle: SaveHandle, flat: FlatState, step: int, metadata: Any, save_id: str, created: float) -> None:
+        """Synchronous save: persist the live state on the caller's thread."""
         error: BaseException | None = None
         try:
-            opts = save_flow.SaveOptions(compression=self.compression, timeout=self.save_timeout)
             save_flow.persist(
                 self.storage, layout.step_dir(step), flat, step=step, metadata=metadata,
-                options=opts, coordinator=self.coordinator, save_id=save_id, created=created,
+                options=self._options(), coordinator=self.coordinator, save_id=save_id,
+                created=created,
             )
             if self.coordinator.is_coordinator:
                 self._after_commit(save_id)
         except Exception as e:
             error = e
         finally:
+            self._active_ids.discard(save_id)
+            handle._finish(error)
+
+    def _persist_async(
+        self, handle: SaveHandle, snap: Snapshot, step: int, metadata: Any, save_id: str, created: float
+    ) -> None:
+        """Persist thread: write the staged copies as they become ready, then commit.
+
+        A failed snapshot still goes through ``persist`` (its rounds raise), so every rank
+        learns of the failure through the commit protocol and nothing is committed.
+        """
+        error: BaseException | None = None
+        _lower_priority(self.persist_nice)
+        try:
+            deadline = time.monotonic() + self.save_timeout
+            if snap.streaming:
+                rounds: Iterable[list[TensorItem]] | None = snap.rounds(deadline)
+            else:
+                snap.wait_staged(deadline)
+                rounds = None if snap.error is None else _failed_rounds(snap.error)
+            save_flow.persist(
+                self.storage, layout.step_dir(step), snap.staged, step=step, metadata=metadata,
+                options=self._options(), coordinator=self.coordinator, save_id=save_id,
+                created=created, rounds=rounds,
+            )
+            if self.coordinator.is_coordinator:
+                self._after_commit(save_id)
+        except Exception as e:
+            error = e
+        finally:
+            snap.writer_finished()
             self._active_ids.discard(save_id)
             handle._finish(error)
 
@@ -193,6 +338,70 @@ class CheckpointManager:
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)
 
+    # ------------------------------------------------------------------ overlap mode
+    def wait_for_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the in-flight snapshot has copied the state. Training thread.
+
+        Overlap mode installs optimizer step pre-hooks that call this; call it yourself before
+        mutating parameters or optimizer state any other way (``load_state_dict``, in-place
+        edits, EMA updates into the saved tensors). Returns at once when no copy is running.
+        The save's own failure is not raised here (it is raised by the handle, the next
+        ``save()``, ``wait()`` or ``close()``); a copy that misses ``timeout`` (default: the
+        snapshot deadline) abandons its save -- which then fails -- so training never waits
+        longer than that.
+        """
+        self._wait_snapshot(timeout)
+        self._remove_hooks()
+
+    def _wait_snapshot(self, timeout: float | None = None) -> None:
+        snap = self._snap
+        if snap is None:
+            return
+        limit = self.snapshot_timeout if timeout is None else timeout
+        t0 = time.perf_counter()
+        try:
+            snap.wait_staged(time.monotonic() + limit)
+        except CommitTimeoutError as e:
+            log.warning("ckptlib: snapshot still copying after %.1fs; abandoning that save", limit)
+            snap.fail(e)
+        self.snapshot_wait_seconds += time.perf_counter() - t0
+        self._snap = None
+
+    def _install_hooks(self) -> None:
+        """Step pre-hooks on every optimizer (global) while a snapshot copies. Training thread.
+
+        Hooks are disarmed once the snapshot is done (they then return at once) and removed on
+        the training thread by the next ``save()``, ``wait()``, ``close()`` or
+        ``wait_for_snapshot()`` -- never from inside a hook, because torch iterates the hook
+        dict while calling them.
+        """
+        if self._hooks:
+            return
+        ref = weakref.ref(self)
+
+        def pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            mgr = ref()
+            if mgr is not None and mgr._snap is not None:
+                mgr._wait_snapshot()
+
+        self._hooks.append(register_optimizer_step_pre_hook(pre_hook))
+
+    def _remove_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for h in hooks:
+            h.remove()
+
+    def _finish_snapshot(self) -> None:
+        """Training thread: wait for a running snapshot, join its thread, drop the hooks."""
+        self._wait_snapshot()
+        t = self._snap_thread
+        if t is not None:
+            t.join(self.snapshot_timeout)
+            if not t.is_alive():
+                self._snap_thread = None
+        self._remove_hooks()
+
+    # ------------------------------------------------------------------ waiting
     def _join_thread(self, timeout: float | None = None) -> None:
         t = self._thread
         if t is not None:
@@ -212,25 +421,120 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for all pending saves; raise the first failure not yet raised."""
+        self._finish_snapshot()
         self._join_thread(timeout)
         self._raise_pending()
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for pending saves, then release staging memory. Also via ``with``."""
+        """Wait for pending saves (a save in flight commits), then release staging memory
+        and threads, and restore signal handlers. Also via ``with``."""
         if self._closed:
             return
         try:
             self.wait(timeout)
         finally:
             self._closed = True
-            self._stager.release()
+            if self._thread is None or not self._thread.is_alive():
+                self._stager.release()  # never free memory a stuck writer still reads
             self._finalizer.detach()
+            if self._watcher is not None:
+                self._watcher.uninstall()
+                self._was_preempted = self._watcher.requested
+                self._watcher = None
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ preemption
+    def save_on_signal(
+        self,
+        state_fn: Callable[[], tuple[int, Any]] | None = None,
+        *,
+        signals: Iterable[int] = (signal.SIGTERM,),
+        deadline: float = 60.0,
+        save_in_handler: bool = False,
+        exit_code: int = 0,
+        failure_exit_code: int = FAILURE_EXIT_CODE,
+    ) -> None:
+        """Checkpoint and exit when one of ``signals`` arrives. Main thread.
+
+        By default the handler only records the request; the training loop calls
+        :meth:`maybe_save_on_preemption` once per step (or checks :attr:`preempted`), which
+        writes the final checkpoint at a consistent point and exits. With
+        ``save_in_handler=True`` the handler itself saves ``state_fn()`` (a ``(step, state)``
+        pair) and exits: for loops that cannot poll, at the risk of catching the state in the
+        middle of an optimizer step. A signal that lands inside ``save()`` is handled when that
+        call returns (the handler never re-enters the manager).
+
+        Exit: ``SystemExit(exit_code)`` (default 0) once the final checkpoint committed;
+        ``failure_exit_code`` (default 1) if it failed. If the process is still alive
+        ``deadline`` seconds after the signal, a watchdog ends it with ``failure_exit_code``.
+        """
+        if self._watcher is not None:
+            self._watcher.uninstall()
+        self._preempt_state_fn = state_fn
+        self._preempt_exit_code = exit_code
+        if save_in_handler and state_fn is None:
+            raise ValueError("save_in_handler=True needs a state_fn returning (step, state)")
+        watcher = PreemptionWatcher(
+            signals, deadline, failure_exit_code=failure_exit_code,
+            on_signal=self._on_signal if save_in_handler else None,
+        )
+        watcher.install()
+        self._watcher = watcher
+
+    @property
+    def preempted(self) -> bool:
+        """True once a signal registered with :meth:`save_on_signal` arrived."""
+        return self._was_preempted or (self._watcher is not None and self._watcher.requested)
+
+    def maybe_save_on_preemption(self, step: int | None = None, state: Any = None) -> bool:
+        """Training thread, once per step: if preempted, save a final checkpoint and exit.
+
+        Returns False when no signal arrived. Otherwise saves ``(step, state)`` (or
+        ``state_fn()`` when they are omitted), waits for it to commit within what is left
+        of the deadline, closes the manager and raises ``SystemExit`` (see
+        :meth:`save_on_signal` for the codes). Never returns True.
+        """
+        if not self.preempted:
+            return False
+        if step is None or state is None:
+            if self._preempt_state_fn is None:
+                raise ValueError("pass step and state, or give save_on_signal a state_fn")
+            step, state = self._preempt_state_fn()
+        self._final_save(step, state)
+        return True  # pragma: no cover  (_final_save always exits)
+
+    def _on_signal(self, signum: int) -> None:
+        if self._busy:  # never re-enter save(): it runs the final save when it returns
+            self._deferred_final = True
+            return
+        assert self._preempt_state_fn is not None
+        self._final_save(*self._preempt_state_fn())
+
+    def _final_save(self, step: int, state: Any) -> None:
+        watcher = self._watcher
+        assert watcher is not None
+        code = watcher.failure_exit_code
+        try:
+            try:
+                self.wait(max(0.1, watcher.time_left()))
+            except CheckpointError as e:  # an earlier save failed: the final one may still work
+                log.warning("ckptlib: an earlier save failed: %s", e)
+            try:
+                self.save(step, state).wait(max(0.1, watcher.time_left()))
+            except StepExistsError:
+                pass  # this step is already committed
+            self.close(max(0.1, watcher.time_left()))
+            code = self._preempt_exit_code
+            log.warning("ckptlib: final checkpoint of step %d committed; exiting", step)
+        except Exception as e:
+            log.error("ckptlib: final checkpoint of step %d failed: %s", step, e)
+        watcher.disarm()
+        raise SystemExit(code)
 
     # ------------------------------------------------------------------ inspecting
     def steps(self, *, deep: bool = False) -> list[StepInfo]:
@@ -288,3 +592,64 @@ def _drain(handles: list[SaveHandle]) -> None:
     """At interpreter exit: give an in-flight save the chance to commit (bounded)."""
     for h in list(handles):
         h._event.wait(h._timeout)
+
+
+def _lower_priority(nice: int | None) -> None:
+    """Persist thread: raise this thread's niceness (Linux applies it per thread)."""
+    if not nice or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
+
+
+def _stage_rest(snap: Snapshot, deadline: float) -> None:
+    """Snapshot thread (overlap mode): copy the deferred rounds; failures go to the save."""
+    try:
+        snap.stage(snap.nrounds, deadline)
+    except SnapshotAborted:
+        pass
+    except Exception as e:
+        snap.fail(e)
+
+
+def _failed_rounds(error: BaseException) -> Iterator[list[TensorItem]]:
+    """Rounds of a save whose snapshot failed: raising inside ``persist`` fails the commit."""
+    raise SnapshotAborted(f"snapshot failed: {type(error).__name__}: {error}") from error
+    yield []  # pragma: no cover  (makes this a generator)
+
+
+def _deferred_mask(state: Any, flat: FlatState) -> list[bool]:
+    """Overlap mode: which items only an optimizer step mutates (copied after ``save()``).
+
+    Those whose storage belongs to a parameter of a module, or to a parameter or state tensor
+    of an optimizer, found anywhere in ``state``. Everything else (buffers, plain tensors) is
+    copied before ``save()`` returns.
+    """
+    owned: set[int] = set()
+    stack: list[tuple[Any, int]] = [(state, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > 100:
+            continue
+        if isinstance(x, torch.nn.Module):
+            owned.update(p.untyped_storage().data_ptr() for p in x.parameters())
+        elif isinstance(x, torch.optim.Optimizer):
+            for g in x.param_groups:
+                owned.update(p.untyped_storage().data_ptr() for p in g["params"])
+            for st in x.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        owned.add(v.untyped_storage().data_ptr())
+        elif isinstance(x, dict):
+            stack.extend((v, depth + 1) for v in x.values())
+        elif isinstance(x, list | tuple):
+            stack.extend((v, depth + 1) for v in x)
+    if not owned:
+        log.info("ckptlib: overlap mode found no module or optimizer in the state; copying all")
+    return [
+        it.tensor.numel() > 0 and it.tensor.untyped_storage().data_ptr() in owned
+        for it in flat.items
+    ]

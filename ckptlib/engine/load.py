@@ -207,7 +207,10 @@ def load_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     per_rank: str = "error",
+    stats: dict[str, int] | None = None,
 ) -> Any:
+    """Load ``folder`` (see the module docstring). ``stats``, if given, receives
+    ``bytes_read`` (payload bytes fetched) and ``bytes_needed`` (bytes of the boxes requested)."""
     m = manifest or read_manifest(storage, folder)
     where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
@@ -220,6 +223,9 @@ def load_checkpoint(
         reader.read(plan.requests)
     finally:
         reader.close()
+    if stats is not None:
+        stats["bytes_read"] = reader.bytes_read
+        stats["bytes_needed"] = sum(r.dest.numel() * r.dest.element_size() for r in plan.requests)
     for fn in (*plan.copies, *plan.fills, *plan.loads):
         fn()
     return _resolve_lazy(result)

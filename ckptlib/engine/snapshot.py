@@ -142,7 +142,11 @@ class Stager:
             staged_flat = FlatState(flat.tree, items)  # only shapes/names are read from it
         else:
             staged_flat = FlatState(flat.tree, staged_items)
-        return Snapshot(plan, srcs, staged_flat)
+        snap = Snapshot(plan, srcs, staged_flat)
+        if plan.pinned:
+            devices = sorted({it.tensor.device for it in items if it.tensor.device.type == "cuda"}, key=str)
+            snap.ready = staging_cuda.mark_ready(devices)
+        return snap
 
     def _make_plan(self, items: list[TensorItem], defer: list[bool]) -> _Plan:
         sizes = [_aligned(it.tensor.numel() * it.tensor.element_size()) for it in items]
@@ -260,6 +264,9 @@ class Snapshot:
         self._error: BaseException | None = None
         self._writer_done = False
         self.copy_seconds = 0.0
+        self.ready: dict[torch.device, object] | None = None
+        """CUDA only: per device, an event recorded on the training thread's stream in
+        ``save()``; copies from any thread start after it."""
 
     # ------------------------------------------------------------------ staging side
     def stage(self, upto: int, deadline: float) -> None:
@@ -278,7 +285,7 @@ class Snapshot:
                 raise SnapshotAborted(f"snapshot abandoned: {self._error}")
             assert self._srcs is not None
             t0 = time.perf_counter()
-            copy_round(plan.dsts[k], self._srcs[k], deadline)
+            copy_round(plan.dsts[k], self._srcs[k], deadline, self.ready)
             self.copy_seconds += time.perf_counter() - t0
             with self._cond:
                 self._staged = k + 1
@@ -352,7 +359,12 @@ class Snapshot:
                 self._cond.wait(min(left, 1.0))
 
 
-def copy_round(dsts: list[torch.Tensor], srcs: list[torch.Tensor], deadline: float) -> None:
+def copy_round(
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    deadline: float,
+    ready: dict[torch.device, object] | None = None,
+) -> None:
     """Copy ``srcs`` into the preallocated ``dsts``; returns once the bytes are in host memory.
 
     CPU sources: one ``torch._foreach_copy_`` call. CUDA sources: a side-stream copy per
@@ -369,7 +381,9 @@ def copy_round(dsts: list[torch.Tensor], srcs: list[torch.Tensor], deadline: flo
             pair = gpu.setdefault(s.device, ([], []))
             pair[0].append(d)
             pair[1].append(s)
-    pending = [staging_cuda.copy_async(ds, ss, dev) for dev, (ds, ss) in gpu.items()]
+    pending = [
+        staging_cuda.copy_async(ds, ss, dev, (ready or {}).get(dev)) for dev, (ds, ss) in gpu.items()
+    ]
     if cpu_d:
         copy_cpu(cpu_d, cpu_s)
     for p in pending:

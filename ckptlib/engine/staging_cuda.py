@@ -5,8 +5,11 @@ training thread, or the snapshot thread in overlap mode). Only this module touch
 ``torch.cuda``; everything else in the snapshot is device-agnostic.
 
 Protocol of :func:`copy_async`, per device:
-1. the side stream waits for the current stream of the device, so kernels already queued
-   that produce the tensors finish before they are read;
+0. :func:`mark_ready` runs on the training thread inside ``save()``: it records an event on
+   the training thread's current stream of each device (the snapshot may then be copied
+   from another thread, whose current stream is not the training thread's);
+1. the side stream waits for that event (or, without one, for the calling thread's current
+   stream), so kernels already queued that produce the tensors finish before they are read;
 2. ``_foreach_copy_(dsts, srcs, non_blocking=True)`` on the side stream (device to pinned host);
 3. every source is marked as used by the side stream (``record_stream``), so the caching
    allocator cannot hand its memory to new tensors before the copy ran, even if the training
@@ -68,12 +71,30 @@ class PendingCopy:
             sleep(POLL_SECONDS)
 
 
+def mark_ready(devices: list[torch.device]) -> dict[torch.device, Any]:
+    """Training thread: an event on the current stream of each device, marking the point
+    after which the snapshot reads the tensors."""
+    out = {}
+    for dev in devices:
+        ev = cuda.Event()
+        ev.record(cuda.current_stream(dev))
+        out[dev] = ev
+    return out
+
+
 def copy_async(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor], device: torch.device
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    device: torch.device,
+    ready: Any = None,
 ) -> PendingCopy:
-    """Queue the copy of ``srcs`` (all on ``device``) into pinned ``dsts`` on a side stream."""
+    """Queue the copy of ``srcs`` (all on ``device``) into pinned ``dsts`` on a side stream,
+    after ``ready`` (an event from :func:`mark_ready`) or the caller's current stream."""
     stream = side_stream(device)
-    stream.wait_stream(cuda.current_stream(device))
+    if ready is not None:
+        stream.wait_event(ready)
+    else:
+        stream.wait_stream(cuda.current_stream(device))
     with cuda.stream(stream), torch.no_grad():
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
         for s in srcs:

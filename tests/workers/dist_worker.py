@@ -93,8 +93,13 @@ def sc_load(rank: int, world: int, root: str, args: dict) -> dict:
         "rng": ckptlib.PerRank(torch.zeros(4, dtype=torch.int64)),
         "cursor": ckptlib.PerRank(None),
     }
+    from ckptlib.backends import open_storage
+    from ckptlib.engine.load import load_checkpoint
+
+    stats: dict[str, int] = {}
     try:
-        ckptlib.load(os.path.join(root, args.get("name", "ck")), into=target, per_rank=policy)
+        load_checkpoint(open_storage(root), args.get("name", "ck"), target, rank=rank, world_size=world,
+                        per_rank=policy, stats=stats)
     except ckptlib.CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
     bad = []
@@ -113,6 +118,7 @@ def sc_load(rank: int, world: int, root: str, args: dict) -> dict:
     if not torch.equal(target["dt"].full_tensor(), full("dt")):
         bad.append("dt")
     return {
+        "stats": stats,
         "bad": bad,
         "lr": target["nested"]["lr"],
         "rng": target["rng"].value.tolist() if isinstance(target["rng"], ckptlib.PerRank) else None,
