@@ -38,8 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ckptlib.backends import Storage, open_storage
 from ckptlib.dist.coordinator import Coordinator, default_coordinator
-from ckptlib.engine import load as load_flow
-from ckptlib.engine import retire
+from ckptlib.engine import resume, retire
 from ckptlib.engine import save as save_flow
 from ckptlib.engine.preemption import PreemptionWatcher
 from ckptlib.engine.scan import StepInfo, scan
@@ -48,7 +47,6 @@ from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CommitTimeoutError,
-    CorruptCheckpointError,
     StepExistsError,
 )
 from ckptlib.format import layout
@@ -553,39 +551,23 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ restoring
-    def restore(self, state: Any, *, step: int | None = None, verify: bool = True) -> int | None:
+    def restore(
+        self, state: Any, *, step: int | None = None, verify: bool = True, per_rank: str = "error"
+    ) -> int | None:
         """Load the newest consistent step into ``state`` in place; return it, or None.
 
         Checksums are verified while loading; a step that turns out corrupt is skipped (logged)
         and the next older committed step is tried. Returns None only when no step was ever
         committed; raises ``CorruptCheckpointError`` if steps exist but none is usable.
+        Collective when the job is distributed: every rank calls it and all ranks restore the
+        same step (see :mod:`ckptlib.engine.resume`). ``per_rank`` is the policy for
+        ``PerRank`` values saved on another world size (``"error"``, ``"rank0"``, ``"all"``).
         """
         self.wait()
-        infos = self.steps()
-        if step is not None:
-            infos = [i for i in infos if i.step == step]
-            if not infos:
-                raise CheckpointNotFoundError(f"no step {step} under {self.url}")
-        problems = []
-        for info in reversed(infos):
-            if info.status != "committed":
-                if info.status == "corrupt":
-                    problems.append(f"step {info.step}: {info.reason}")
-                log.warning("ckptlib: skipping step %d (%s): %s", info.step, info.status, info.reason)
-                continue
-            try:
-                load_flow.load_checkpoint(self.storage, info.path, state, verify=verify, manifest=info.manifest)
-            except CorruptCheckpointError as e:
-                problems.append(f"step {info.step}: {e}")
-                log.warning("ckptlib: step %d is corrupt, trying an older one: %s", info.step, e)
-                continue
-            log.info("ckptlib: restored step %d from %s", info.step, self.url)
-            return info.step
-        if problems:
-            raise CorruptCheckpointError(
-                "no usable checkpoint under " + self.url + ": " + "; ".join(problems)
-            )
-        return None
+        return resume.restore(
+            self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
+            timeout=self.save_timeout,
+        )
 
 
 def _drain(handles: list[SaveHandle]) -> None:
