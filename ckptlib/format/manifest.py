@@ -377,14 +377,7 @@ def _decode_packs(
         if codec not in ("raw", "zstd"):
             raise v.fail(f"{pw}: unknown codec {codec!r:.40}")
         raw_length = v.int_(p[5], f"{pw} raw length")
-        if codec == "raw" and raw_length != length:
-            raise v.fail(f"{pw}: stored length {length} != raw length {raw_length}")
-        if codec != "raw" and raw_length > length * MAX_ZSTD_RATIO + 65536:
-            raise v.fail(f"{pw}: claims {raw_length} raw bytes from {length} compressed (impossible)")
-        if start + length > files[fidx].size:
-            raise v.fail(f"{pw}: byte range ends past the end of {files[fidx].path!r}")
-        if length:
-            ranges[fidx].append((start, start + length, f"<{pw}>"))
+        _check_stored(pw, f"<{pw}>", codec, start, length, raw_length, fidx, files, ranges, v)
         packs.append(Pack(fidx, start, length, digest, codec, raw_length))
     return packs
 
@@ -458,15 +451,31 @@ def _decode_chunk(
     if codec not in CODECS:
         raise v.fail(f"tensor {name!r:.200} {cw}: unknown codec {codec!r:.40}")
     raw = _volume(cshape) * itemsize
-    if codec == "raw" and length != raw:
-        raise v.fail(f"tensor {name!r:.200} {cw}: stored length {length} != raw size {raw}")
-    if codec != "raw" and raw > length * MAX_ZSTD_RATIO + 65536:
-        raise v.fail(f"tensor {name!r:.200} {cw}: claims {raw} raw bytes from {length} compressed (impossible)")
-    if start + length > files[fidx].size:
-        raise v.fail(f"tensor {name!r:.200} {cw}: byte range ends past the end of {files[fidx].path!r}")
-    if length:
-        ranges[fidx].append((start, start + length, name))
+    _check_stored(f"tensor {name!r:.200} {cw}", name, codec, start, length, raw, fidx, files, ranges, v)
     return Chunk(fidx, start, length, digest, offset, cshape, codec)
+
+
+def _check_stored(
+    what: str,
+    owner: str,
+    codec: str,
+    start: int,
+    length: int,
+    raw: int,
+    fidx: int,
+    files: list[FileEntry],
+    ranges: list[list[tuple[int, int, str]]],
+    v: _V,
+) -> None:
+    """Shared by chunks and packs: stored vs raw size, bounded expansion, range inside its file."""
+    if codec == "raw" and length != raw:
+        raise v.fail(f"{what}: stored length {length} != raw size {raw}")
+    if codec != "raw" and raw > length * MAX_ZSTD_RATIO + 65536:
+        raise v.fail(f"{what}: claims {raw} raw bytes from {length} compressed (impossible)")
+    if start + length > files[fidx].size:
+        raise v.fail(f"{what}: byte range ends past the end of {files[fidx].path!r}")
+    if length:
+        ranges[fidx].append((start, start + length, owner))
 
 
 def _decode_piece(
