@@ -47,7 +47,10 @@ def main() -> None:
         t = time.perf_counter()
         assign(rep, [d] * world, [[] for _ in range(world)])
         ta = time.perf_counter() - t
-        print(f"| {args.tensors} replicated tensors | {world} | {args.tensors} | {ta:.3f} | - |")
+        t = time.perf_counter()
+        build_body([(p.name, p.offset, p.shape, p.nbytes) for p in rep], world)
+        tb = time.perf_counter() - t
+        print(f"| {args.tensors} replicated tensors | {world} | {args.tensors} | {ta:.3f} | {tb:.3f} |")
     for world in args.ranks:
         n = args.sharded_tensors
         sharded = [[PieceDesc(f"layer{i}.weight", (r * 4, 0), (4, 256), 4 * 256 * 4, "float32", (4 * world, 256))
