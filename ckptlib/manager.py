@@ -21,7 +21,6 @@ snapshot or write failed is never committed.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
@@ -179,8 +178,9 @@ class CheckpointManager:
         self._busy = False
         self._deferred_final = False
         self._was_preempted = False
+        # Runs at garbage collection or, at the latest, at interpreter exit (finalize objects
+        # have atexit=True): an in-flight save gets its bounded chance to commit.
         self._finalizer = weakref.finalize(self, _drain, self._handles)
-        atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any, *, metadata: Any = None) -> SaveHandle:
