@@ -407,6 +407,16 @@ def _decode_tensor(
     pieces: list[Piece] = []
     raw_pieces = t.get("packed", ())
     if raw_pieces:
+        p = raw_pieces[0] if type(raw_pieces) is list and len(raw_pieces) == 1 else None
+        if (  # hot path: one whole-tensor piece [pack, raw_offset], checked inline
+            type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is int
+            and 0 <= p[0] < len(packs) and p[1] >= 0
+            and p[1] + _volume(shape) * itemsize <= packs[p[0]].raw_length
+        ):
+            end = p[1] + _volume(shape) * itemsize
+            if end > p[1]:
+                members[p[0]].append((p[1], end, name))
+            return TensorEntry(dtype, shape, chunks, [Piece(p[0], p[1], (0,) * len(shape), shape)])
         for j, p in enumerate(v.lst(raw_pieces, f"tensor {name!r:.200} packed")):
             pieces.append(_decode_piece(name, j, p, shape, itemsize, packs, members, v))
     if not (len(chunks) + len(pieces) == 1 and (chunks or pieces)[0].shape == shape):

@@ -89,7 +89,13 @@ def _decode(node: Any, names: Container[str], where: str, depth: int) -> Any:
                     raise _fail(f"dict key {key!r:.40} must be str or int", where)
                 if key in out:
                     raise _fail(f"duplicate dict key {key!r:.80}", where)
-                out[key] = _decode(pair[1], names, where, depth + 1)
+                val = pair[1]
+                if type(val) is dict and val.get("t") == "tensor" and len(val) == 2:
+                    ref = val.get("ref")  # hot path: a tensor leaf, checked inline
+                    if type(ref) is str and ref in names:
+                        out[key] = TensorRef(ref)
+                        continue
+                out[key] = _decode(val, names, where, depth + 1)
             return out
         values = [_decode(v, names, where, depth + 1) for v in items]
         return values if kind == "list" else tuple(values)
