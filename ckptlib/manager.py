@@ -51,6 +51,7 @@ from ckptlib.errors import (
 from ckptlib.format import layout
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
+from ckptlib.testing import hooks
 
 log = logging.getLogger("ckptlib")
 
@@ -223,6 +224,7 @@ class CheckpointManager:
             self._join_thread()
             self._raise_pending()
         flat = save_flow.prepare(state, self.coordinator.rank)
+        hooks.point("snapshot", self.coordinator.rank)
         self._ensure_root()
         save_id = save_flow.new_save_id()
         created = time.time()
@@ -326,12 +328,14 @@ class CheckpointManager:
     def _after_commit(self, save_id: str) -> None:
         """Retention and cleanup; their failures are logged, never fail the committed save."""
         try:
+            hooks.point("cleanup")
             retire.clean_debris(self.storage, self._active_ids | {save_id})
             if self.keep_last is not None:
                 committed = [i.step for i in scan(self.storage) if i.status == "committed"]
                 for d in retention.decide(committed, self.keep_last, self.keep_every):
                     if not d.keep:
                         log.info("ckptlib: deleting step %d (%s)", d.step, d.why)
+                        hooks.point("retention")
                         retire.delete_step(self.storage, layout.step_dir(d.step))
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)

@@ -23,6 +23,7 @@ from ckptlib.errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
+from ckptlib.testing import hooks
 
 log = logging.getLogger("ckptlib")
 
@@ -59,6 +60,7 @@ def restore(
             log.warning("ckptlib: skipping step %d (%s): %s", cstep, status, reason)
             continue
         outcome: tuple[str, str] = ("ok", "")
+        hooks.point("restore", coord.rank)
         try:
             load_flow.load_checkpoint(
                 storage, folder, state, verify=verify,
