@@ -1,0 +1,1 @@
+"""Chaos suite: real multi-process jobs killed at named phases of a checkpoint."""
