@@ -459,28 +459,25 @@ class S3Storage(Storage):
             cf.wait(futs, timeout=CLEANUP_DEADLINE)  # nothing may write into ``out`` after we return
             raise
 
-    def size(self, path: str) -> int | None:
+    def _head(self, path: str) -> dict[str, Any] | None:
+        """HEAD of one object, or None if there is none."""
         key = self._key(path)
         try:
-            head = self._run(
+            return self._run(
                 self._call(lambda: self.client.head_object(Bucket=self.bucket, Key=key), path),
                 f"head {path}",
             )
         except FileNotFoundError:
             return None
-        return int(head["ContentLength"])
+
+    def size(self, path: str) -> int | None:
+        head = self._head(path)
+        return None if head is None else int(head["ContentLength"])
 
     def modified(self, path: str) -> float | None:
         """Last-modified time (Unix seconds) of one object, or None if there is none."""
-        key = self._key(path)
-        try:
-            head = self._run(
-                self._call(lambda: self.client.head_object(Bucket=self.bucket, Key=key), path),
-                f"head {path}",
-            )
-        except FileNotFoundError:
-            return None
-        return head["LastModified"].timestamp()
+        head = self._head(path)
+        return None if head is None else head["LastModified"].timestamp()
 
     async def _list(self, prefix: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
         """Raw ListObjectsV2 pages' ``Contents`` and ``CommonPrefixes`` under ``prefix``."""

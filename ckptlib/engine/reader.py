@@ -16,16 +16,17 @@ Any mismatch raises :class:`CorruptCheckpointError` naming the payload file and 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import ctypes
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 
 from ckptlib.backends import ReadHandle, Storage, join
 from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.engine.pool import run_all
 from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
@@ -102,13 +103,21 @@ def _direct_view(task: _ChunkTask) -> np.ndarray | None:
 
 class Reader:
     def __init__(
-        self, storage: Storage, folder: str, manifest: Manifest, *, verify: bool = True, threads: int = 4
+        self,
+        storage: Storage,
+        folder: str,
+        manifest: Manifest,
+        *,
+        verify: bool = True,
+        threads: int = 4,
+        timeout: float | None = None,
     ) -> None:
         self.storage = storage
         self.folder = folder
         self.m = manifest
         self.verify = verify
         self.threads = threads
+        self.timeout = timeout
         self._handles: dict[int, ReadHandle] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -196,14 +205,8 @@ class Reader:
             groups.append(cur)
         groups.sort(key=lambda g: -(g[-1].chunk.start + g[-1].chunk.length - g[0].chunk.start))
         work = [(self._run, g) for g in groups] + [(self._run_pack, p) for p in packs]
-        if self.threads <= 1 or len(work) <= 1:
-            for fn, arg in work:
-                fn(arg)
-            return
-        with cf.ThreadPoolExecutor(min(self.threads, len(work)), thread_name_prefix="ckptlib-read") as pool:
-            futs = [pool.submit(fn, arg) for fn, arg in work]
-            for f in futs:
-                f.result()  # reads are bounded by the storage layer's own deadlines
+        run_all([partial(fn, arg) for fn, arg in work], threads=self.threads, name="ckptlib-read",
+                timeout=self.timeout)
 
     def _run_pack(self, task: _PackTask) -> None:
         p = task.pack

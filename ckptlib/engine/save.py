@@ -196,7 +196,8 @@ def _persist(
             for it in items:
                 jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
             files, written = write_files(
-                storage, prefix, coord.rank, jobs, compression=opts.compression, num_files=opts.num_files
+                storage, prefix, coord.rank, jobs, compression=opts.compression, num_files=opts.num_files,
+                timeout=_left(deadline),
             )
         else:
             files, written = _write_rounds(storage, prefix, coord.rank, rounds, items, opts)
@@ -260,7 +261,7 @@ def _write_rounds(
                 jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
         f, w = write_files(
             storage, prefix, rank, jobs, compression=opts.compression, num_files=opts.num_files,
-            tag=f"p{k}" if k else "",
+            tag=f"p{k}" if k else "", timeout=opts.timeout,
         )
         files += f
         written += w

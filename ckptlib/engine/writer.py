@@ -21,15 +21,16 @@ per thread when compression is on.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import ctypes
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from ckptlib.backends import Storage, join
 from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.engine.pool import run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
@@ -253,10 +254,12 @@ def write_files(
     num_files: int = 2,
     pack_bytes: int = 4 << 20,
     tag: str = "",
+    timeout: float | None = None,
 ) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]]:
     """Write ``jobs`` into payload files under ``prefix``; returns ``(files, written)``.
 
-    ``files`` is a list of ``(path, size)``; every file is durable when this returns.
+    ``files`` is a list of ``(path, size)``; every file is durable when this returns, or
+    ``StorageTimeoutError`` is raised after ``timeout`` seconds (the save's deadline).
     """
     if storage.supports_atomic_rename and not storage.exists(prefix):
         # The coordinator removed the staging folder: this save was abandoned (e.g. this rank
@@ -266,20 +269,15 @@ def write_files(
     # ``tag`` keeps names unique when one rank calls this several times for one save
     # (a snapshot streamed through a staging budget is written round by round).
     paths = [join(prefix, f"r{rank:05d}{tag}-{i}.bin") for i in range(len(groups))]
-    if len(groups) <= 1:
-        results = [
-            _write_one(storage, p, g, compression, algorithm, pack_bytes, rank)
+    results = run_all(
+        [
+            partial(_write_one, storage, p, g, compression, algorithm, pack_bytes, rank)
             for p, g in zip(paths, groups, strict=True)
-        ]
-    else:
-        with cf.ThreadPoolExecutor(len(groups), thread_name_prefix="ckptlib-write") as pool:
-            futs = [
-                pool.submit(_write_one, storage, p, g, compression, algorithm, pack_bytes, rank)
-                for p, g in zip(paths, groups, strict=True)
-            ]
-            # The pool's own shutdown joins the threads; each write has its own storage
-            # deadline, so this wait is bounded by the storage layer.
-            results = [f.result() for f in futs]
+        ],
+        threads=len(groups),
+        name="ckptlib-write",
+        timeout=timeout,
+    )
     files = [(p, size) for p, (size, _) in zip(paths, results, strict=True)]
     chunks = [c for _, cs in results for c in cs]
     return files, chunks

@@ -196,7 +196,23 @@ class FaultInjector:
             raise AssertionError(f"configured faults that never fired: {unfired}")
 
 
-class FaultyFileSystem(AbstractFileSystem):
+class _VerifyOnExit:
+    """``with wrapper:`` checks on a clean exit that every configured fault fired."""
+
+    injector: FaultInjector
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            self.injector.verify()
+
+    def verify(self) -> None:
+        self.injector.verify()
+
+
+class FaultyFileSystem(_VerifyOnExit, AbstractFileSystem):
     """An fsspec filesystem that forwards to ``fs`` and injects :class:`Fault` s on the way.
 
     Use with ``FsspecStorage(url, fs=FaultyFileSystem(inner, faults))``. Operation names are
@@ -213,15 +229,6 @@ class FaultyFileSystem(AbstractFileSystem):
         self.protocol = fs.protocol  # capability checks see the wrapped filesystem's protocol
         self.injector = FaultInjector(faults, **kw)
 
-    def __enter__(self) -> FaultyFileSystem:
-        return self
-
-    def __exit__(self, exc_type, *exc: object) -> None:
-        if exc_type is None:
-            self.injector.verify()
-
-    def verify(self) -> None:
-        self.injector.verify()
 
     def _hide(self, path: str) -> None:
         if self.injector.hidden(path):
@@ -307,7 +314,7 @@ class _FaultyWrite(WriteStream):
         self.inner.abort()
 
 
-class FaultyStorage(Storage):
+class FaultyStorage(_VerifyOnExit, Storage):
     """A :class:`Storage` that forwards to ``inner`` and injects :class:`Fault` s.
 
     Operation names are the Storage methods' (``open_write``, ``write``, ``close``,
@@ -323,15 +330,6 @@ class FaultyStorage(Storage):
         self.supports_conditional_put = inner.supports_conditional_put
         self.injector = FaultInjector(faults, **kw)
 
-    def __enter__(self) -> FaultyStorage:
-        return self
-
-    def __exit__(self, exc_type, *exc: object) -> None:
-        if exc_type is None:
-            self.injector.verify()
-
-    def verify(self) -> None:
-        self.injector.verify()
 
     def __getattr__(self, name: str) -> Any:  # optional extras: tree_modified, list_uploads...
         return getattr(self.inner, name)
