@@ -9,8 +9,6 @@ is a :class:`CorruptCheckpointError`.
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import zstandard
 
@@ -47,6 +45,34 @@ def encode(raw: np.ndarray, codec: str, itemsize: int, level: int = DEFAULT_LEVE
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
 
 
+def decompress_frame(stored, raw_size: int, where: str) -> bytes:
+    """The raw bytes of ``stored``, which must be exactly one complete zstd frame of ``raw_size``.
+
+    Called by :func:`decode_into` (loads, on reader threads) and by engine/verify.py (deep
+    checks). Refused with :class:`CorruptCheckpointError`: a header that declares another
+    size, output past ``raw_size`` (decompression is capped there: a frame without a declared
+    size gets a ``raw_size`` buffer, never more), an incomplete or damaged frame, bytes after
+    the frame, and output shorter than ``raw_size``.
+    """
+    try:
+        params = zstandard.get_frame_parameters(stored)
+        if params.content_size not in (zstandard.CONTENTSIZE_UNKNOWN, raw_size):
+            raise CorruptCheckpointError(
+                f"zstd frame declares {params.content_size} bytes, expected {raw_size}", where
+            )
+        # max_output_size=0 means "no limit" to python-zstandard: never pass 0.
+        data = zstandard.ZstdDecompressor().decompress(
+            stored, max_output_size=max(raw_size, 1), allow_extra_data=False
+        )
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(
+            f"zstd data is damaged, incomplete, or expands past the recorded {raw_size} bytes ({e})", where
+        ) from None
+    if len(data) != raw_size:
+        raise CorruptCheckpointError(f"zstd data expands to {len(data)} bytes, expected {raw_size}", where)
+    return data
+
+
 def decode_into(stored, codec: str, itemsize: int, out: np.ndarray, where: str) -> None:
     """Decode ``stored`` into the uint8 array ``out`` whose size is the recorded raw size."""
     raw_size = out.size
@@ -55,20 +81,6 @@ def decode_into(stored, codec: str, itemsize: int, out: np.ndarray, where: str) 
             raise CorruptCheckpointError(f"chunk holds {len(stored)} bytes, expected {raw_size}", where)
         out[:] = np.frombuffer(stored, dtype=np.uint8)
         return
-    try:
-        params = zstandard.get_frame_parameters(stored)
-        if params.content_size not in (zstandard.CONTENTSIZE_UNKNOWN, raw_size):
-            raise CorruptCheckpointError(
-                f"zstd frame declares {params.content_size} bytes, expected {raw_size}", where
-            )
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=True)
-        # Read at most one byte more than allowed: expansion is capped at raw_size + 1.
-        data = reader.read(raw_size + 1)
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpointError(f"zstd data is damaged ({e})", where) from None
-    if len(data) > raw_size:
-        raise CorruptCheckpointError(f"zstd data expands past the recorded {raw_size} bytes", where)
-    if len(data) < raw_size:
-        raise CorruptCheckpointError(f"zstd data expands to {len(data)} bytes, expected {raw_size}", where)
+    data = decompress_frame(stored, raw_size, where)
     arr = np.frombuffer(data, dtype=np.uint8)
     out[:] = unshuffle(arr, itemsize) if codec == "zstd-shuffle" else arr
