@@ -221,6 +221,8 @@ def load_checkpoint(
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:
         reader.read(plan.requests)
+    except MemoryError as e:  # read/decode buffers: a resource error, typed like _alloc's
+        raise CheckpointError(f"out of memory while reading {where}: {e}") from None
     finally:
         reader.close()
     if stats is not None:

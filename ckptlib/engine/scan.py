@@ -14,7 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptlib.backends import Storage, join
-from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ckptlib.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+)
 from ckptlib.format import layout
 from ckptlib.format import manifest as mf
 
@@ -51,9 +56,11 @@ def read_manifest(storage: Storage, folder: str) -> mf.Manifest:
             if h.size > MAX_MANIFEST_BYTES:
                 raise CorruptCheckpointError(f"manifest is {h.size} bytes, over the {MAX_MANIFEST_BYTES} limit", where)
             data = h.read(0, h.size)
+        return mf.decode(data, where)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
-    return mf.decode(data, where)
+    except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt
+        raise CheckpointError(f"out of memory while reading the manifest {where}") from None
 
 
 def check_files(storage: Storage, folder: str, m: mf.Manifest) -> None:

@@ -233,12 +233,17 @@ class _V:
         if len(x) > MAX_NDIM:
             raise self.fail(f"{what} has more than {MAX_NDIM} dimensions")
         n = 1
+        nonzero = 1  # product of the dims other than 0: bounds the strides of an empty tensor too
         for d in x:
             if type(d) is not int or not 0 <= d <= MAX_SIZE:
                 raise self.fail(f"{what} must hold integers in [0, 2^62], got {d!r:.60}")
             n *= d
+            if d:
+                nonzero *= d
         if n > MAX_SIZE:
             raise self.fail(f"{what} {x} declares more than 2^62 elements")
+        if nonzero > MAX_SIZE:
+            raise self.fail(f"{what} {x}: its non-zero dimensions multiply to more than 2^62")
         return tuple(x)
 
 
@@ -393,7 +398,7 @@ def _decode_tensor(
 ) -> TensorEntry:
     # Hot path for checkpoints with many tensors: messages are only formatted on failure.
     dtype = t.get("dtype")
-    if dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:  # a list or dict here is unhashable
         raise v.fail(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist")
     shape = v.shape(t.get("shape"), f"tensor {name!r:.200} shape")
     itemsize = ITEMSIZE[dtype]

@@ -1,0 +1,508 @@
+"""Property-based fuzzing of manifest and payload decoding (hypothesis, derandomized).
+
+The property: whatever the mutation, ``ckptlib.load`` either raises a ckptlib error
+(``CheckpointError``) or returns data that the mutation could legitimately have produced --
+never another exception, never a hang, never silently wrong tensors. Checked in process on
+the pytest main thread, with a per-example wall-clock check; some of the mutated folders are
+kept and loaded again at the end in a ``load_one.py`` subprocess under the address-space cap
+(the memory check). Templates are the corpus's (``chaos.corpus.make_templates``), so a
+successful load is compared with ``corpus.base_state()``.
+
+What "legitimately" means per strategy:
+
+- manifest *structure* (values replaced by other JSON values, keys dropped or added, numbers
+  made huge, negative or off by one) with a recomputed checksum: an edit in the file layout
+  (``files``, ``packs``, ``tensors``, ``checksum_algorithm``) may only load the original
+  bytes (a dtype relabelled to one of the same size keeps them); an edit in the value tree or
+  informative fields may load anything. With a stale checksum any real change is refused.
+- payload bytes (bit flips, truncation, growth, overwrites, spliced zstd frames), with or
+  without the manifest's file size updated: the exact original, or an error; and the deep
+  check agrees with ``load`` (corrupt exactly when load refuses).
+- a chunk replaced by a zstd frame (declared size or not, damaged or not) whose checksum is
+  recomputed: an error, or exactly what the frame decodes to.
+
+CI runs :data:`EXAMPLES` examples per test; ``CKPTLIB_CHAOS_FULL=1`` runs :data:`FULL_EXAMPLES`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import resource
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptlib
+from ckptlib.backends import open_storage
+from ckptlib.engine.scan import check_step
+from ckptlib.format.checksum import checksum
+
+from .corpus import (
+    MANIFEST_NAME,
+    STEP,
+    STEP_DIR,
+    base_state,
+    body_of,
+    encode_manifest,
+    make_templates,
+)
+from .record import recording
+
+pytestmark = [pytest.mark.chaos]
+
+FULL = os.environ.get("CKPTLIB_CHAOS_FULL", "") not in ("", "0")
+EXAMPLES = 40
+FULL_EXAMPLES = 600
+EXAMPLE_LIMIT_S = 10.0
+"""Wall-clock seconds one example may take (a load of a 1 MB checkpoint); past it: a hang."""
+KEEP_PER_TEST = 12
+"""Mutated folders per test kept for the subprocess memory check."""
+
+SETTINGS = settings(
+    max_examples=FULL_EXAMPLES if FULL else EXAMPLES,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
+)
+
+LAYOUT_FIELDS = {"files", "packs", "tensors", "checksum_algorithm"}
+SAME_SIZE = {
+    1: {"uint8", "int8", "bool", "float8_e4m3fn", "float8_e5m2"},
+    2: {"float16", "bfloat16", "int16", "uint16"},
+    4: {"float32", "int32", "uint32"},
+    8: {"float64", "int64", "uint64", "complex64"},
+}
+
+
+class Stats:
+    """What one fuzz test saw, for its chaos record."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.ok = 0
+        self.worst_s = 0.0
+        self.outcomes: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_templates(tmp_path_factory.mktemp("fuzz-templates"))
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz-kept")
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, Any]:
+    return base_state()
+
+
+def flat_bytes(x: Any) -> Any:
+    """Tensors as their raw bytes (so a same-size dtype relabel compares equal)."""
+    if isinstance(x, torch.Tensor):
+        return bytes(x.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    if isinstance(x, dict):
+        return {k: flat_bytes(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(flat_bytes(v) for v in x)
+    return x
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="ckptlib-fuzz-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def fresh_copy(templates: dict[str, Path], which: str, workdir: Path) -> Path:
+    root = workdir / f"ex-{time.monotonic_ns()}"
+    shutil.copytree(templates[which], root, symlinks=True)
+    return root
+
+
+def attempt(root: Path) -> tuple[str, Any, float]:
+    """``ckptlib.load`` of ``root``'s step: ("error", exc, s) or ("ok", value, s)."""
+    t0 = time.monotonic()
+    try:
+        value = ckptlib.load(root / STEP_DIR)
+    except ckptlib.CheckpointError as e:
+        return "error", e, time.monotonic() - t0
+    return "ok", value, time.monotonic() - t0
+
+
+def keep(root: Path, kept: Path, tag: str, count: list[int]) -> None:
+    if count[0] < KEEP_PER_TEST:
+        shutil.copytree(root, kept / f"{tag}-{count[0]:03d}", symlinks=True)
+        count[0] += 1
+
+
+# --------------------------------------------------------------------------- strategies
+
+JSON_LEAF = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "float32",
+            "int32",
+            "uint8",
+            "bfloat16",
+            "raw",
+            "zstd",
+            "zstd-shuffle",
+            "/big",
+            "/small",
+            "../outside.bin",
+            "manifest.json",
+            "",
+            "t",
+            "ref",
+            "tensor",
+            "dict",
+            "bytes",
+            "per_rank",
+        ]
+    )
+)
+JSON_VALUE = st.recursive(
+    JSON_LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=8,
+)
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, (*prefix, i))
+
+
+def _get(node: Any, path: tuple[Any, ...]) -> Any:
+    for k in path:
+        node = node[k]
+    return node
+
+
+def number_variants(x: int) -> list[int]:
+    return [
+        -1,
+        0,
+        1,
+        63,
+        64,
+        2**31,
+        2**32,
+        2**62,
+        2**62 + 1,
+        2**63,
+        2**64,
+        10**30,
+        -(2**63),
+        x + 1,
+        x - 1,
+        x * 2,
+        x + 64,
+        x // 2,
+    ]
+
+
+@st.composite
+def manifest_edits(draw: st.DrawFn, body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """1-3 structure-aware edits of ``body``; returns the new body and a log of the edits."""
+    body = copy.deepcopy(body)
+    log = []
+    for _ in range(draw(st.integers(1, 3))):
+        paths = [p for p in _paths(body) if p]
+        path = draw(st.sampled_from(paths))
+        parent, key = _get(body, path[:-1]), path[-1]
+        old = parent[key]
+        op = draw(st.sampled_from(["replace", "drop", "add", "number", "number"]))
+        if op == "number" and type(old) is int:
+            parent[key] = draw(st.sampled_from(number_variants(old)))
+        elif op == "drop":
+            del parent[key]
+        elif op == "add" and isinstance(old, dict):
+            old[draw(st.text(max_size=6))] = draw(JSON_VALUE)
+        elif op == "add" and isinstance(old, list):
+            old.insert(draw(st.integers(0, len(old))), draw(JSON_VALUE))
+        else:
+            op = "replace"
+            parent[key] = draw(JSON_VALUE)
+        log.append(f"{op} {'/'.join(map(str, path))}")
+    return body, log
+
+
+def layout_only(log: list[str]) -> bool:
+    """Every edit touched the file layout (so a successful load must give the original bytes)."""
+    return all(entry.split(" ", 1)[1].split("/", 1)[0] in LAYOUT_FIELDS for entry in log)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_manifest_structure(
+    templates: dict[str, Path], kept: Path, expected: dict[str, Any], workdir: Path
+) -> None:
+    stats, count = Stats(), [0]
+    originals = {k: body_of(v / STEP_DIR) for k, v in templates.items()}
+    want = flat_bytes(expected)
+
+    @SETTINGS
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        which = data.draw(st.sampled_from(sorted(templates)))
+        body, log = data.draw(manifest_edits(originals[which]))
+        stale = data.draw(st.sampled_from([False, False, False, True]))
+        root = fresh_copy(templates, which, workdir)
+        ck = root / STEP_DIR
+        old = json.loads((ck / MANIFEST_NAME).read_bytes())["checksum"].split(":")[1]
+        new = encode_manifest(body, digest=old if stale else None)
+        changed = new != (ck / MANIFEST_NAME).read_bytes()
+        (ck / MANIFEST_NAME).write_bytes(new)
+        outcome, value, s = attempt(root)
+        stats.total += 1
+        stats.worst_s = max(stats.worst_s, s)
+        key = type(value).__name__ if outcome == "error" else "loaded"
+        stats.outcomes[key] = stats.outcomes.get(key, 0) + 1
+        assert s < EXAMPLE_LIMIT_S, f"{log}: load took {s:.1f}s"
+        if stale and changed:
+            assert outcome == "error", f"{log}: a stale checksum was accepted"
+        if outcome == "ok" and (layout_only(log) or not changed):
+            got = flat_bytes(value)
+            assert got == want, f"{log}: loaded different data without an error"
+        if outcome == "error" or changed:
+            keep(root, kept, "manifest", count)
+        shutil.rmtree(root, ignore_errors=True)
+        stats.ok += 1
+
+    with recording("malicious", "fuzz-manifest-structure", seed=0) as rec:
+        try:
+            run()
+        finally:
+            rec.malicious_total, rec.malicious_rejected = stats.total, stats.ok
+            rec.worst_time_s = round(stats.worst_s, 3)
+            rec.note = f"in-process; outcomes {stats.outcomes}"
+
+
+@st.composite
+def payload_edits(draw: st.DrawFn, size: int) -> tuple[str, Any]:
+    op = draw(st.sampled_from(["flip", "flip", "truncate", "grow", "overwrite", "zstd"]))
+    if op == "flip":
+        return op, (draw(st.integers(0, size - 1)), draw(st.integers(0, 7)))
+    if op == "truncate":
+        return op, draw(st.integers(0, size - 1))
+    if op == "grow":
+        return op, draw(st.binary(min_size=1, max_size=128))
+    if op == "overwrite":
+        return op, (draw(st.integers(0, size - 1)), draw(st.binary(min_size=1, max_size=64)))
+    frame = zstandard.ZstdCompressor(level=1).compress(draw(st.binary(max_size=4096)))
+    return op, (draw(st.integers(0, size - 1)), frame)
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_payload_bytes(
+    templates: dict[str, Path], kept: Path, expected: dict[str, Any], workdir: Path
+) -> None:
+    stats, count = Stats(), [0]
+    want = flat_bytes(expected)
+
+    @SETTINGS
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        which = data.draw(st.sampled_from(sorted(templates)))
+        root = fresh_copy(templates, which, workdir)
+        ck = root / STEP_DIR
+        body = body_of(ck)
+        path = ck / body["files"][0][0]
+        raw = bytearray(path.read_bytes())
+        op, arg = data.draw(payload_edits(len(raw)))
+        if op == "flip":
+            raw[arg[0]] ^= 1 << arg[1]
+        elif op == "truncate":
+            del raw[arg:]
+        elif op == "grow":
+            raw += arg
+        else:
+            at, blob = arg
+            raw[at : at + len(blob)] = blob
+        path.write_bytes(bytes(raw))
+        fix_size = data.draw(st.booleans())
+        if fix_size and len(raw) != body["files"][0][1]:
+            body["files"][0][1] = len(raw)
+            (ck / MANIFEST_NAME).write_bytes(encode_manifest(body))
+        outcome, value, s = attempt(root)
+        info = check_step(open_storage(str(root)), STEP_DIR, STEP, deep=True)
+        stats.total += 1
+        stats.worst_s = max(stats.worst_s, s)
+        key = type(value).__name__ if outcome == "error" else "loaded"
+        stats.outcomes[key] = stats.outcomes.get(key, 0) + 1
+        where = f"{op} {arg!r:.80} fix_size={fix_size}"
+        assert s < EXAMPLE_LIMIT_S, f"{where}: load took {s:.1f}s"
+        if outcome == "ok":
+            assert flat_bytes(value) == want, f"{where}: loaded different data without an error"
+            assert info.status == "committed", (
+                f"{where}: load is fine but the deep check says {info.reason}"
+            )
+        else:
+            assert isinstance(value, ckptlib.CorruptCheckpointError), f"{where}: {value!r}"
+            assert info.status == "corrupt", (
+                f"{where}: load refused ({value}) but the deep check passed"
+            )
+            keep(root, kept, "payload", count)
+        shutil.rmtree(root, ignore_errors=True)
+        stats.ok += 1
+
+    with recording("malicious", "fuzz-payload-bytes", seed=0) as rec:
+        try:
+            run()
+        finally:
+            rec.malicious_total, rec.malicious_rejected = stats.total, stats.ok
+            rec.worst_time_s = round(stats.worst_s, 3)
+            rec.note = f"in-process; outcomes {stats.outcomes}"
+
+
+@st.composite
+def frames(draw: st.DrawFn) -> tuple[bytes, int, str]:
+    """A zstd frame (maybe damaged), the raw size the manifest will claim, and a label."""
+    raw = draw(st.binary(max_size=2048) | st.integers(0, 1 << 20).map(bytes))
+    declared = draw(st.booleans())
+    c = zstandard.ZstdCompressor(level=1, write_content_size=declared)
+    frame = c.compress(raw)
+    damage = draw(st.sampled_from(["none", "none", "flip", "truncate", "append", "concat"]))
+    if damage == "flip" and frame:
+        i = draw(st.integers(0, len(frame) - 1))
+        frame = frame[:i] + bytes([frame[i] ^ (1 << draw(st.integers(0, 7)))]) + frame[i + 1 :]
+    elif damage == "truncate":
+        frame = frame[: draw(st.integers(0, max(0, len(frame) - 1)))]
+    elif damage == "append":
+        frame += draw(st.binary(min_size=1, max_size=16))
+    elif damage == "concat":
+        frame += c.compress(draw(st.binary(max_size=256)))
+    claim = draw(st.sampled_from([len(raw), len(raw) + 1, max(0, len(raw) - 1), 0, 4096]))
+    if claim == 0:
+        claim = 1
+    return frame, claim, f"raw={len(raw)} declared={declared} damage={damage} claim={claim}"
+
+
+def decode_frames(data: bytes) -> bytes | None:
+    """Frame by frame, independently of the library's reader: the bytes ``data`` decodes to,
+    or None if any frame is damaged or incomplete."""
+    out = b""
+    try:
+        while data:
+            d = zstandard.ZstdDecompressor().decompressobj()
+            out += d.decompress(data)
+            if not d.eof:
+                return None
+            data = d.unused_data
+    except zstandard.ZstdError:
+        return None
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_zstd_frames(templates: dict[str, Path], kept: Path, workdir: Path) -> None:
+    stats, count = Stats(), [0]
+
+    @SETTINGS
+    @given(fr=frames())
+    def run(fr: tuple[bytes, int, str]) -> None:
+        frame, claim, label = fr
+        root = fresh_copy(templates, "zstd", workdir)
+        ck = root / STEP_DIR
+        body = body_of(ck)
+        rel = body["files"][0][0].rsplit("/", 1)[0] + "/frame.bin"
+        (ck / rel).write_bytes(frame)
+        body["files"].append([rel, len(frame)])
+        body["tensors"]["/big"] = {
+            "dtype": "uint8",
+            "shape": [claim],
+            "chunks": [
+                [len(body["files"]) - 1, 0, len(frame), checksum(frame), [0], [claim], "zstd"]
+            ],
+        }
+        (ck / MANIFEST_NAME).write_bytes(encode_manifest(body))
+        outcome, value, s = attempt(root)
+        stats.total += 1
+        stats.worst_s = max(stats.worst_s, s)
+        key = type(value).__name__ if outcome == "error" else "loaded"
+        stats.outcomes[key] = stats.outcomes.get(key, 0) + 1
+        assert s < EXAMPLE_LIMIT_S, f"{label}: load took {s:.1f}s"
+        if outcome == "ok":
+            truth = decode_frames(frame)
+            got = bytes(value["big"].numpy())
+            assert truth is not None and got == truth[:claim] and len(truth) == claim, (
+                f"{label}: loaded {len(got)} bytes that are not what the frame holds"
+            )
+        else:
+            keep(root, kept, "zstd", count)
+        shutil.rmtree(root, ignore_errors=True)
+        stats.ok += 1
+
+    with recording("malicious", "fuzz-zstd-frames", seed=0) as rec:
+        try:
+            run()
+        finally:
+            rec.malicious_total, rec.malicious_rejected = stats.total, stats.ok
+            rec.worst_time_s = round(stats.worst_s, 3)
+            rec.note = f"in-process; outcomes {stats.outcomes}"
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_inputs_under_memory_cap(kept: Path) -> None:
+    """The kept mutated folders, loaded again in one load_one.py process under the cap: only
+    ckptlib errors (or exact loads), bounded time, peak RSS under the cap."""
+    from .test_malicious import AS_LIMIT_MB, SLOW_S, run_batch
+
+    roots = sorted(p for p in kept.iterdir() if p.is_dir())
+    if not roots:
+        pytest.skip("run with the fuzz tests above (they keep the folders this test loads)")
+    with recording("malicious", "fuzz-subprocess-batch", seed=0) as rec:
+        _, results, problem = run_batch(roots)
+        assert not problem, problem
+        bad = {}
+        for name, r in results.items():
+            for op, o in r["ops"].items():
+                if o["outcome"] == "error" and not o["ckptlib"]:
+                    bad[f"{name}:{op}"] = f"{o['cls']}: {o['msg'][:200]}"
+                if o.get("s", 0) > SLOW_S:
+                    bad[f"{name}:{op}"] = f"slow: {o['s']}s"
+        rec.malicious_total = len(roots)
+        rec.malicious_rejected = len(roots) - len({k.split(":")[0] for k in bad})
+        rec.worst_rss_mb = max(r["rss_peak_mb"] for r in results.values())
+        rec.worst_time_s = max(o["s"] for r in results.values() for o in r["ops"].values())
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        rec.note = (
+            f"AS cap {AS_LIMIT_MB} MB; the in-process fuzzing's pytest process peaked at {own} MB"
+        )
+        assert not bad, bad
+        assert rec.worst_rss_mb < AS_LIMIT_MB
