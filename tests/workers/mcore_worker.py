@@ -1,0 +1,341 @@
+"""One rank of a Megatron-Core dist_checkpointing job on CPU (gloo on 127.0.0.1).
+
+Started by tests/integrations/test_megatron.py. usage:
+    mcore_worker.py SCENARIO RANK WORLD PORT ROOT JSON-ARGS
+Writes ROOT/result-<scenario>-<rank>.json; exits 0 unless it crashed.
+
+The model is a tiny tensor-parallel MLP whose pieces are described to Megatron as
+ShardedTensors the way Megatron's layers do it: ``w1``/``b1`` split by rows (column parallel),
+``w2`` split by columns (row parallel, outputs summed over the TP group), ``b2`` replicated
+(``replica_id`` = TP rank), plus a stacked buffer saved as two pieces of one key with
+``prepend_axis_num=1``. Adam's moments are sharded like their parameters. Training is
+deterministic: data comes from a generator seeded by the iteration, the noise from the
+global torch RNG, whose state is checkpointed as a ShardedObject.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+D, H, OUT, B = 8, 16, 4, 5  # input, hidden, output, batch
+LR = 0.05
+
+
+class Model:
+    """This rank's parameters of the global MLP for tensor-parallel size ``tp``."""
+
+    def __init__(self, tp: int, tp_rank: int, dp_rank: int) -> None:
+        self.tp, self.tp_rank, self.dp_rank = tp, tp_rank, dp_rank
+        g = torch.Generator().manual_seed(0)
+        full = {
+            "w1": torch.randn(H, D, generator=g) * 0.3,
+            "b1": torch.randn(H, generator=g) * 0.1,
+            "w2": torch.randn(OUT, H, generator=g) * 0.3,
+            "b2": torch.randn(OUT, generator=g) * 0.1,
+        }
+        h = H // tp
+        self.rows = slice(tp_rank * h, (tp_rank + 1) * h)
+        self.params = {
+            "w1": full["w1"][self.rows].clone().requires_grad_(),
+            "b1": full["b1"][self.rows].clone().requires_grad_(),
+            "w2": full["w2"][:, self.rows].clone().requires_grad_(),
+            "b2": full["b2"].clone().requires_grad_(),
+        }
+        self.stacked = torch.zeros(2, 6)
+        self.opt = torch.optim.Adam(list(self.params.values()), lr=LR)
+
+    def step(self, it: int) -> float:
+        g = torch.Generator().manual_seed(1000 + it)
+        x = torch.randn(B, D, generator=g) + 0.01 * torch.randn(B, D)  # global RNG: checkpointed
+        target = torch.randn(B, OUT, generator=g)
+        p = self.params
+        hid = torch.relu(x @ p["w1"].T + p["b1"])
+        part = hid @ p["w2"].T
+        total = part.detach().clone()
+        if self.tp > 1:
+            dist.all_reduce(total, group=TP_GROUP)
+        y = part + (total - part.detach()) + p["b2"]
+        loss = ((y - target) ** 2).sum()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.stacked += torch.arange(12, dtype=torch.float32).view(2, 6) * 0.5
+        return float(loss)
+
+    def ensure_opt_state(self) -> None:
+        for t in self.params.values():
+            st = self.opt.state[t]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(t)
+                st["exp_avg_sq"] = torch.zeros_like(t)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every checkpointed tensor of this rank by name (params, moments, buffer)."""
+        self.ensure_opt_state()
+        out = {}
+        for n, t in self.params.items():
+            out[n] = t.detach()
+            out[f"exp_avg.{n}"] = self.opt.state[t]["exp_avg"]
+            out[f"exp_avg_sq.{n}"] = self.opt.state[t]["exp_avg_sq"]
+        out["stacked"] = self.stacked
+        return out
+
+    def sharded_state_dict(self, it: int, world: int, rank: int, with_rng: bool = True) -> dict:
+        from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+        tp, r, dp = self.tp, self.tp_rank, self.dp_rank
+        sd: dict = {"model": {}, "optimizer": {}}
+        ts = self.tensors()
+        for n in self.params:
+            for prefix, where in (
+                ("", sd["model"]),
+                ("exp_avg.", sd["optimizer"]),
+                ("exp_avg_sq.", sd["optimizer"]),
+            ):
+                t = ts[prefix + n]
+                key = f"{'optimizer.' if prefix else 'model.'}{prefix}{n}"
+                if n in ("w1", "b1"):
+                    st = ShardedTensor.from_rank_offsets(key, t, (0, r, tp), replica_id=(0, dp))
+                elif n == "w2":
+                    st = ShardedTensor.from_rank_offsets(key, t, (1, r, tp), replica_id=(0, dp))
+                else:
+                    st = ShardedTensor.from_rank_offsets(key, t, replica_id=(r, dp))
+                where[prefix + n] = st
+        sd["model"]["stacked"] = [
+            ShardedTensor.from_rank_offsets(
+                "model.stacked", self.stacked[i], (0, i, 2), replica_id=(r, dp), prepend_axis_num=1
+            )
+            for i in range(2)
+        ]
+        step = int(self.opt.state[self.params["w1"]]["step"].item())
+        sd["iteration"] = it
+        sd["opt_step"] = step
+        if with_rng:
+            sd["rng"] = ShardedObject(
+                "rng_state",
+                {"torch": torch.get_rng_state(), "iteration": it, "tag": f"rank{rank}"},
+                (world,),
+                (rank,),
+                replica_id=0,
+            )
+        return sd
+
+    def apply_loaded(self, loaded: dict) -> None:
+        step = torch.tensor(float(loaded["opt_step"]))
+        for t in self.params.values():
+            self.opt.state[t]["step"] = step.clone()
+        if "rng" in loaded:
+            torch.set_rng_state(loaded["rng"]["torch"])
+
+
+TP_GROUP = None
+
+
+def setup(rank: int, world: int, port: int, tp: int) -> Model:
+    global TP_GROUP
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    # Groups of consecutive ranks form one TP group (Megatron's default order: TP fastest).
+    for start in range(0, world, tp):
+        grp = dist.new_group(list(range(start, start + tp)), backend="gloo")
+        if start <= rank < start + tp:
+            TP_GROUP = grp
+    torch.manual_seed(42)
+    return Model(tp, rank % tp, rank // tp)
+
+
+def digests(m: Model) -> dict[str, str]:
+    import hashlib
+
+    return {
+        k: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+        for k, t in m.tensors().items()
+    }
+
+
+def dump(m: Model, folder: Path, rank: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, t in m.tensors().items():
+        np.save(folder / f"{k}.rank{rank}.npy", t.contiguous().numpy())
+
+
+def _save(m: Model, it: int, world: int, rank: int, save_dir: Path, strategy, use_async: bool):
+    from megatron.core import dist_checkpointing as mdc
+
+    from ckptlib.integrations import megatron as ck
+
+    ckdir = Path(ck.iteration_dir(save_dir, it))
+    ckdir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if strategy == "ckptlib":
+        strat = ck.SaveStrategy()
+    else:
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        strat = TorchDistSaveShardedStrategy("torch_dist", 1)
+    sd = m.sharded_state_dict(it, world, rank)
+    if use_async:
+        req = mdc.save(sd, str(ckdir), sharded_strategy=strat, async_sharded_save=True)
+        return ck.schedule(req)
+    mdc.save(sd, str(ckdir), sharded_strategy=strat)
+    return None
+
+
+def arm_kill() -> None:
+    """SIGKILL this process inside the next save: after its payload files are written, before
+    it reports them (the async save thread is mid-save, the training thread mid-step)."""
+    from ckptlib.engine import save as save_flow
+
+    original = save_flow.write_files
+
+    def write_then_die(*a, **k):
+        original(*a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    save_flow.write_files = write_then_die
+
+
+def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
+    """Train to ``iters``, saving every ``every`` iterations; resume first via load_latest."""
+    from ckptlib.integrations import megatron as ck
+
+    m = setup(rank, world, int(args["port"]), int(args.get("tp", world)))
+    save_dir = Path(args["save_dir"])
+    start = 0
+    resumed = None
+    if args.get("resume"):
+        it, loaded = ck.load_latest(m.sharded_state_dict(0, world, rank), save_dir)
+        if it is not None:
+            m.apply_loaded(loaded)
+            start, resumed = it, it
+    out: dict = {
+        "resumed": resumed,
+        "loaded": digests(m) if resumed is not None else None,
+        "saved": {},
+    }
+    pending = None
+    kill_iter = args.get("kill_iter")
+    for it in range(start + 1, int(args["iters"]) + 1):
+        m.step(it)
+        time.sleep(float(args.get("sleep", 0)))
+        if it % int(args["every"]) == 0:
+            if pending is not None:
+                pending.finalize()
+                pending = None
+            if kill_iter == it and rank == int(args.get("kill_rank", 0)):
+                arm_kill()
+            if args.get("dump"):
+                dump(m, Path(args["dump"]) / f"iter_{it}", rank)
+            out["saved"][it] = digests(m)
+            pending = _save(m, it, world, rank, save_dir, "ckptlib", bool(args.get("async")))
+    if pending is not None:
+        pending.finalize()
+    out["final"] = digests(m)
+    dist.destroy_process_group()
+    return out
+
+
+def sc_load(rank: int, world: int, root: str, args: dict) -> dict:
+    """Resume on this layout (maybe different from the saving one) and dump what was loaded."""
+    from ckptlib.integrations import megatron as ck
+
+    m = setup(rank, world, int(args["port"]), int(args.get("tp", world)))
+    sd = m.sharded_state_dict(0, world, rank, with_rng=bool(args.get("rng", False)))
+    it, loaded = ck.load_latest(sd, args["save_dir"])
+    m.apply_loaded(loaded)
+    dump(m, Path(args["dump"]), rank)
+    infos = [[i.iteration, i.status, i.reason] for i in ck.iterations(args["save_dir"])]
+    dist.destroy_process_group()
+    return {
+        "iteration": it,
+        "iterations": infos,
+        "latest_quick": ck.latest_iteration(args["save_dir"]),
+        "latest_deep": ck.latest_iteration(args["save_dir"], deep=True),
+    }
+
+
+def cuda_shim() -> None:
+    """Megatron's torch_dist strategy calls CUDA helpers even for CPU tensors."""
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def sc_torch_dist(rank: int, world: int, root: str, args: dict) -> dict:
+    """Megatron's default torch_dist path on a payload with one flipped bit: what loads?"""
+    from megatron.core import dist_checkpointing as mdc
+
+    cuda_shim()
+    m = setup(rank, world, int(args["port"]), 1)
+    m.step(1)
+    save_dir = Path(args["save_dir"])
+    _save(m, 2, world, rank, save_dir, "torch_dist", False)
+    before = {k: t.clone() for k, t in m.tensors().items()}
+    ckdir = Path(save_dir) / "iter_0000002"
+    needle = before["w1"].contiguous().numpy().tobytes()
+    out: dict = {}
+    for target in sorted(p for p in ckdir.iterdir() if p.suffix == ".distcp"):
+        data = bytearray(target.read_bytes())
+        pos = data.find(needle)
+        if pos >= 0:
+            data[pos + len(needle) // 2] ^= 0x10  # one bit inside w1's bytes
+            target.write_bytes(bytes(data))
+            out.update(payload=target.name, flipped=pos + len(needle) // 2)
+            break
+    assert "payload" in out, "w1's bytes not found in any torch_dist payload"
+    fresh = Model(1, 0, 0)
+    try:
+        loaded = mdc.load(fresh.sharded_state_dict(0, world, rank, with_rng=False), str(ckdir))
+        after = {
+            "w1": loaded["model"]["w1"],
+            "b1": loaded["model"]["b1"],
+            "w2": loaded["model"]["w2"],
+        }
+        out["outcome"] = "loaded"
+        out["differs"] = sorted(k for k in after if not torch.equal(before[k], after[k]))
+    except Exception as e:
+        out["outcome"] = "error"
+        out["error"] = f"{type(e).__name__}: {e}"[:500]
+    dist.destroy_process_group()
+    return out
+
+
+SCENARIOS = {"train": sc_train, "load": sc_load, "torch_dist": sc_torch_dist}
+
+
+def main() -> None:
+    scenario, rank, world, port, root = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+    )
+    args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    args["port"] = port
+    out_path = Path(root) / f"result-{scenario}-{rank}.json"
+    try:
+        res = SCENARIOS[scenario](rank, world, root, args)
+    except BaseException:
+        res = {"crash": traceback.format_exc()}
+        out_path.write_text(json.dumps(res))
+        sys.exit(1)
+    out_path.write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
