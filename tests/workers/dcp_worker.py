@@ -1,0 +1,175 @@
+"""One rank of a DCP-through-ckptlib training job (gloo on 127.0.0.1). Started by
+tests/integrations/test_dcp.py.
+
+usage: dcp_worker.py SCENARIO RANK WORLD PORT ROOT JSON-ARGS
+
+Scenarios:
+- ``train``: a small MLP sharded with FSDP2 (``fully_shard``; DTensor ``Shard(0)`` parameters
+  and optimizer state), AdamW, deterministic data (a pure function of step and rank). After
+  every optimizer step it saves ``{"model", "optim", "step"}`` (``get_state_dict``) with
+  ``dcp.save`` -- or ``dcp.async_save`` on a dedicated gloo group when ``async`` -- through
+  ``CkptlibWriter(ROOT/ckpt, step=step)``. ``resume``: start from ``load_latest``.
+  ``kill_at``: SIGKILL rank ``victim`` while it writes the payload of that step's save (a
+  real kill, from ckptlib's named crash point ``write``). At the end rank 0 writes the full
+  (unsharded) model and optimizer state to ``ROOT/final-<tag>.npz``.
+With world size 1 the model is not sharded. The test process imports :func:`reference` (an
+uninterrupted single-process run) and :func:`reshard` (load into a plain model, any saved
+world size) from this module.
+
+Writes ``ROOT/result-<scenario>-<tag>-<rank>.json``; on an exception it records ``crash``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from ckptlib.integrations.dcp import CkptlibWriter, load_latest
+from ckptlib.testing import hooks
+
+IN, HID, OUT = 24, 40, 6
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, OUT))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randn(16, IN, generator=g), torch.randn(16, OUT, generator=g)
+
+
+def flat(prefix: str, x, out: dict[str, np.ndarray]) -> None:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            flat(f"{prefix}.{k}", v, out)
+    elif isinstance(x, list | tuple):
+        for i, v in enumerate(x):
+            flat(f"{prefix}.{i}", v, out)
+    elif isinstance(x, torch.Tensor):
+        out[prefix] = x.detach().cpu().contiguous().numpy()
+    else:
+        out[prefix] = np.array(repr(x))
+
+
+def dump(model, opt, path: Path) -> None:
+    """Full model + optimizer state (collective when distributed); rank 0 writes it."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=opts)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out: dict[str, np.ndarray] = {}
+        flat("model", msd, out)
+        flat("optim", osd, out)
+        np.savez(path, **out)
+
+
+def step_once(model, opt, step: int, rank: int) -> None:
+    x, y = batch(step, rank)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def reference(steps: int, path: Path) -> None:
+    """The uninterrupted single-process run (no saves), for comparison with world size 1."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(1, steps + 1):
+        step_once(model, opt, step, 0)
+    dump(model, opt, path)
+
+
+def train(rank: int, world: int, root: Path, args: dict) -> dict:
+    ckpt = root / "ckpt"
+    model = make_model()
+    if world > 1:  # FSDP2: parameters and optimizer state become DTensor shards
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start = 0
+    if args.get("resume"):
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "step": -1}
+        loaded = load_latest(state, ckpt)
+        if loaded is not None:
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+            assert state["step"] == loaded, (state["step"], loaded)
+            start = loaded
+    upload_pg = dist.new_group(backend="gloo") if args.get("async") else None
+    pending = None
+    for step in range(start + 1, args["steps"] + 1):
+        step_once(model, opt, step, rank)
+        if pending is not None:
+            pending.result()  # the previous save is committed: one save in flight at a time
+        if step == args.get("kill_at") and rank == args.get("victim", world - 1):
+            hooks._target = ("write", rank, signal.SIGKILL)  # die mid-write of this save
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "step": step}
+        writer = CkptlibWriter(ckpt, step=step)
+        if args.get("async"):
+            pending = dcp.async_save(state, storage_writer=writer, process_group=upload_pg)
+        else:
+            dcp.save(state, storage_writer=writer)
+    if pending is not None:
+        pending.result()
+    dump(model, opt, root / f"final-{args['tag']}.npz")
+    return {"start": start, "debris": sorted(p.name for p in ckpt.iterdir() if ".tmp-" in p.name)}
+
+
+def reshard(root: Path, out: Path) -> int | None:
+    """Load the newest step under ``root/ckpt`` into a plain (unsharded) model and optimizer in
+    this process -- DCP reshards whatever was saved -- and dump it to ``out``."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, opt)  # also creates the optimizer state to load into
+    state = {"model": msd, "optim": osd, "step": -1}
+    loaded = load_latest(state, root / "ckpt")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dump(model, opt, out)
+    assert state["step"] == loaded
+    return loaded
+
+
+def main() -> None:
+    scenario, rank, world, port, root, args = sys.argv[1:7]
+    rank, world, root, args = int(rank), int(world), Path(root), json.loads(args)
+    out = root / f"result-{scenario}-{args['tag']}-{rank}.json"
+    try:
+        if scenario != "train":
+            raise ValueError(f"unknown scenario {scenario!r}")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+        res = train(rank, world, root, args)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        out.write_text(json.dumps({"crash": traceback.format_exc()}))
+        sys.stdout.flush()
+        os._exit(3)  # a collective peer may be dead: do not wait in atexit handlers
+    out.write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
