@@ -8,7 +8,7 @@ manifest claims.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import crc32c
 import xxhash
@@ -20,6 +20,7 @@ from ckptlib.format.dtypes import ITEMSIZE
 from ckptlib.format.manifest import Manifest
 
 PIECE = 8 << 20
+_SLICE = 4096  # input bytes per completeness step: bounds each step's output
 
 
 class _Hasher:
@@ -39,12 +40,17 @@ class _Hasher:
 
 
 def verify_chunks(
-    storage: Storage, folder: str, m: Manifest, progress: Callable[[int], None] | None = None
+    storage: Storage,
+    folder: str,
+    m: Manifest,
+    progress: Callable[[int], None] | None = None,
+    files: Container[int] | None = None,
 ) -> None:
     """Raise ``CorruptCheckpointError`` at the first bad chunk or pack.
 
     Reads every stored byte the manifest references, file by file in offset order, and calls
-    ``progress(n)`` as it goes (``n`` bytes checked).
+    ``progress(n)`` as it goes (``n`` bytes checked). ``files``: only these indices into
+    ``m.files`` (ranks splitting one verification between them); None checks every file.
     """
     ranges: dict[int, list[tuple[int, int, str, str, int]]] = {}
     for name, t in m.tensors.items():
@@ -58,6 +64,8 @@ def verify_chunks(
     for i, p in enumerate(m.packs):
         ranges.setdefault(p.file, []).append((p.start, p.length, p.checksum, p.codec, p.raw_length, f"pack {i}"))
     for fidx, items in sorted(ranges.items()):
+        if files is not None and fidx not in files:
+            continue
         path = join(folder, m.files[fidx].path)
         where = f"{storage.url.rstrip('/')}/{path}"
         with storage.open_read(path) as h:
@@ -89,8 +97,18 @@ def _verify_range(h, start, length, digest, codec, raw, label, algorithm, where,
 
 
 def _check_zstd(data: bytes, raw_size: int, where: str) -> None:
+    """``data`` must be one complete zstd frame expanding to exactly ``raw_size`` bytes.
+
+    The same rules as :func:`ckptlib.format.codec.decompress_frame` (what loads use), checked
+    without ever holding the raw bytes: the output is streamed in ``PIECE``-sized reads and
+    discarded, then the frame is walked again with small input slices to prove it is complete
+    and that nothing follows it.
+    """
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+        params = zstandard.get_frame_parameters(data)
+        if params.content_size not in (zstandard.CONTENTSIZE_UNKNOWN, raw_size):
+            raise CorruptCheckpointError(f"zstd frame declares {params.content_size} bytes, expected {raw_size}", where)
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=False)
         total = 0
         while True:
             piece = reader.read(min(PIECE, raw_size + 1 - total))
@@ -99,6 +117,16 @@ def _check_zstd(data: bytes, raw_size: int, where: str) -> None:
             total += len(piece)
             if total > raw_size:
                 break
+        if total == raw_size:  # the output is bounded: now prove the frame ends where the data ends
+            dobj = zstandard.ZstdDecompressor().decompressobj()
+            for off in range(0, len(data), _SLICE):
+                dobj.decompress(data[off : off + _SLICE])
+                if dobj.eof:
+                    if off + _SLICE < len(data) or dobj.unused_data:
+                        raise CorruptCheckpointError("zstd data has bytes after its frame", where)
+                    break
+            if not dobj.eof:
+                raise CorruptCheckpointError("zstd frame is incomplete (truncated)", where)
     except zstandard.ZstdError as e:
         raise CorruptCheckpointError(f"zstd data is damaged ({e})", where) from None
     if total != raw_size:
