@@ -44,6 +44,32 @@ log = logging.getLogger("ckptlib.storage")
 
 T = TypeVar("T")
 
+_totals: Counter[str] = Counter()
+_totals_lock = threading.Lock()
+
+
+def _count(key: str) -> None:
+    with _totals_lock:
+        _totals[key] += 1
+
+
+def stats() -> dict[str, int]:
+    """Process-wide totals since the last :func:`reset_stats`: ``retries`` (attempts that
+    failed transiently and were tried again) and ``giveups`` (operations that still failed
+    transiently when their attempts or deadline ran out). Any thread; a snapshot copy.
+
+    Chaos tests and benchmarks read it at the end of a job; backends count through
+    :func:`call_async`/:func:`call_sync`, so every storage instance is included."""
+    with _totals_lock:
+        return {"retries": _totals["retries"], "giveups": _totals["giveups"]}
+
+
+def reset_stats() -> None:
+    """Zero the totals of :func:`stats`."""
+    with _totals_lock:
+        _totals.clear()
+
+
 TRANSIENT_CODES = frozenset(
     {
         "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
@@ -237,6 +263,7 @@ async def call_async(
         return await asyncio.wait_for(fn(), min(policy.attempt_timeout, left))
 
     def before_sleep(rs: tenacity.RetryCallState) -> None:
+        _count("retries")
         if stats is not None:
             stats["retries"] += 1
         exc = rs.outcome.exception() if rs.outcome else None
@@ -257,6 +284,8 @@ async def call_async(
         raise
     except Exception as e:
         now = policy.clock()
+        if transient(e):
+            _count("giveups")
         raise _final_error(what, e, attempts, now - start, now >= end or stop.by_deadline, scoped) from e
 
 
@@ -283,6 +312,7 @@ def call_sync(
         return fn()
 
     def before_sleep(rs: tenacity.RetryCallState) -> None:
+        _count("retries")
         if stats is not None:
             stats["retries"] += 1
 
@@ -302,5 +332,6 @@ def call_sync(
     except Exception as e:
         if not transient(e) or not is_transient(e):
             raise  # not retried, or the caller's own condition (e.g. a short file): it decides
+        _count("giveups")
         now = policy.clock()
         raise _final_error(what, e, attempts, now - start, now >= end or stop.by_deadline, scoped) from e

@@ -115,7 +115,20 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
                 storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
     else:
         raise CommitError(f"could not move {st.work} into place at {st.final}")
-    storage.sync_dir(parent)
+    try:
+        storage.sync_dir(parent)
+    except BaseException:
+        # The rename may not be durable and the save is about to be reported as failed: take
+        # the step back out of sight (the abort then removes it), so that what is visible
+        # matches what every rank is told. Best effort: if this fails too, it stays visible.
+        try:
+            storage.rename(st.final, st.work)
+            gone = layout.del_dir(st.final, st.save_id)
+            if overwrite and storage.exists(gone):
+                storage.rename(gone, st.final)  # the step we were replacing stands
+        except Exception:
+            pass
+        raise
     if overwrite:
         storage.delete_tree(layout.del_dir(st.final, st.save_id))
 

