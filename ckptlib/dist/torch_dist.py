@@ -40,6 +40,26 @@ def _default_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+ALIGN_TIMEOUT = 120.0
+"""How long ranks wait for each other before creating the coordinator's group."""
+_generation = [0]
+
+
+def _meet(store: Any, world: int, timeout: float) -> None:
+    """Store barrier before :class:`TorchCoordinator` creates its gloo group (collective, in
+    the same order on every rank, so the n-th call on each rank uses the same key)."""
+    _generation[0] += 1
+    key = f"ckptlib/coordinator-init/{_generation[0]}"
+    store.add(key, 1)
+    end = time.monotonic() + timeout
+    while store.add(key, 0) < world:
+        if time.monotonic() > end:
+            raise CommitTimeoutError(
+                f"ranks did not all create the checkpoint coordinator within {timeout:.0f}s"
+            )
+        time.sleep(0.02)
+
+
 class TorchCoordinator(Coordinator):
     """Created collectively (every rank, same order) the first time a save or load needs it."""
 
@@ -48,8 +68,11 @@ class TorchCoordinator(Coordinator):
         self.world_size = dist.get_world_size()
         self.dead_after = dead_after
         self.heartbeat = heartbeat
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after))
         self.store = _default_store()
+        # Ranks reach this point seconds apart (whatever each did since init_process_group);
+        # gloo's connect timeout is the group timeout (dead_after), so meet first.
+        _meet(self.store, self.world_size, max(ALIGN_TIMEOUT, dead_after))
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after))
         self._session: _Session | None = None
 
     # -- gloo data channel
@@ -165,9 +188,37 @@ class _Session:
                 return
             self._stop.wait(self.every)
 
+    def bounded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` (a store call) on a helper thread, given up after ``dead_after``.
+
+        The store lives in the coordinator's process: while it is frozen (SIGSTOP, a hung
+        node) a store call from another rank never returns -- the store's own timeout does
+        not cover ``set``/``add``/``check``. Non-coordinators therefore make their calls
+        through here and treat a call past the deadline as an unreachable coordinator
+        (``TimeoutError``). The abandoned helper thread is a daemon blocked on the socket.
+        """
+        if self.rank == 0:
+            return fn(*args)  # the store is in this process
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+
+        t = threading.Thread(target=call, name="ckptlib-store-call", daemon=True)
+        t.start()
+        t.join(self.dead_after)
+        if t.is_alive():
+            raise TimeoutError(f"store call unanswered for {self.dead_after:.0f}s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
     def post_done(self, error: str | None) -> None:
-        self.set(f"done/{self.rank}", "ok" if error is None else "err:" + error)
-        self.store.add(self.k("ndone"), 1)
+        self.bounded(self.set, f"done/{self.rank}", "ok" if error is None else "err:" + error)
+        self.bounded(self.store.add, self.k("ndone"), 1)
 
     def failed_ranks(self) -> dict[int, str]:
         return dict(self._failed)
@@ -209,8 +260,8 @@ class _Session:
         key = self.k("release")
         while True:
             try:
-                if self.store.check([key]):
-                    raw = json.loads(self.store.get(key).decode())
+                if self.bounded(self.store.check, [key]):
+                    raw = json.loads(self.bounded(self.store.get, key).decode())
                     self._failed.update({int(k): v for k, v in raw.items()})
                     return {int(k): v for k, v in raw.items()}
             except Exception:
@@ -228,7 +279,7 @@ class _Session:
                 return verdict
             now = time.monotonic()
             try:
-                beat = self.store.add(self.k("hb/0"), 0)
+                beat = self.bounded(self.store.add, self.k("hb/0"), 0)
             except Exception:
                 return {0: "coordinator (rank 0) unreachable: it died or its store is gone"}
             if last is None or last[0] != beat:
