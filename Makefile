@@ -21,8 +21,15 @@ test: venv
 	$(VPY) -m ruff check ckptlib tests bench examples
 	$(VPY) -m pytest -q
 
+# The full chaos matrix (seeded: CKPTLIB_TEST_SEED, default 1234). Every case appends a record
+# to runs/chaos/results.jsonl; the report is rendered into docs/reliability.md even when a case
+# failed, and the target fails if pytest failed or a must-be-zero count is not zero.
 chaos: venv
-	CKPTLIB_CHAOS_FULL=1 $(VPY) -m pytest -q -m "chaos" tests
+	rm -f runs/chaos/results.jsonl
+	CKPTLIB_CHAOS_FULL=1 CKPTLIB_CHAOS_RECORD=runs/chaos/results.jsonl $(VPY) -m pytest -q -m chaos tests; \
+	status=$$?; \
+	$(VPY) -m tests.chaos.report runs/chaos/results.jsonl docs/reliability.md || status=1; \
+	exit $$status
 
 lint: venv
 	$(VPY) -m ruff check ckptlib tests bench examples
