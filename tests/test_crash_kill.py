@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 
 import pytest
 import torch
+from chaos.record import Record, emit
 
 import ckptlib
 
@@ -366,10 +367,33 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
     seconds: Counter[str] = Counter()  # where the time goes, printed at the end (no assertions)
 
     def check(label: str, worker: Worker) -> Observation:
-        """Everything that must hold after ``worker`` was killed."""
-        nonlocal floor, prev_debris, start
+        """Everything that must hold after ``worker`` was killed; one chaos record per kill.
+
+        Record counts (docs/reliability.md): attempted = the save() calls that returned plus
+        the one the kill interrupted; committed = saves the worker saw committed; the rest
+        aborted. A failed check is recorded with ok=False (a lost step as ``saves_lost``).
+        """
         saved = worker.numbers("saved")
         committed_seen = worker.numbers("committed")
+        rec = Record("process_kill", f"{variant}-{label.split(' (')[0]}", SEED)
+        rec.saves_attempted = len(saved) + 1
+        rec.saves_committed = len(committed_seen)
+        rec.saves_aborted = rec.saves_attempted - rec.saves_committed
+        try:
+            obs = _check(label, worker, saved, committed_seen)
+            rec.resume = "correct"
+            return obs
+        except BaseException as exc:
+            rec.ok = False
+            rec.note = str(exc)[:300]
+            if "is now" in rec.note:  # a committed step was lost
+                rec.saves_lost = 1
+            raise
+        finally:
+            emit(rec)
+
+    def _check(label: str, worker: Worker, saved: list[int], committed_seen: list[int]) -> Observation:
+        nonlocal floor, prev_debris, start
         note = (
             f"{label} start={start} saved={saved[:1] + saved[-1:]} "
             f"committed_max={max(committed_seen, default=None)}"
