@@ -218,11 +218,32 @@ def load_checkpoint(
     plan = _Merge(m, rank, world_size, per_rank)
     plan.where = where
     result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
+    run_plan(plan, storage, folder, m, verify=verify, threads=threads, stats=stats)
+    return _resolve_lazy(result)
+
+
+def run_plan(
+    plan: _Merge,
+    storage: Storage,
+    folder: str,
+    m: Manifest,
+    *,
+    verify: bool = True,
+    threads: int = 4,
+    stats: dict[str, int] | None = None,
+) -> None:
+    """Fetch every box ``plan`` requested, then run its deferred copies, fills and loads.
+
+    The one read path after planning: :func:`load_checkpoint` and the framework adapters in
+    ``ckptlib/integrations`` (which plan their own trees with :class:`Merge`) call it on the
+    caller's thread; the reads run on the reader's pool. Lazy values in the planned tree are
+    resolved afterwards by the caller with :func:`resolve_lazy`.
+    """
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:
         reader.read(plan.requests)
     except MemoryError as e:  # read/decode buffers: a resource error, typed like _alloc's
-        raise CheckpointError(f"out of memory while reading {where}: {e}") from None
+        raise CheckpointError(f"out of memory while reading {plan.where}: {e}") from None
     finally:
         reader.close()
     if stats is not None:
@@ -230,4 +251,8 @@ def load_checkpoint(
         stats["bytes_needed"] = sum(r.dest.numel() * r.dest.element_size() for r in plan.requests)
     for fn in (*plan.copies, *plan.fills, *plan.loads):
         fn()
-    return _resolve_lazy(result)
+
+
+# Names for the adapters in ckptlib/integrations, which plan trees of their own.
+Merge = _Merge
+resolve_lazy = _resolve_lazy

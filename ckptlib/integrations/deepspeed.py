@@ -66,8 +66,7 @@ import torch
 
 from ckptlib.backends import Storage, open_storage
 from ckptlib.dist.coordinator import Coordinator, default_coordinator
-from ckptlib.engine.load import _Merge, _resolve_lazy
-from ckptlib.engine.reader import Reader
+from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.scan import StepInfo, check_files, read_manifest, scan
 from ckptlib.errors import (
     CheckpointError,
@@ -473,17 +472,11 @@ class _EngineMixin:
                 f"{view.storage.url}); it has: {sorted(view.files)}"
             )
         where = f"{view.storage.url.rstrip('/')}/{view.folder} [{name}]"
-        plan = _Merge(view.manifest)
+        plan = Merge(view.manifest)
         plan.where = where
         value = plan.fresh(node)
-        reader = Reader(view.storage, view.folder, view.manifest, verify=True)
-        try:
-            reader.read(plan.requests)
-        finally:
-            reader.close()
-        for fn in (*plan.copies, *plan.fills, *plan.loads):
-            fn()
-        sd = decode_value(_resolve_lazy(value), where)
+        run_plan(plan, view.storage, view.folder, view.manifest, verify=True)
+        sd = decode_value(resolve_lazy(value), where)
         if (
             isinstance(map_location, str | torch.device)
             and torch.device(map_location).type != "cpu"

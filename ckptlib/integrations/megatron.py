@@ -67,8 +67,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from ckptlib.backends import open_storage
 from ckptlib.dist.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import save as save_flow
-from ckptlib.engine.load import _Merge, _resolve_lazy
-from ckptlib.engine.reader import Reader
+from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.scan import check_files, check_step, read_manifest
 from ckptlib.errors import (
     CheckpointError,
@@ -400,7 +399,7 @@ class LoadStrategy(_mbase.LoadShardedStrategy):
                 if isinstance(per, dict):
                     for k, v in per.items():
                         objects.setdefault(k, v)
-        plan = _Merge(m)
+        plan = Merge(m)
         plan.where = where
 
         def one(x: Any) -> Any:
@@ -429,14 +428,8 @@ class LoadStrategy(_mbase.LoadShardedStrategy):
             return x
 
         out = _map(one, sharded_state_dict)
-        reader = Reader(storage, FOLDER, m, verify=self.verify, threads=self.threads)
-        try:
-            reader.read(plan.requests)
-        finally:
-            reader.close()
-        for fn in (*plan.copies, *plan.fills, *plan.loads):
-            fn()
-        return _map(lambda x: _resolve_lazy(x.value) if isinstance(x, _Holder) else x, out)
+        run_plan(plan, storage, FOLDER, m, verify=self.verify, threads=self.threads)
+        return _map(lambda x: resolve_lazy(x.value) if isinstance(x, _Holder) else x, out)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, ShardedTensor]:
         checkpoint_dir = os.fspath(checkpoint_dir)
