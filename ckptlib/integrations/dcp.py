@@ -437,7 +437,35 @@ def _has_refs(v: Any) -> bool:
 # --------------------------------------------------------------------------- writer
 
 
-class CkptlibWriter(StorageWriter):
+class _Located:
+    """Where a writer or reader points: ``url`` (+ ``step``) and its storage, opened once.
+
+    Shared by :class:`CkptlibWriter` and :class:`CkptlibReader`; DCP calls them on the
+    training thread (or an async-save thread), one save or load at a time per instance.
+    """
+
+    url: str | None
+    step: int | None
+    storage_options: dict[str, Any] | None
+    _storage: Storage | None
+    _storage_url: str | None
+
+    def _open_target(self) -> tuple[Storage, str, int | None]:
+        """(storage of the parent folder, checkpoint folder name, step); reopened on a new URL."""
+        parent, name, step = _resolve(self.url, self.step)
+        if self._storage is None or self._storage_url != parent:
+            self._storage = open_storage(parent, self.storage_options)
+            self._storage_url = parent
+        return self._storage, name, step
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        if self.url is None:
+            return None
+        return step_url(self.url, self.step) if self.step is not None else self.url
+
+
+class CkptlibWriter(_Located, StorageWriter):
     """A DCP ``StorageWriter`` that saves one ckptlib checkpoint folder.
 
     ``url`` is the checkpoint folder (any ckptlib URL: a local path, ``memory://...``,
@@ -497,17 +525,7 @@ class CkptlibWriter(StorageWriter):
 
     # -- where
     def _target(self) -> tuple[Storage, str, int | None]:
-        parent, name, step = _resolve(self.url, self.step)
-        if self._storage is None or self._storage_url != parent:
-            self._storage = open_storage(parent, self.storage_options)
-            self._storage_url = parent
-        return self._storage, name, step
-
-    @property
-    def checkpoint_id(self) -> str | None:
-        if self.url is None:
-            return None
-        return step_url(self.url, self.step) if self.step is not None else self.url
+        return self._open_target()
 
     # -- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -769,7 +787,7 @@ class CkptlibWriter(StorageWriter):
 # --------------------------------------------------------------------------- reader
 
 
-class CkptlibReader(StorageReader):
+class CkptlibReader(_Located, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`CkptlibWriter`.
 
     ``url`` (or ``url`` + ``step``) names the checkpoint folder, as for the writer. Every
@@ -822,17 +840,8 @@ class CkptlibReader(StorageReader):
         return state
 
     def _target(self) -> tuple[Storage, str]:
-        parent, name, _ = _resolve(self.url, self.step)
-        if self._storage is None or self._storage_url != parent:
-            self._storage = open_storage(parent, self.storage_options)
-            self._storage_url = parent
-        return self._storage, name
-
-    @property
-    def checkpoint_id(self) -> str | None:
-        if self.url is None:
-            return None
-        return step_url(self.url, self.step) if self.step is not None else self.url
+        storage, name, _ = self._open_target()
+        return storage, name
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
