@@ -106,7 +106,6 @@ def sc_ctrain(rank: int, world: int, root: str, args: dict) -> dict:
     per step (stretches training so random-moment kills spread over it) and
     ``startup_skew`` seconds the last rank sleeps before creating the manager. Main thread."""
     import torch
-    import torch.distributed as dist
 
     import ckptlib
 
@@ -147,27 +146,9 @@ def sc_ctrain(rank: int, world: int, root: str, args: dict) -> dict:
             raise
         log.event("committed", step=h.step)
 
-    batch = 8
+    dp_step = _dist_worker().dp_step  # the same model step as dist_worker.py's ``train``
     for step in range(start + 1, args["steps"] + 1):
-        g = torch.Generator().manual_seed(1000 + step)
-        x = torch.randn(batch, 16, generator=g)
-        y = torch.randn(batch, 4, generator=g)
-        mine = {}
-        for i in range(rank, batch, world):
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x[i : i + 1]), y[i : i + 1]).backward()
-            mine[i] = [p.grad.clone() for p in model.parameters()]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
-        merged = {}
-        for part in everyone:
-            merged.update(part)
-        for j, p in enumerate(model.parameters()):
-            total = merged[0][j].clone()
-            for i in range(1, batch):
-                total = total + merged[i][j]
-            p.grad = total / batch
-        opt.step()
+        dp_step(model, opt, rank, world, step)
         state["step"] = step
         if step % args["save_every"] == 0:
             settle()

@@ -149,6 +149,35 @@ def sc_fail(rank: int, world: int, root: str, args: dict) -> dict:
     return {"error": None, "elapsed": time.monotonic() - t0}
 
 
+def dp_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, step: int) -> None:
+    """One data-parallel step of ``sc_train``'s job (also chaos_worker.py's ``ctrain``).
+
+    A fixed global batch of 8 samples seeded by ``step``; each rank computes the per-sample
+    gradients of its samples, all are gathered and summed in sample order, so the result is
+    bitwise the same for any world size. Collective: every rank calls it, main thread.
+    """
+    batch = 8
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(batch, 16, generator=g)
+    y = torch.randn(batch, 4, generator=g)
+    mine = {}
+    for i in range(rank, batch, world):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[i : i + 1]), y[i : i + 1]).backward()
+        mine[i] = [p.grad.clone() for p in model.parameters()]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    merged = {}
+    for part in everyone:
+        merged.update(part)
+    for j, p in enumerate(model.parameters()):
+        total = merged[0][j].clone()
+        for i in range(1, batch):
+            total = total + merged[i][j]
+        p.grad = total / batch
+    opt.step()
+
+
 def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
     """Data-parallel training with a fixed global batch whose result does not depend on the
     number of ranks: per-sample gradients are gathered and summed in sample order."""
@@ -163,27 +192,8 @@ def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
     start = 0
     if mgr is not None:
         start = mgr.restore(state) or 0
-    batch = 8
     for step in range(start + 1, args["steps"] + 1):
-        g = torch.Generator().manual_seed(1000 + step)
-        x = torch.randn(batch, 16, generator=g)
-        y = torch.randn(batch, 4, generator=g)
-        mine = {}
-        for i in range(rank, batch, world):
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x[i : i + 1]), y[i : i + 1]).backward()
-            mine[i] = [p.grad.clone() for p in model.parameters()]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
-        merged = {}
-        for part in everyone:
-            merged.update(part)
-        for j, p in enumerate(model.parameters()):
-            total = merged[0][j].clone()
-            for i in range(1, batch):
-                total = total + merged[i][j]
-            p.grad = total / batch
-        opt.step()
+        dp_step(model, opt, rank, world, step)
         state["step"] = step
         if mgr is not None and step % args["save_every"] == 0:
             mgr.save(step, state)
