@@ -53,6 +53,13 @@ def _count(key: str) -> None:
         _totals[key] += 1
 
 
+def _count_retry(stats: Counter[str] | None) -> None:
+    """One retried attempt: the process-wide counter and the caller's own ``stats``."""
+    _count("retries")
+    if stats is not None:
+        stats["retries"] += 1
+
+
 def stats() -> dict[str, int]:
     """Process-wide totals since the last :func:`reset_stats`: ``retries`` (attempts that
     failed transiently and were tried again) and ``giveups`` (operations that still failed
@@ -263,9 +270,7 @@ async def call_async(
         return await asyncio.wait_for(fn(), min(policy.attempt_timeout, left))
 
     def before_sleep(rs: tenacity.RetryCallState) -> None:
-        _count("retries")
-        if stats is not None:
-            stats["retries"] += 1
+        _count_retry(stats)
         exc = rs.outcome.exception() if rs.outcome else None
         log.info("ckptlib: %s: attempt %d failed (%r); retrying", what, rs.attempt_number, exc)
 
@@ -312,9 +317,7 @@ def call_sync(
         return fn()
 
     def before_sleep(rs: tenacity.RetryCallState) -> None:
-        _count("retries")
-        if stats is not None:
-            stats["retries"] += 1
+        _count_retry(stats)
 
     stop = _Stop(policy, end)
     retrying = tenacity.Retrying(

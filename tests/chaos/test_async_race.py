@@ -28,7 +28,6 @@ never the mutated values, never a torn mix.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
@@ -41,7 +40,7 @@ import torch
 import ckptlib
 from ckptlib.format import layout
 
-from .conftest import SEED, rng, sampled
+from .conftest import SEED, rng, sampled, worker_module
 from .record import recording
 
 pytestmark = pytest.mark.chaos
@@ -118,26 +117,8 @@ class Trainer:
 
 
 def leaf_hashes(state: dict[str, Any]) -> dict[str, str]:
-    out: dict[str, str] = {}
-
-    def add(name: str, v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            t = v.detach().contiguous()
-            out[name] = hashlib.sha256(
-                t.reshape(-1).view(torch.uint8).numpy().tobytes()
-            ).hexdigest()
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                add(f"{name}.{k}", x)
-        elif isinstance(v, list | tuple):
-            for i, x in enumerate(v):
-                add(f"{name}.{i}", x)
-        else:
-            out[name] = repr(v)
-
-    for key, v in state.items():
-        add(key, v.state_dict() if hasattr(v, "state_dict") else v)
-    return out
+    """sha256 (with dtype and shape) of every leaf: the same function the storage jobs log."""
+    return worker_module().leaf_hashes(state)
 
 
 def mutate(
