@@ -20,7 +20,13 @@ import torch
 
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import checksum
-from ckptlib.format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from ckptlib.format.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    TABLE_COLUMNS,
+    TABLE_KEY,
+)
 
 # --------------------------------------------------------------------------- tensors
 
@@ -151,14 +157,123 @@ def rewrite_manifest(
 
 def tensor_ranges(body: dict[str, Any], name: str) -> list[tuple[int, int, int]]:
     """``(file index, start, length)`` of the stored bytes holding tensor ``name``: its chunks,
-    or the packs its pieces live in (whichever the writer used)."""
+    or the packs its pieces live in (whichever the writer used: a row of the packed table, or
+    ``packed`` pieces in its ``tensors`` entry)."""
+    packs = body.get("packs", [])
+    row = packed_row(body, name)
+    if row is not None:
+        p = packs[body[TABLE_KEY]["pack"][row]]
+        return [(p[0], p[1], p[2])]
     entry = body["tensors"][name]
     out = [(c[0], c[1], c[2]) for c in entry.get("chunks", [])]
-    packs = body.get("packs", [])
     for piece in entry.get("packed", []):
         p = packs[piece[0]]
         out.append((p[0], p[1], p[2]))
     return out
+
+
+# -- the packed table: tensors stored whole inside a pack are rows of ``body[TABLE_KEY]``
+# (columns ``name, dtype, ndim, dims, pack, offset``; ``dims`` is every row's shape, flat).
+# These helpers find and edit such a tensor whichever form it has: a table row, or the older
+# ``body["tensors"][name] = {"dtype", "shape", "packed": [[pack, raw_offset]]}`` that the
+# decoder still accepts.
+
+
+def packed_row(body: dict[str, Any], name: str) -> int | None:
+    """The row of tensor ``name`` in the packed table, or None if it is not a row."""
+    table = body.get(TABLE_KEY)
+    if not isinstance(table, dict) or not isinstance(table.get("name"), list):
+        return None
+    try:
+        return table["name"].index(name)
+    except ValueError:
+        return None
+
+
+def table_rows(body: dict[str, Any]) -> list[str]:
+    """Names of the tensors that are rows of the packed table, in row order."""
+    table = body.get(TABLE_KEY)
+    return list(table["name"]) if isinstance(table, dict) else []
+
+
+def tensor_names(body: dict[str, Any]) -> list[str]:
+    """Every tensor the manifest lists: ``tensors`` entries, then table rows."""
+    return [*body["tensors"], *table_rows(body)]
+
+
+def row_dims(body: dict[str, Any], row: int) -> slice:
+    """Where row ``row``'s shape lies in the flat ``dims`` column."""
+    ndim = body[TABLE_KEY]["ndim"]
+    start = sum(ndim[:row])
+    return slice(start, start + ndim[row])
+
+
+def tensor_decl(body: dict[str, Any], name: str) -> tuple[str, list[int]]:
+    """``(dtype, shape)`` of tensor ``name``, whichever form it has."""
+    row = packed_row(body, name)
+    if row is not None:
+        table = body[TABLE_KEY]
+        return table["dtype"][row], table["dims"][row_dims(body, row)]
+    entry = body["tensors"][name]
+    return entry["dtype"], entry["shape"]
+
+
+def packed_location(body: dict[str, Any], name: str) -> tuple[int, int]:
+    """``(pack index, raw offset)`` of tensor ``name`` stored whole in a pack (either form)."""
+    row = packed_row(body, name)
+    if row is not None:
+        table = body[TABLE_KEY]
+        return table["pack"][row], table["offset"][row]
+    piece = body["tensors"][name]["packed"][0]
+    return piece[0], piece[1]
+
+
+def set_packed_location(body: dict[str, Any], name: str, *, pack: Any = None, offset: Any = None) -> None:
+    """Point tensor ``name`` (stored whole in a pack, either form) at another pack and/or raw
+    offset; ``None`` keeps the current value."""
+    row = packed_row(body, name)
+    if row is not None:
+        table = body[TABLE_KEY]
+        cells = (table["pack"], row), (table["offset"], row)
+    else:
+        piece = body["tensors"][name]["packed"][0]
+        cells = (piece, 0), (piece, 1)
+    for (seq, i), value in zip(cells, (pack, offset), strict=True):
+        if value is not None:
+            seq[i] = value
+
+
+def drop_row(body: dict[str, Any], name: str) -> dict[str, Any]:
+    """Remove tensor ``name``'s row from the packed table (every column stays consistent);
+    returns it as ``{"dtype", "shape", "pack", "offset"}``."""
+    row = packed_row(body, name)
+    assert row is not None, f"{name} is not a row of the packed table"
+    table = body[TABLE_KEY]
+    shape = table["dims"][row_dims(body, row)]
+    del table["dims"][row_dims(body, row)]
+    out = {"dtype": table["dtype"][row], "shape": shape, "pack": table["pack"][row], "offset": table["offset"][row]}
+    for col in TABLE_COLUMNS:
+        if col != "dims":
+            del table[col][row]
+    return out
+
+
+def add_row(body: dict[str, Any], name: str, dtype: str, shape: list[int], pack: int, offset: int) -> None:
+    """Append a row to the packed table (created if missing), like the writer does."""
+    table = body.setdefault(TABLE_KEY, {col: [] for col in TABLE_COLUMNS})
+    table["name"].append(name)
+    table["dtype"].append(dtype)
+    table["ndim"].append(len(shape))
+    table["dims"].extend(shape)
+    table["pack"].append(pack)
+    table["offset"].append(offset)
+
+
+def row_to_dict_form(body: dict[str, Any], name: str) -> None:
+    """Move tensor ``name`` from the packed table to the older ``tensors`` form
+    ``{"dtype", "shape", "packed": [[pack, raw_offset]]}`` (same bytes, still valid)."""
+    r = drop_row(body, name)
+    body["tensors"][name] = {"dtype": r["dtype"], "shape": r["shape"], "packed": [[r["pack"], r["offset"]]]}
 
 
 def payload_dir(folder: str | os.PathLike[str], body: dict[str, Any]) -> Path:

@@ -24,11 +24,20 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    add_row,
     assert_same,
     assert_tensor_equal,
+    drop_row,
+    packed_location,
+    packed_row,
     payload_files,
     random_tensor,
     read_manifest_doc,
+    rewrite_manifest,
+    row_to_dict_form,
+    table_rows,
+    tensor_decl,
+    tensor_names,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,7 +45,9 @@ from torch import nn
 
 import ckptlib
 from ckptlib.engine import save as save_flow
+from ckptlib.format import manifest as mf
 from ckptlib.format.dtypes import DTYPES
+from ckptlib.format.manifest import TABLE_KEY
 from ckptlib.plan.flatten import INLINE_BYTES
 
 # complex32 tensors make torch warn once ("ComplexHalf support is experimental"); the warning
@@ -53,8 +64,12 @@ def roundtrip(state: Any, path: str | os.PathLike[str], **save_kw: Any) -> Any:
 
 
 def tensor_count(path: str | os.PathLike[str], name: str) -> int:
-    """How many chunks/packed pieces hold tensor ``name`` in the manifest."""
-    entry = read_manifest_doc(path)["body"]["tensors"][name]
+    """How many chunks/packed pieces hold tensor ``name`` in the manifest (a row of the packed
+    table is one whole-tensor piece)."""
+    body = read_manifest_doc(path)["body"]
+    if packed_row(body, name) is not None:
+        return 1
+    entry = body["tensors"][name]
     return len(entry.get("chunks", [])) + len(entry.get("packed", []))
 
 
@@ -110,8 +125,9 @@ def test_bytes_inline_up_to_limit_then_payload(tmp_path: Path) -> None:
     assert_same(loaded, state)
     body = read_manifest_doc(tmp_path / "ck")["body"]
     # the two large values are payload data, the small ones are inline in the manifest
-    assert len(body["tensors"]) == 2
-    assert "b64" not in str(body["tensors"])
+    assert sorted(tensor_names(body)) == ["/nested/0/0", "/over_limit"]
+    assert tensor_decl(body, "/over_limit") == ("uint8", [INLINE_BYTES + 1])
+    assert "b64" not in str(body["tensors"]) + str(body[TABLE_KEY])
 
 
 def test_dtype_values_roundtrip(tmp_path: Path) -> None:
@@ -292,6 +308,54 @@ def test_many_small_tensors_are_packed(tmp_path: Path) -> None:
     body = read_manifest_doc(path)["body"]
     assert len(body["files"]) <= 2
     assert_same(loaded, state)
+    # each is one row of the packed table, none a "tensors" entry of its own
+    assert sorted(table_rows(body)) == sorted(f"/t{i}" for i in range(1000))
+    assert body["tensors"] == {}
+    assert all(tensor_decl(body, f"/t{i}")[1] == [i % 17 + 1, 3] for i in range(1000))
+
+
+def test_packed_table_scalars_and_empty_tensors(tmp_path: Path) -> None:
+    """Scalars (rows with ndim 0) first, between and last in the packed table; empty tensors
+    stored as chunks (never rows: a row's dims are >= 1). The older dict form of the same rows
+    (still accepted by the decoder) loads the same data."""
+    state = {
+        "s0": random_tensor((), torch.float64, 1),
+        "v": random_tensor((3,), torch.int16, 2),
+        "s1": random_tensor((), torch.int8, 3),
+        "s2": random_tensor((), torch.bool, 4),
+        "m": random_tensor((2, 1, 3), torch.bfloat16, 5),
+        "e": torch.empty(0),
+        "e2": torch.empty((2, 0), dtype=torch.int64),
+        "s3": random_tensor((), torch.complex64, 6),
+    }
+    path = tmp_path / "ck"
+    assert_same(roundtrip(state, path), state)
+    body = read_manifest_doc(path)["body"]
+    rows = table_rows(body)
+    assert sorted(rows) == ["/m", "/s0", "/s1", "/s2", "/s3", "/v"]
+    assert sorted(body["tensors"]) == ["/e", "/e2"]
+    assert [tensor_decl(body, n)[1] for n in rows] == [list(state[n[1:]].shape) for n in rows]
+
+    # whatever order the writer chose, scalar rows first, consecutive and last load too
+    order = ["/s0", "/v", "/s1", "/s2", "/m", "/s3"]
+
+    def reorder(b: dict[str, Any]) -> None:
+        taken = {n: drop_row(b, n) for n in rows}
+        for n in order:
+            r = taken[n]
+            add_row(b, n, r["dtype"], r["shape"], r["pack"], r["offset"])
+
+    body = rewrite_manifest(path, reorder)
+    assert table_rows(body) == order and body[TABLE_KEY]["ndim"] == [0, 1, 0, 0, 3, 0]
+    assert_same(ckptlib.load(path), state)
+
+    def to_dict_form(b: dict[str, Any]) -> None:
+        for name in rows:
+            row_to_dict_form(b, name)
+
+    body = rewrite_manifest(path, to_dict_form)
+    assert table_rows(body) == [] and sorted(body["tensors"]) == sorted(tensor_names(body))
+    assert_same(ckptlib.load(path), state)
 
 
 def test_zstd_compresses_smooth_floats(tmp_path: Path) -> None:
@@ -691,3 +755,46 @@ def test_property_random_structures_roundtrip(state: Any, compression: str | Non
         return
     with tempfile.TemporaryDirectory() as d:
         assert_same(roundtrip(state, Path(d) / "ck", compression=compression), state)
+
+
+def test_manifest_reencodes_to_what_it_decodes(tmp_path: Path) -> None:
+    """decode(encode(decode(x))) == decode(x), including a hand-made empty tensor recorded as
+    a whole pack piece (it must stay out of the packed table, whose rows are never empty)."""
+    state = {"big": torch.randn(300, 300), "small": torch.arange(6).reshape(2, 3), "s": torch.tensor(1.5),
+             "z": torch.empty(0)}
+    ckptlib.save(state, tmp_path / "c")
+    rewrite_manifest(tmp_path / "c", lambda b: b["tensors"].__setitem__(
+        "/z", {"dtype": "float32", "shape": [0], "packed": [[0, 0]]}))
+    data = (tmp_path / "c" / "manifest.json").read_bytes()
+    m = mf.decode(data)
+    again = mf.decode(mf.encode(m))
+    assert again.tensors == m.tensors and again.packs == m.packs and again.files == m.files
+    assert again.tensors["/z"].pieces and not again.tensors["/z"].chunks
+    assert torch.equal(ckptlib.load(tmp_path / "c")["small"], state["small"])
+
+
+def test_more_dimensions_than_a_manifest_holds_is_refused_before_any_io(tmp_path: Path) -> None:
+    with pytest.raises(ckptlib.UnsupportedValueError, match="65 dimensions; a checkpoint holds at most 64"):
+        ckptlib.save({"a": torch.empty([1] * 65)}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    ckptlib.save({"a": torch.full([1] * 64, 3.0)}, tmp_path / "d")
+    assert ckptlib.load(tmp_path / "d")["a"].shape == (1,) * 64
+
+
+def test_resharded_load_of_packed_pieces_with_the_same_box_shape(tmp_path: Path) -> None:
+    """A requested box with the same shape as a stored piece but another offset gets only the
+    overlap (a whole-piece copy would put the wrong elements there)."""
+    a = torch.arange(5, dtype=torch.float32)
+    ckptlib.save({"a": a}, tmp_path / "c")
+
+    def split(body: dict[str, Any]) -> None:  # saved as two pieces, [0:3] and [3:5]
+        pack, off = packed_location(body, "/a")
+        drop_row(body, "/a")
+        body["tensors"]["/a"] = {"dtype": "float32", "shape": [5],
+                                 "packed": [[pack, off, [0], [3]], [pack, off + 12, [3], [2]]]}
+
+    rewrite_manifest(tmp_path / "c", split)
+    for start in range(4):
+        local = torch.full((2,), -1.0)
+        ckptlib.load(tmp_path / "c", into={"a": ckptlib.Shard(local, (5,), (start,))})
+        assert torch.equal(local, a[start : start + 2]), start

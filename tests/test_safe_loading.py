@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,17 +28,25 @@ import torch
 import zstandard
 from helpers import (
     add_payload,
+    add_row,
     assert_same,
+    drop_row,
     encode_manifest,
     flip_bit,
     manifest_digest,
     manifest_path,
+    packed_location,
+    packed_row,
     payload_dir,
     payload_files,
     random_tensor,
     read_manifest_doc,
     rewrite_manifest,
+    row_dims,
+    row_to_dict_form,
+    set_packed_location,
     set_single_chunk,
+    table_rows,
     tensor_ranges,
     write_manifest_bytes,
 )
@@ -47,6 +56,7 @@ from ckptlib.backends import open_storage
 from ckptlib.engine import scan
 from ckptlib.engine.scan import check_step
 from ckptlib.format.checksum import checksum
+from ckptlib.format.manifest import TABLE_COLUMNS, TABLE_KEY
 
 MANIFEST = "manifest.json"
 
@@ -121,6 +131,30 @@ def test_chunked_and_packed_layout(tmp_path: Path) -> None:
     assert len(body["tensors"]["/big2"]["chunks"]) == 1
     assert chunk0(body, "/big")[2] == chunk0(body, "/big2")[2] == 256 * 1024
     assert chunk0(body, "/big")[0] == chunk0(body, "/big2")[0]  # same payload file
+    # small tensors are rows of the packed table, in one pack, back to back
+    assert table_rows(body) == ["/small", "/small2", "/blob"]
+    assert not {"/small", "/small2", "/blob"} & set(body["tensors"])
+    assert len(body["packs"]) == 1
+    assert [packed_location(body, n) for n in table_rows(body)] == [(0, 0), (0, 64), (0, 96)]
+    assert body["packs"][0][5] == 64 + 32 + 5120  # raw length: nothing else in the pack
+
+
+def test_legacy_packed_dict_form_still_loads(tmp_path: Path) -> None:
+    """Rows moved back to the older ``tensors[name]["packed"]`` form load the same data (the
+    decoder accepts both), including a checkpoint mixing both forms."""
+    ck = make_checkpoint(tmp_path)
+
+    def edit(body: dict[str, Any]) -> None:
+        row_to_dict_form(body, "/small2")
+        row_to_dict_form(body, "/blob")
+
+    body = rewrite_manifest(ck, edit)
+    assert table_rows(body) == ["/small"] and body["tensors"]["/small2"]["packed"] == [[0, 64]]
+    assert_same(ckptlib.load(ck), base_state())
+    rewrite_manifest(ck, lambda b: row_to_dict_form(b, "/small"))
+    assert_same(ckptlib.load(ck), base_state())
+    info = check_step(open_storage(str(tmp_path)), "ck", deep=True)
+    assert info.status == "committed", info.reason
 
 
 # --------------------------------------------------------------------------- case table
@@ -531,18 +565,28 @@ def pack_edit(fn: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
     return tamper
 
 
-def _pieces(body: dict[str, Any], name: str) -> list[list[Any]]:
-    return body["tensors"][name]["packed"]
+def _small_is_a_row(body: dict[str, Any]) -> None:
+    assert packed_row(body, "/small") is not None and packed_row(body, "/small2") is not None
 
 
 def pack_overlap(body: dict[str, Any]) -> None:
     # /small2 (32 bytes) now starts where /small (64 bytes) does: members overlap
-    _pieces(body, "/small2")[0][1] = _pieces(body, "/small")[0][1]
+    _small_is_a_row(body)
+    set_packed_location(body, "/small2", offset=packed_location(body, "/small")[1])
+
+
+def pack_overlap_across_forms(body: dict[str, Any]) -> None:
+    """/small2 in the older dict form, /small a table row, overlapping: the overlap check
+    spans both forms."""
+    pack_overlap(body)
+    row_to_dict_form(body, "/small2")
 
 
 def piece_past_pack(body: dict[str, Any]) -> None:
-    p = _pieces(body, "/small")[0]
-    p[1] = body["packs"][p[0]][5] - 8
+    # /small (64 bytes) starts 8 bytes before the end of its pack
+    _small_is_a_row(body)
+    pack, _ = packed_location(body, "/small")
+    set_packed_location(body, "/small", offset=body["packs"][pack][5] - 8)
 
 
 def pack_bad_raw_length(body: dict[str, Any]) -> None:
@@ -554,7 +598,8 @@ def pack_codec(body: dict[str, Any]) -> None:
 
 
 def pack_index(body: dict[str, Any]) -> None:
-    _pieces(body, "/small")[0][0] = 7
+    _small_is_a_row(body)
+    set_packed_location(body, "/small", pack=7)
 
 
 def pack_over_chunk(body: dict[str, Any]) -> None:
@@ -573,6 +618,55 @@ def pack_bomb(folder: Path) -> str:
     write_manifest_bytes(folder, encode_manifest(body))
     return "packbomb.bin"
 
+
+
+# -- the packed table (``body[TABLE_KEY]``): one row per small tensor stored whole in a pack.
+# The base checkpoint's rows: 0 /small float32 [16] at 0, 1 /small2 bfloat16 [4, 4] at 64,
+# 2 /blob uint8 [5120] at 96, all in pack 0 (raw length 5216); dims = [16, 4, 4, 5120].
+
+ROWS = ["/small", "/small2", "/blob"]
+
+
+def table_edit(fn: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Callable[[Path], None]:
+    """``fn(table, body)`` edits the packed table; the manifest is rewritten with a valid
+    checksum so that the table's validation is what must refuse it."""
+
+    def edit(body: dict[str, Any]) -> None:
+        assert table_rows(body) == ROWS, body.get(TABLE_KEY)  # the cases rely on this layout
+        fn(body[TABLE_KEY], body)
+
+    return body_edit(edit)
+
+
+def set_cell(column: str, row: int, value: Any) -> Callable[[Path], None]:
+    return table_edit(lambda t, b: t[column].__setitem__(row, value))
+
+
+def set_column(column: str, value: Any) -> Callable[[Path], None]:
+    return table_edit(lambda t, b: t.__setitem__(column, value))
+
+
+def set_row_shape(row: int, shape: list[int]) -> Callable[[Path], None]:
+    """Row ``row`` declares ``shape`` (``ndim`` and ``dims`` kept consistent)."""
+
+    def fn(t: dict[str, Any], body: dict[str, Any]) -> None:
+        t["dims"][row_dims(body, row)] = shape
+        t["ndim"][row] = len(shape)
+
+    return table_edit(fn)
+
+
+def row_also_in_tensors(t: dict[str, Any], body: dict[str, Any]) -> None:
+    """/small is a table row and also a valid dict-form entry for the same bytes."""
+    pack, offset = packed_location(body, "/small")
+    body["tensors"]["/small"] = {"dtype": "float32", "shape": [16], "packed": [[pack, offset]]}
+
+
+def extra_row_without_dims(t: dict[str, Any], body: dict[str, Any]) -> None:
+    """A fourth row in every column but ``dims``: lengths agree, ``sum(ndim) != len(dims)``."""
+    for column, value in zip(TABLE_COLUMNS, ["/extra", "uint8", 1, None, 0, 5215], strict=True):
+        if column != "dims":
+            t[column].append(value)
 
 
 def tree_case(node: Any, match: str, id: str, *marks: Any) -> Any:
@@ -749,6 +843,99 @@ CASES = [
     pytest.param(Case(pack_edit(pack_index), "pack"), id="pack-index"),
     pytest.param(Case(pack_edit(pack_over_chunk), "overlap"), id="pack-overlaps-chunk"),
     pytest.param(Case(pack_bomb, "expands past"), id="pack-zstd-bomb"),
+    pytest.param(Case(pack_edit(pack_overlap_across_forms), "overlap"), id="pack-overlap-table-and-dict-form"),
+    # ---- the packed table
+    pytest.param(Case(set_body_field(TABLE_KEY, [["/small", "float32", 1, 16, 0, 0]]), "packed_tensors must be an object"),
+                 id="table-not-object"),
+    pytest.param(Case(set_body_field(TABLE_KEY, "rows"), "packed_tensors must be an object"), id="table-string"),
+    pytest.param(Case(set_body_field(TABLE_KEY, None), "packed_tensors must be an object"), id="table-null"),
+    pytest.param(Case(body_edit(lambda b: b.pop(TABLE_KEY)), "names no tensor", tree=True), id="table-missing"),
+    pytest.param(Case(table_edit(lambda t, b: drop_row(b, "/small2")), "names no tensor", tree=True),
+                 id="table-row-dropped"),
+    pytest.param(Case(table_edit(lambda t, b: t.pop("ndim")), "exactly the columns"), id="table-column-missing"),
+    pytest.param(Case(table_edit(lambda t, b: t.__setitem__("checksum", ["0"] * 3)), "exactly the columns"),
+                 id="table-column-extra"),
+    pytest.param(Case(table_edit(lambda t, b: t.__setitem__("Name", t.pop("name"))), "exactly the columns"),
+                 id="table-column-renamed"),
+    pytest.param(Case(table_edit(lambda t, b: t["pack"].append(0)), "different lengths"), id="table-column-longer"),
+    pytest.param(Case(table_edit(lambda t, b: t["offset"].pop()), "different lengths"), id="table-column-shorter"),
+    pytest.param(Case(table_edit(lambda t, b: t["name"].append("/extra")), "different lengths"),
+                 id="table-name-column-longer"),
+    pytest.param(Case(table_edit(lambda t, b: t["dtype"].pop()), "different lengths"), id="table-dtype-column-shorter"),
+    pytest.param(Case(table_edit(lambda t, b: t["dims"].append(1)), "dims holds 5 values, ndim adds up to 4"),
+                 id="table-dims-longer-than-ndim"),
+    pytest.param(Case(set_cell("ndim", 1, 1), "dims holds 4 values, ndim adds up to 3"), id="table-ndim-short"),
+    pytest.param(Case(table_edit(extra_row_without_dims), "dims holds 4 values, ndim adds up to 5"),
+                 id="table-row-without-dims"),
+    # same sum(ndim), rows regrouped: /small becomes [16, 4] (256 bytes) over /small2's bytes
+    pytest.param(Case(set_column("ndim", [2, 1, 1]), "overlap"), id="table-ndim-regrouped"),
+    pytest.param(Case(set_cell("ndim", 0, 65), r"ndim holds an integer outside \[0, 64\]"), id="table-ndim-65"),
+    pytest.param(Case(set_cell("ndim", 0, -1), r"ndim holds an integer outside"), id="table-ndim-negative"),
+    pytest.param(Case(set_cell("pack", 0, True), "pack must be a list of integers"), id="table-pack-bool"),
+    pytest.param(Case(set_cell("ndim", 2, False), "ndim must be a list of integers"), id="table-ndim-bool"),
+    pytest.param(Case(set_cell("dims", 0, True), "dims must be a list of integers"), id="table-dims-bool"),
+    pytest.param(Case(set_cell("offset", 0, 0.0), "offset must be a list of integers"), id="table-offset-float"),
+    pytest.param(Case(set_cell("dims", 0, 16.0), "dims must be a list of integers"), id="table-dims-float"),
+    pytest.param(Case(set_cell("ndim", 0, "1"), "ndim must be a list of integers"), id="table-ndim-string"),
+    pytest.param(Case(set_cell("pack", 0, "0"), "pack must be a list of integers"), id="table-pack-string"),
+    pytest.param(Case(set_cell("dims", 3, None), "dims must be a list of integers"), id="table-dims-null"),
+    pytest.param(Case(set_cell("offset", 1, [64]), "offset must be a list of integers"), id="table-offset-list"),
+    pytest.param(Case(set_column("offset", 0), "offset must be a list of integers"), id="table-offset-not-list"),
+    pytest.param(Case(set_column("dims", {"0": 16}), "dims must be a list of integers"), id="table-dims-object"),
+    pytest.param(Case(set_cell("dims", 0, 2**64), "dims holds an integer outside"), id="table-dims-2**64"),
+    pytest.param(Case(set_cell("dims", 0, 2**63), "dims holds an integer outside"), id="table-dims-2**63"),
+    pytest.param(Case(set_cell("dims", 0, 10**40), "dims holds an integer outside"), id="table-dims-10**40"),
+    pytest.param(Case(set_cell("dims", 0, -(2**63) - 1), "dims holds an integer outside"),
+                 id="table-dims-below-int64"),
+    pytest.param(Case(set_cell("dims", 0, 2**62 + 1), "dims holds an integer outside"), id="table-dims-2**62+1"),
+    pytest.param(Case(set_cell("offset", 0, 2**64), "offset holds an integer outside"), id="table-offset-2**64"),
+    pytest.param(Case(set_cell("pack", 0, 2**70), "pack holds an integer outside"), id="table-pack-2**70"),
+    pytest.param(Case(set_cell("dims", 0, 0), r"dims holds an integer outside \[1, "), id="table-dim-zero"),
+    pytest.param(Case(set_cell("dims", 3, -1), "dims holds an integer outside"), id="table-dim-negative"),
+    pytest.param(Case(set_cell("dims", 0, 2**62), "/small.*declares more than 2\\^62 bytes"),
+                 id="table-row-2**62-elements"),
+    pytest.param(Case(set_row_shape(1, [2**31, 2**31]), "/small2.*declares more than 2\\^62 bytes"),
+                 id="table-row-2**31-squared"),
+    pytest.param(Case(set_row_shape(0, [2] * 64), "/small.*declares more than 2\\^62 bytes"),
+                 id="table-row-64-dims-of-2"),
+    pytest.param(Case(set_row_shape(0, [2**21] * 3), "/small.*declares more than 2\\^62 bytes"),
+                 id="table-row-2**63-elements"),
+    # exactly 2^62 bytes passes the size bound and must still fit in its pack
+    pytest.param(Case(set_row_shape(2, [2**62]), "/blob.*ends past the end of pack 0"), id="table-row-2**62-bytes"),
+    pytest.param(Case(set_cell("offset", 2, 5216), "/blob.*ends past the end of pack 0"),
+                 id="table-offset-at-pack-end"),
+    pytest.param(Case(set_cell("offset", 2, 97), "/blob.*ends past the end of pack 0"), id="table-offset-1-past"),
+    pytest.param(Case(set_cell("offset", 0, 2**62), "/small.*ends past the end of pack 0"), id="table-offset-2**62"),
+    pytest.param(Case(set_cell("offset", 0, -1), "offset holds an integer outside"), id="table-offset-negative"),
+    pytest.param(Case(set_cell("pack", 1, 1), r"pack holds an integer outside \[0, 0\]"), id="table-pack-index-1"),
+    pytest.param(Case(set_cell("pack", 0, 7), r"pack holds an integer outside \[0, 0\]"), id="table-pack-index-7"),
+    pytest.param(Case(set_cell("pack", 0, -1), "pack holds an integer outside"), id="table-pack-negative"),
+    pytest.param(Case(body_edit(lambda b: b.__setitem__("packs", [])), r"pack holds an integer outside \[0, -1\]"),
+                 id="table-no-packs"),
+    pytest.param(Case(set_cell("name", 1, "/small"), "a tensor name is listed twice"), id="table-name-duplicate"),
+    pytest.param(Case(set_cell("name", 0, "/big"), "'/big' is listed twice"), id="table-name-also-in-tensors"),
+    pytest.param(Case(table_edit(row_also_in_tensors), "'/small' is listed twice"), id="table-row-also-dict-form"),
+    pytest.param(Case(set_cell("name", 0, 5), "name must be a list of strings"), id="table-name-int"),
+    pytest.param(Case(set_cell("name", 0, None), "name must be a list of strings"), id="table-name-null"),
+    pytest.param(Case(set_cell("name", 0, ["/small"]), "name must be a list of strings"), id="table-name-list"),
+    pytest.param(Case(set_cell("name", 0, "/" + "x" * 5000), "at most 4096 characters"), id="table-name-too-long"),
+    pytest.param(Case(set_column("name", "/small"), "name must be a list of strings"), id="table-name-not-list"),
+    pytest.param(Case(set_cell("dtype", 0, "float128"), "'float128' is not in the dtype allowlist"),
+                 id="table-dtype-float128"),
+    pytest.param(Case(set_cell("dtype", 1, "torch.bfloat16"), "not in the dtype allowlist"), id="table-dtype-prefixed"),
+    pytest.param(Case(set_cell("dtype", 0, ["float32"]), r"\['float32'\] is not in the dtype allowlist"),
+                 id="table-dtype-list"),
+    pytest.param(Case(set_cell("dtype", 0, {"float32": 1}), "not in the dtype allowlist"), id="table-dtype-object"),
+    pytest.param(Case(set_cell("dtype", 2, None), "None is not in the dtype allowlist"), id="table-dtype-null"),
+    pytest.param(Case(set_cell("dtype", 2, 1), "not in the dtype allowlist"), id="table-dtype-int"),
+    pytest.param(Case(set_column("dtype", "float32"), "not in the dtype allowlist"), id="table-dtype-not-list"),
+    # a wider dtype makes a row run over its neighbour or off the pack
+    pytest.param(Case(set_cell("dtype", 1, "float32"), "pack 0: members '/small2' and '/blob' overlap"),
+                 id="table-dtype-wider-overlaps"),
+    pytest.param(Case(set_cell("dtype", 2, "int64"), "/blob.*ends past the end of pack 0"),
+                 id="table-dtype-wider-past-end"),
+    pytest.param(Case(table_edit(lambda t, b: t["offset"].__setitem__(1, 0)), "pack 0: members '/small' and '/small2' overlap"),
+                 id="table-rows-overlap"),
 ]
 
 
@@ -985,3 +1172,46 @@ def test_zstd_bomb_memory_stays_small(tmp_path: Path, content_size: bool) -> Non
     assert "evil.bin" in out["load"]
     assert out["deep"][0] == "corrupt", out
     assert out["rss_growth_mb"] < 300, out  # the bomb is 1024 MB; a capped decode needs ~0
+
+
+def many_rows(n: int, last: dict[str, Any]) -> Callable[[Path], None]:
+    """``n`` extra one-byte rows in the packed table (overlapping the real members: refused),
+    the last row's cells replaced by ``last``."""
+
+    def fn(t: dict[str, Any], body: dict[str, Any]) -> None:
+        for i in range(n):
+            add_row(body, f"/pad/{i}", "uint8", [1], 0, i % 5216)
+        for column, value in last.items():
+            t[column][-1] = value
+
+    return table_edit(fn)
+
+
+TABLE_MEMORY_CASES = {
+    "rows-overlap": (many_rows(200_000, {}), "overlap"),
+    "rows-last-dim-2**64": (many_rows(200_000, {"dims": 2**64}), "dims holds an integer outside"),
+    "rows-last-dtype-list": (many_rows(200_000, {"dtype": ["uint8"]}), "not in the dtype allowlist"),
+    "row-2**62-elements": (set_cell("dims", 0, 2**62), "declares more than 2\\^62 bytes"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", sorted(TABLE_MEMORY_CASES))
+def test_table_refusal_memory_stays_small(tmp_path: Path, which: str) -> None:
+    """A packed table of 200,000 hostile rows, or a row declaring 2^64 bytes: refused by the
+    column checks, quickly, and the reading process (a fresh one, so its peak RSS is its own)
+    grows by far less than anything the rows declare."""
+    tamper, match = TABLE_MEMORY_CASES[which]
+    ck = make_checkpoint(tmp_path)
+    tamper(ck)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), "ck"],
+        capture_output=True, text=True, timeout=100, check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["load"].startswith("ckptlib.errors.CorruptCheckpointError"), out
+    assert MANIFEST in out["load"] and re.search(match, out["load"]), out
+    assert out["deep"][0] == "corrupt" and re.search(match, out["deep"][1]), out
+    assert out["rss_growth_mb"] < 250, out  # a 200,000-row manifest is about 7 MB of JSON

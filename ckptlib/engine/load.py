@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ckptlib.backends import Storage, join
+from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import check_files, read_manifest
 from ckptlib.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
@@ -214,10 +215,11 @@ def load_checkpoint(
     m = manifest or read_manifest(storage, folder)
     where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
-    saved = tree_codec.decode(m.tree, m.tensors, where)
-    plan = _Merge(m, rank, world_size, per_rank)
-    plan.where = where
-    result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
+    with paused_gc():
+        saved = tree_codec.decode(m.tree, m.tensors, where)
+        plan = _Merge(m, rank, world_size, per_rank)
+        plan.where = where
+        result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
     run_plan(plan, storage, folder, m, verify=verify, threads=threads, stats=stats)
     return _resolve_lazy(result)
 

@@ -26,6 +26,7 @@ import torch
 
 from ckptlib.backends import ReadHandle, Storage, join
 from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.pool import run_all
 from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format import codec as codecs
@@ -67,6 +68,10 @@ class _PackTask:
     index: int
     pack: Pack
     members: list[tuple[Piece, str, _Target]] = field(default_factory=list)
+    """Pieces placed through tensor views (boxes, non-contiguous destinations)."""
+    whole: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(destination address, raw offset, bytes)`` of whole tensors read into contiguous
+    destinations: one ``memmove`` each (the common case, hot with many small tensors)."""
 
 
 def _intersect(c: Chunk | Piece, req: Request) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -157,6 +162,12 @@ class Reader:
             entry = self.m.tensors[req.name]
             full = req.box_shape == entry.shape
             for p in entry.pieces:
+                if full and p.shape == entry.shape and req.dest.is_contiguous():
+                    pt = packs.get(p.pack)
+                    if pt is None:
+                        pt = packs[p.pack] = _PackTask(p.pack, self.m.packs[p.pack])
+                    pt.whole.append((req.dest.data_ptr(), p.raw_offset, req.dest.nbytes))
+                    continue
                 if full:
                     hit = (p.offset, entry.shape)  # whole-tensor piece (the packed common case)
                     if p.shape != entry.shape:
@@ -186,7 +197,8 @@ class Reader:
 
     # ------------------------------------------------------------------ execution
     def read(self, requests: list[Request]) -> None:
-        tasks, packs = self._tasks(requests)
+        with paused_gc():
+            tasks, packs = self._tasks(requests)
         big = [t for t in tasks if t.direct is not None and t.chunk.length >= COALESCE_MAX]
         small = [t for t in tasks if not (t.direct is not None and t.chunk.length >= COALESCE_MAX)]
         groups: list[list[_ChunkTask]] = [[t] for t in big]
@@ -224,15 +236,14 @@ class Reader:
             raw = np.empty(p.raw_length, dtype=np.uint8)
             codecs.decode_into(stored, p.codec, 1, raw, self._where(p.file))
         base = raw.ctypes.data
+        memmove = ctypes.memmove
+        for dest, raw_offset, n in task.whole:  # bounds: validated with the manifest
+            memmove(dest, base + raw_offset, n)
         for piece, dtype, tg in task.members:
             n = ITEMSIZE[dtype]
             for s in piece.shape:
                 n *= s
             req = tg.req
-            if req.box_shape == piece.shape and req.dest.is_contiguous():
-                if n:  # the whole tensor: one memmove into its memory (hot for small tensors)
-                    ctypes.memmove(req.dest.data_ptr(), base + piece.raw_offset, n)
-                continue
             src = raw[piece.raw_offset : piece.raw_offset + n]
             view = torch.from_numpy(src).view(DTYPES[dtype]).reshape(piece.shape)
             sl = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, piece.offset, strict=True))

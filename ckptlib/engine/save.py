@@ -24,6 +24,7 @@ from ckptlib.backends import Storage
 from ckptlib.backends.retry import deadline_scope
 from ckptlib.dist.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
+from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_files
 from ckptlib.errors import (
     CheckpointError,
@@ -64,7 +65,8 @@ class SaveResult:
 
 
 def prepare(state: Any, rank: int = 0) -> FlatState:
-    return flatten(state, rank)
+    with paused_gc():
+        return flatten(state, rank)
 
 
 def encode_metadata(metadata: Any) -> Any:
@@ -77,11 +79,16 @@ def encode_metadata(metadata: Any) -> Any:
 
 
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as a dense, standard-strided CPU tensor (a copy only when needed)."""
-    t = t.detach()
+    """The tensor's values as a dense, standard-strided CPU tensor (a copy only when needed).
+
+    Hot for states with many small tensors: a plain contiguous CPU tensor is returned as is,
+    after five attribute checks (no new tensor object is made).
+    """
+    if t.requires_grad:
+        t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.to("cpu")
     if not t.is_contiguous() or (t.dim() and t.stride(-1) != 1):
         t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
@@ -193,8 +200,9 @@ def _persist(
     try:
         if rounds is None:
             jobs: list[ChunkJob] = []
-            for it in items:
-                jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
+            with paused_gc():
+                for it in items:
+                    jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
             files, written = write_files(
                 storage, prefix, coord.rank, jobs, compression=opts.compression, num_files=opts.num_files,
                 timeout=_left(deadline),
@@ -202,7 +210,7 @@ def _persist(
         else:
             files, written = _write_rounds(storage, prefix, coord.rank, rounds, items, opts)
         hooks.point("before_commit", coord.rank)
-        result = {"files": files, "chunks": written, "tree": flat.tree,
+        result = {"files": files, "chunks": written, "tree": flat.tree, "per_rank": flat.per_rank,
                   "shapes": {it.name: it.global_shape for it in flat.items}}
     except Exception as e:  # any failure must still reach the commit protocol and abort
         error = f"{type(e).__name__}: {e}"
@@ -228,8 +236,10 @@ def _persist(
         try:
             if failures:
                 raise CommitError("some ranks failed")
-            body = _build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix)
-            commit.publish(storage, staging, mf.encode_body(body), overwrite=opts.overwrite)
+            with paused_gc():
+                body = _build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix)
+                data = mf.encode_body(body)
+            commit.publish(storage, staging, data, overwrite=opts.overwrite)
         except TreeMismatch as e:
             outcome = {"failures": {0: str(e)}}
         except Exception as e:
@@ -298,17 +308,23 @@ def _build_body(
         shapes.update(res["shapes"])
     tensors: dict[str, dict[str, Any]] = {}
     packs: list[list[Any]] = []
+    table = mf.PackedTable()
+    add_row = table.rows.append
     for res in results:
         for c in res["chunks"]:
             if isinstance(c, WrittenPack):
                 pidx = len(packs)
                 packs.append([index[c.file], c.start, c.length, c.checksum, c.codec, c.raw_length])
-                for name, raw_offset, offset, shape, dtype in c.members:
+                for m, raw_offset in zip(c.members, c.offsets, strict=True):
+                    name, shape = m.name, m.shape
                     gshape = shapes[name]
-                    piece = [pidx, raw_offset] if shape == gshape else [pidx, raw_offset, list(offset), list(shape)]
+                    if shape == gshape:  # the whole tensor: a row of the packed table
+                        add_row((name, m.dtype, gshape, pidx, raw_offset))
+                        continue
+                    piece = [pidx, raw_offset, list(m.offset), list(shape)]
                     entry = tensors.get(name)
                     if entry is None:
-                        tensors[name] = {"dtype": dtype, "shape": list(gshape), "packed": [piece]}
+                        tensors[name] = {"dtype": m.dtype, "shape": list(gshape), "packed": [piece]}
                     else:
                         entry.setdefault("packed", []).append(piece)
                 continue
@@ -318,6 +334,10 @@ def _build_body(
             entry.setdefault("chunks", []).append(
                 [index[c.file], c.start, c.length, c.checksum, list(c.offset), list(c.shape), c.codec]
             )
+    if len(results) == 1 and not results[0].get("per_rank"):
+        tree = results[0]["tree"]  # one rank, no PerRank values: nothing to merge
+    else:
+        tree = merge_trees([res["tree"] for res in results])
     return {
         "step": step,
         "save_id": save_id,
@@ -329,7 +349,8 @@ def _build_body(
         "files": files,
         "packs": packs,
         "tensors": tensors,
-        "tree": merge_trees([res["tree"] for res in results]),
+        mf.TABLE_KEY: table.json(),
+        "tree": tree,
         "metadata": metadata,
         "extra": {},
     }

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptlib.backends import Storage, join
+from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -56,7 +57,8 @@ def read_manifest(storage: Storage, folder: str) -> mf.Manifest:
             if h.size > MAX_MANIFEST_BYTES:
                 raise CorruptCheckpointError(f"manifest is {h.size} bytes, over the {MAX_MANIFEST_BYTES} limit", where)
             data = h.read(0, h.size)
-        return mf.decode(data, where)
+        with paused_gc():
+            return mf.decode(data, where)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
     except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt

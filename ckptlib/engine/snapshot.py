@@ -139,9 +139,9 @@ class Stager:
             srcs.append(row)
         staged_items = [it for rnd in plan.staged for it in rnd]
         if plan.streaming:
-            staged_flat = FlatState(flat.tree, items)  # only shapes/names are read from it
+            staged_flat = FlatState(flat.tree, items, flat.per_rank)  # only shapes/names are read from it
         else:
-            staged_flat = FlatState(flat.tree, staged_items)
+            staged_flat = FlatState(flat.tree, staged_items, flat.per_rank)
         snap = Snapshot(plan, srcs, staged_flat)
         if plan.pinned:
             devices = sorted({it.tensor.device for it in items if it.tensor.device.type == "cuda"}, key=str)

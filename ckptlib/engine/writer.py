@@ -34,7 +34,7 @@ from ckptlib.engine.pool import run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
-from ckptlib.format.dtypes import dtype_name
+from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.testing import hooks
 
 ALIGN = 64
@@ -80,18 +80,20 @@ class WrittenPack:
     checksum: str
     codec: str
     raw_length: int
-    members: list[tuple[str, int, tuple[int, ...], tuple[int, ...], str]]
-    """(tensor name, raw offset, box offset, box shape, dtype) per member."""
+    members: list[ChunkJob]
+    """The packed chunks, in order (their tensors are not read again)."""
+    offsets: list[int]
+    """Raw offset of each member inside the decoded pack."""
 
 
 def split_chunks(
     name: str, t: torch.Tensor, global_offset: tuple[int, ...], chunk_bytes: int
 ) -> list[ChunkJob]:
     """Cut one contiguous CPU tensor piece into chunks along dim 0."""
-    dtype = dtype_name(t.dtype)
-    nbytes = t.numel() * t.element_size()
+    dtype = NAMES.get(t.dtype) or dtype_name(t.dtype)  # dtype_name raises for unknown dtypes
+    nbytes = t.nbytes
     shape = tuple(t.shape)
-    if t.dim() == 0 or nbytes <= chunk_bytes or shape[0] <= 1:
+    if nbytes <= chunk_bytes or not shape or shape[0] <= 1:
         return [ChunkJob(name, t, global_offset, shape, dtype, nbytes)]
     row = nbytes // shape[0]
     rows = max(1, chunk_bytes // max(row, 1))
@@ -191,11 +193,11 @@ def _pack_bytes(members: list[ChunkJob], buf: np.ndarray) -> tuple[np.ndarray, l
         buf = np.empty(total, dtype=np.uint8)
     base = buf.ctypes.data
     offsets = []
+    add, memmove = offsets.append, ctypes.memmove
     off = 0
-    for m in members:
-        offsets.append(off)
-        if m.nbytes:
-            ctypes.memmove(base + off, m.tensor.data_ptr(), m.nbytes)
+    for m in members:  # packs never hold empty members (make_units), so nbytes > 0
+        add(off)
+        memmove(base + off, m.tensor.data_ptr(), m.nbytes)
         off += m.nbytes
     return buf[:total], offsets
 
@@ -221,9 +223,8 @@ def _write_one(
                 stored = codecs.encode(raw, codec, 1)
                 start = w.pos
                 w.add(stored)
-                members = [(m.name, o, m.offset, m.shape, m.dtype) for m, o in zip(j.members, offsets, strict=True)]
                 out.append(
-                    WrittenPack(path, start, len(stored), checksum(stored, algorithm), codec, raw.size, members)
+                    WrittenPack(path, start, len(stored), checksum(stored, algorithm), codec, raw.size, j.members, offsets)
                 )
                 continue
             itemsize = j.tensor.element_size()

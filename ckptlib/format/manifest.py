@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,8 +79,7 @@ class Pack:
     """Bytes after decoding."""
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
+class Piece(NamedTuple):
     """A box of a tensor stored inside a :class:`Pack`."""
 
     pack: int
@@ -89,12 +88,17 @@ class Piece:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
+    """One saved tensor: its chunks of its own and/or its pieces inside packs.
+
+    A tuple (not a dataclass) because a manifest holds one per tensor and decoding builds
+    tens of thousands of them; ``chunks`` and ``pieces`` must not be mutated.
+    """
+
     dtype: str
     shape: tuple[int, ...]
     chunks: list[Chunk]
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[Piece] = []
 
     @property
     def nbytes(self) -> int:
@@ -156,6 +160,47 @@ def _tensor_json(t: TensorEntry) -> dict[str, Any]:
     return out
 
 
+def is_whole_packed(t: TensorEntry) -> bool:
+    """True if ``t`` is stored as one whole-tensor piece of a pack: a packed-table row.
+
+    Rows are never empty; an empty tensor stays in ``tensors`` (as the writer stores it).
+    """
+    return not t.chunks and len(t.pieces) == 1 and t.pieces[0].shape == t.shape and all(t.shape)
+
+
+class PackedTable:
+    """The ``packed_tensors`` table being built: one row per tensor stored whole in a pack.
+
+    Columnar, because a checkpoint may hold tens of thousands of small tensors: the reader
+    validates whole columns at once (:func:`_decode_table`) instead of one JSON object per
+    tensor. Filled by the save flow's manifest build (``engine/save.py``) and by
+    :func:`to_body`; ``json()`` gives the manifest value.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, tuple[int, ...], int, int]] = []
+        """``(name, dtype, shape, pack index, raw offset)`` per row, appended by the caller."""
+
+    def json(self) -> dict[str, list[Any]]:
+        if not self.rows:
+            return {k: [] for k in TABLE_COLUMNS}
+        name, dtype, shape, pack, offset = zip(*self.rows, strict=True)
+        return {
+            "name": list(name),
+            "dtype": list(dtype),
+            "ndim": list(map(len, shape)),
+            "dims": list(itertools.chain.from_iterable(shape)),
+            "pack": list(pack),
+            "offset": list(offset),
+        }
+
+
+TABLE_KEY = "packed_tensors"
+TABLE_COLUMNS = ("name", "dtype", "ndim", "dims", "pack", "offset")
+
+
 def encode(m: Manifest) -> bytes:
     """Serialize ``m``, with a checksum over the body (see :func:`encode_body`)."""
     return encode_body(to_body(m))
@@ -172,11 +217,20 @@ def to_body(m: Manifest) -> dict[str, Any]:
         "library": m.library,
         "files": [[f.path, f.size] for f in m.files],
         "packs": [[p.file, p.start, p.length, p.checksum, p.codec, p.raw_length] for p in m.packs],
-        "tensors": {name: _tensor_json(t) for name, t in m.tensors.items()},
+        "tensors": {name: _tensor_json(t) for name, t in m.tensors.items() if not is_whole_packed(t)},
+        TABLE_KEY: _table(m).json(),
         "tree": m.tree,
         "metadata": m.metadata,
         "extra": m.extra,
     }
+
+
+def _table(m: Manifest) -> PackedTable:
+    table = PackedTable()
+    for name, t in m.tensors.items():
+        if is_whole_packed(t):
+            table.rows.append((name, t.dtype, t.shape, t.pieces[0].pack, t.pieces[0].raw_offset))
+    return table
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
@@ -322,16 +376,17 @@ def _decode_body(body: dict[str, Any], v: _V) -> Manifest:
 
     ranges: list[list[tuple[int, int, str]]] = [[] for _ in files]
     packs = _decode_packs(body.get("packs", []), files, ranges, v)
-    members: list[list[tuple[int, int, str]]] = [[] for _ in packs]
+    members: list[tuple[int, int, int, str]] = []
     tensors: dict[str, TensorEntry] = {}
     for name, t in v.obj(body.get("tensors"), "tensors").items():
         v.str_(name, "tensor name", 4096)
         tensors[name] = _decode_tensor(name, v.obj(t, f"tensor {name!r}"), files, ranges, packs, members, v)
-    for i, ms in enumerate(members):
-        ms.sort()
-        for (_a0, a1, an), (b0, _b1, bn) in itertools.pairwise(ms):
-            if b0 < a1:
-                raise v.fail(f"pack {i}: members {an!r} and {bn!r} overlap")
+    table = _decode_table(body[TABLE_KEY], packs, v) if TABLE_KEY in body else _NO_TABLE
+    for name, entry in table.entries:
+        if name in tensors:
+            raise v.fail(f"tensor {name!r:.200} is listed twice")
+        tensors[name] = entry
+    _check_members(members, table, v)
 
     for i, rs in enumerate(ranges):
         rs.sort()
@@ -393,7 +448,7 @@ def _decode_tensor(
     files: list[FileEntry],
     ranges: list[list[tuple[int, int, str]]],
     packs: list[Pack],
-    members: list[list[tuple[int, int, str]]],
+    members: list[tuple[int, int, int, str]],
     v: _V,
 ) -> TensorEntry:
     # Hot path for checkpoints with many tensors: messages are only formatted on failure.
@@ -412,16 +467,6 @@ def _decode_tensor(
     pieces: list[Piece] = []
     raw_pieces = t.get("packed", ())
     if raw_pieces:
-        p = raw_pieces[0] if type(raw_pieces) is list and len(raw_pieces) == 1 else None
-        if (  # hot path: one whole-tensor piece [pack, raw_offset], checked inline
-            type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is int
-            and 0 <= p[0] < len(packs) and p[1] >= 0
-            and p[1] + _volume(shape) * itemsize <= packs[p[0]].raw_length
-        ):
-            end = p[1] + _volume(shape) * itemsize
-            if end > p[1]:
-                members[p[0]].append((p[1], end, name))
-            return TensorEntry(dtype, shape, chunks, [Piece(p[0], p[1], (0,) * len(shape), shape)])
         for j, p in enumerate(v.lst(raw_pieces, f"tensor {name!r:.200} packed")):
             pieces.append(_decode_piece(name, j, p, shape, itemsize, packs, members, v))
     if not (len(chunks) + len(pieces) == 1 and (chunks or pieces)[0].shape == shape):
@@ -500,7 +545,7 @@ def _decode_piece(
     shape: tuple[int, ...],
     itemsize: int,
     packs: list[Pack],
-    members: list[list[tuple[int, int, str]]],
+    members: list[tuple[int, int, int, str]],
     v: _V,
 ) -> Piece:
     if type(p) is not list or len(p) not in (2, 4):
@@ -520,8 +565,106 @@ def _decode_piece(
     if end > packs[pidx].raw_length:
         raise v.fail(f"tensor {name!r:.200} packed piece {j}: ends past the end of pack {pidx}")
     if end > raw_offset:
-        members[pidx].append((raw_offset, end, name))
+        members.append((pidx, raw_offset, end, name))
     return Piece(pidx, raw_offset, offset, box)
+
+
+class _Table(NamedTuple):
+    """The decoded packed-tensor table: entries plus member extents for the overlap check."""
+
+    entries: list[tuple[str, TensorEntry]]
+    pack: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+
+_NO_TABLE = _Table([], np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+_ZEROS = [(0,) * n for n in range(MAX_NDIM + 1)]
+_LOG2_LIMIT = 62.5  # log2 of a row's byte size; above it the exact product could overflow int64
+
+
+def _int_column(col: Any, what: str, lo: int, hi: int, v: _V) -> np.ndarray:
+    if type(col) is not list or not set(map(type, col)) <= {int}:  # bool is not int here
+        raise v.fail(f"{what} must be a list of integers")
+    try:
+        arr = np.array(col, dtype=np.int64)
+    except OverflowError:
+        raise v.fail(f"{what} holds an integer outside [{lo}, {hi}]") from None
+    if arr.size and (arr.min() < lo or arr.max() > hi):
+        raise v.fail(f"{what} holds an integer outside [{lo}, {hi}]")
+    return arr
+
+
+def _decode_table(raw: Any, packs: list[Pack], v: _V) -> _Table:
+    """Validate the ``packed_tensors`` table column by column (numpy), then build entries.
+
+    Rows are tensors stored whole in one pack, never empty (zero-size tensors are stored as
+    chunks), so every dimension is at least 1 and a row's bytes ``prod(dims) * itemsize`` must
+    fit inside its pack after ``offset``.
+    """
+    t = v.obj(raw, TABLE_KEY)
+    if set(t) != set(TABLE_COLUMNS):
+        raise v.fail(f"{TABLE_KEY} must have exactly the columns {list(TABLE_COLUMNS)}")
+    names, dtypes = t["name"], t["dtype"]
+    if type(names) is not list or not set(map(type, names)) <= {str} or any(len(n) > 4096 for n in names):
+        raise v.fail(f"{TABLE_KEY}.name must be a list of strings of at most 4096 characters")
+    if type(dtypes) is not list or not set(map(type, dtypes)) <= {str} or not set(dtypes) <= DTYPES.keys():
+        bad = next((d for d in dtypes if type(d) is not str or d not in DTYPES), None) if type(dtypes) is list else dtypes
+        raise v.fail(f"{TABLE_KEY}.dtype: {bad!r:.60} is not in the dtype allowlist")
+    n = len(names)
+    ndim = _int_column(t["ndim"], f"{TABLE_KEY}.ndim", 0, MAX_NDIM, v)
+    dims = _int_column(t["dims"], f"{TABLE_KEY}.dims", 1, MAX_SIZE, v)
+    pack = _int_column(t["pack"], f"{TABLE_KEY}.pack", 0, len(packs) - 1, v)
+    offset = _int_column(t["offset"], f"{TABLE_KEY}.offset", 0, MAX_SIZE, v)
+    if not len(dtypes) == len(ndim) == len(pack) == len(offset) == n:
+        raise v.fail(f"{TABLE_KEY}: columns have different lengths")
+    if len(set(names)) != n:
+        raise v.fail(f"{TABLE_KEY}: a tensor name is listed twice")
+    if int(ndim.sum()) != len(dims):
+        raise v.fail(f"{TABLE_KEY}: dims holds {len(dims)} values, ndim adds up to {int(ndim.sum())}")
+    if not n:
+        return _NO_TABLE
+    itemsize = np.array([ITEMSIZE[d] for d in dtypes], dtype=np.int64)
+    first = np.zeros(n, dtype=np.int64)
+    np.cumsum(ndim[:-1], out=first[1:])
+    logs = np.concatenate(([0.0], np.cumsum(np.log2(dims.astype(np.float64)))))
+    log_bytes = logs[first + ndim] - logs[first] + np.log2(itemsize.astype(np.float64))
+    if log_bytes.max() > _LOG2_LIMIT:
+        raise v.fail(f"{TABLE_KEY}: tensor {names[int(log_bytes.argmax())]!r:.200} declares more than 2^62 bytes")
+    numel = np.multiply.reduceat(np.append(dims, 1), first)
+    numel[ndim == 0] = 1  # reduceat yields the next value for an empty (scalar) row
+    nbytes = numel * itemsize
+    room = np.array([p.raw_length for p in packs], dtype=np.int64)[pack] - offset
+    bad = np.flatnonzero(nbytes > room)  # room < 0 too: offset past the pack's end
+    if bad.size:
+        i = int(bad[0])
+        raise v.fail(f"{TABLE_KEY}: tensor {names[i]!r:.200} ends past the end of pack {int(pack[i])}")
+    entries = []
+    dims_list, pos = t["dims"], 0
+    for name, dt, nd, p, off in zip(names, dtypes, t["ndim"], t["pack"], t["offset"], strict=True):
+        shape = tuple(dims_list[pos : pos + nd])
+        pos += nd
+        entries.append((name, TensorEntry(dt, shape, [], [Piece(p, off, _ZEROS[nd], shape)])))
+    return _Table(entries, pack, offset, offset + nbytes)
+
+
+def _check_members(members: list[tuple[int, int, int, str]], table: _Table, v: _V) -> None:
+    """No two pieces of a pack may share bytes (all pieces: table rows and ``packed`` lists)."""
+    pack, start, end = table.pack, table.start, table.end
+    if members:
+        pack = np.concatenate((pack, np.array([m[0] for m in members], dtype=np.int64)))
+        start = np.concatenate((start, np.array([m[1] for m in members], dtype=np.int64)))
+        end = np.concatenate((end, np.array([m[2] for m in members], dtype=np.int64)))
+    if len(pack) < 2:
+        return
+    order = np.lexsort((start, pack))
+    p, s, e = pack[order], start[order], end[order]
+    clash = np.flatnonzero((p[1:] == p[:-1]) & (s[1:] < e[:-1]))
+    if clash.size:
+        i = int(clash[0])
+        names = [n for n, _ in table.entries] + [m[3] for m in members]
+        a, b = names[int(order[i])], names[int(order[i + 1])]
+        raise v.fail(f"pack {int(p[i])}: members {a!r:.200} and {b!r:.200} overlap")
 
 
 _GRID_LIMIT = 1 << 22

@@ -218,7 +218,7 @@ def _build(
         "items": [[k, {"t": "tensor", "ref": _tensor_name(k)}] for k in answer["keys"]],
     }
     tree = {"t": "dict", "items": [["tensors", tensors_node], *obj_flat.tree["items"]]}
-    return FlatState(tree, items), list(answer["keys"])
+    return FlatState(tree, items, obj_flat.per_rank), list(answer["keys"])
 
 
 def _common_record(checkpoint_dir: str) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ import torch
 from ckptlib.errors import UnsupportedValueError
 from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.format.leaves import PerRank, Shard
+from ckptlib.format.manifest import MAX_NDIM
 
 INLINE_BYTES = 4096  # bytes values up to this size are stored inline (base64) in the manifest
 MAX_DEPTH = 100
@@ -42,6 +43,8 @@ class TensorItem:
 class FlatState:
     tree: Any
     items: list[TensorItem]
+    per_rank: bool
+    """True if the tree holds ``per_rank`` nodes (the manifest build must merge trees then)."""
 
 
 def escape(key: str) -> str:
@@ -92,7 +95,7 @@ def flatten(state: Any, rank: int = 0, *, inline_bytes: bool = False) -> FlatSta
     f = _Flattener(items, rank)
     f.inline_bytes = inline_bytes
     tree = f.encode(state, "", 0)
-    return FlatState(tree, items)
+    return FlatState(tree, items, f.saw_per_rank)
 
 
 def _key(k: Any, path: str) -> Any:
@@ -104,6 +107,7 @@ def _key(k: Any, path: str) -> Any:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_ZEROS = [(0,) * n for n in range(MAX_NDIM + 1)]  # global offsets of whole tensors, by ndim
 
 
 class _Flattener:
@@ -113,6 +117,7 @@ class _Flattener:
         self.items = items
         self.rank = rank
         self.in_per_rank = 0
+        self.saw_per_rank = False
         self.inline_bytes = False
 
     def encode(self, x: Any, path: str, depth: int) -> Any:
@@ -134,6 +139,7 @@ class _Flattener:
         if isinstance(x, Shard):
             return self.tensor(x.local, path, tuple(x.global_shape), tuple(x.global_offset), False)
         if isinstance(x, PerRank):
+            self.saw_per_rank = True
             self.in_per_rank += 1
             try:
                 inner = self.encode(x.value, f"{path}/@rank{self.rank}", depth + 1)
@@ -159,13 +165,17 @@ class _Flattener:
 
     def mapping(self, x: dict[Any, Any], path: str, depth: int) -> Any:
         items = []
+        add, encode, tensor = items.append, self.encode, self.tensor
+        if x and depth >= MAX_DEPTH:  # a child would be nested too deep (checked once here)
+            raise UnsupportedValueError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
         for k, v in x.items():
             if type(k) is not str:
                 _key(k, path)
                 sub = f"{path}/{k}"
             else:
                 sub = f"{path}/{escape(k)}" if not k or "/" in k or "~" in k or k[0] in "-0123456789" else f"{path}/{k}"
-            items.append([k, self.encode(v, sub, depth + 1)])
+            # A plain tensor value (the common case in state dicts) skips the dispatch.
+            add([k, tensor(v, sub, None, None, True) if type(v) in _PLAIN_TENSORS else encode(v, sub, depth + 1)])
         return {"t": "dict", "items": items}
 
     def tensor(
@@ -176,23 +186,23 @@ class _Flattener:
         global_offset: tuple[int, ...] | None,
         replicated: bool,
     ) -> dict[str, Any]:
-        if t.layout != torch.strided:
+        if t.layout is not torch.strided:
             raise UnsupportedValueError(f"tensor at {path}: layout {t.layout} is not supported")
-        if t.device.type == "meta":
+        if t.is_meta:
             raise UnsupportedValueError(f"tensor at {path} is on the meta device (it has no data)")
         if t.dtype not in NAMES:
             raise UnsupportedValueError(f"tensor at {path}: ckptlib cannot store dtype {t.dtype}")
         name = path or "/"
-        shape = tuple(t.shape)
-        self.items.append(
-            TensorItem(
-                name,
-                t,
-                shape if global_shape is None else global_shape,
-                (0,) * len(shape) if global_offset is None else global_offset,
-                replicated and not self.in_per_rank,
-            )
-        )
+        if global_shape is None:
+            global_shape = tuple(t.shape)
+            if len(global_shape) > MAX_NDIM:
+                raise UnsupportedValueError(
+                    f"tensor at {path} has {len(global_shape)} dimensions; a checkpoint holds at most {MAX_NDIM}"
+                )
+            global_offset = _ZEROS[len(global_shape)]
+        elif len(global_shape) > MAX_NDIM:
+            raise UnsupportedValueError(f"tensor at {path} has more than {MAX_NDIM} dimensions")
+        self.items.append(TensorItem(name, t, global_shape, global_offset, replicated and not self.in_per_rank))
         return {"t": "tensor", "ref": name}
 
     def dtensor(self, x: Any, path: str) -> dict[str, Any]:

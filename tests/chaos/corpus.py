@@ -40,7 +40,7 @@ import zstandard
 import ckptlib
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import checksum
-from ckptlib.format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
+from ckptlib.format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLE_KEY
 
 STEP = 7
 STEP_DIR = f"step-{STEP:012d}"
@@ -149,6 +149,30 @@ def raw_manifest(fn: Callable[[bytes], bytes]) -> Callable[[Path], None]:
 
 def chunk0(body: dict[str, Any], name: str) -> list[Any]:
     return body["tensors"][name]["chunks"][0]
+
+
+def packed_row(body: dict[str, Any], name: str) -> int:
+    """Row of tensor ``name`` in the packed table ``body[TABLE_KEY]`` (columns ``name, dtype,
+    ndim, dims, pack, offset``; ``dims`` holds every row's shape, flat): small tensors stored
+    whole in a pack are rows there, not ``tensors`` entries."""
+    return body[TABLE_KEY]["name"].index(name)
+
+
+def set_table(column: str, name: str, value: Any) -> Callable[[Path], None]:
+    """Set tensor ``name``'s cell in ``column`` of the packed table (not ``dims``)."""
+    return edit_body(lambda b: b[TABLE_KEY][column].__setitem__(packed_row(b, name), value))
+
+
+def set_dims(name: str, shape: list[int]) -> Callable[[Path], None]:
+    """Tensor ``name``'s row declares ``shape`` (``ndim`` and ``dims`` kept consistent)."""
+
+    def edit(body: dict[str, Any]) -> None:
+        t, row = body[TABLE_KEY], packed_row(body, name)
+        start = sum(t["ndim"][:row])
+        t["dims"][start : start + t["ndim"][row]] = shape
+        t["ndim"][row] = len(shape)
+
+    return edit_body(edit)
 
 
 def tree_item(body: dict[str, Any], key: str) -> list[Any]:
@@ -330,7 +354,45 @@ def range_past_eof(ck: Path) -> None:
 
 
 def pack_members_overlap(body: dict[str, Any]) -> None:
-    body["tensors"]["/small2"]["packed"][0][1] = body["tensors"]["/small"]["packed"][0][1]
+    t = body[TABLE_KEY]
+    t["offset"][packed_row(body, "/small2")] = t["offset"][packed_row(body, "/small")]
+
+
+def table_overlap_with_dict_form(body: dict[str, Any]) -> None:
+    """/small2 moved to the older ``tensors`` form (still accepted), on /small's bytes."""
+    t, row = body[TABLE_KEY], packed_row(body, "/small2")
+    start = sum(t["ndim"][:row])
+    shape = t["dims"][start : start + t["ndim"][row]]
+    del t["dims"][start : start + t["ndim"][row]]
+    for column in ("name", "dtype", "ndim", "pack", "offset"):
+        del t[column][row]
+    body["tensors"]["/small2"] = {
+        "dtype": "bfloat16",
+        "shape": shape,
+        "packed": [[0, t["offset"][packed_row(body, "/small")]]],
+    }
+
+
+def table_rows_named_twice(body: dict[str, Any]) -> None:
+    """/small2's row renamed /small: a second /small, on other bytes with another dtype."""
+    t = body[TABLE_KEY]
+    t["name"][packed_row(body, "/small2")] = "/small"
+
+
+def many_rows(n: int) -> Callable[[Path], None]:
+    """``n`` extra one-byte rows in the packed table, each on bytes of /small or /small2."""
+
+    def edit(body: dict[str, Any]) -> None:
+        t = body[TABLE_KEY]
+        for i in range(n):
+            for column, value in zip(
+                ("name", "dtype", "ndim", "dims", "pack", "offset"),
+                (f"/pad/{i}", "uint8", 1, 1, 0, i % 96),
+                strict=True,
+            ):
+                t[column].append(value)
+
+    return edit_body(edit)
 
 
 def pack_over_chunk(body: dict[str, Any]) -> None:
@@ -480,7 +542,7 @@ def flip(name: str, *, pack: bool = False) -> Callable[[Path], None]:
     def tamper(ck: Path) -> None:
         body = body_of(ck)
         if pack:
-            p = body["packs"][body["tensors"][name]["packed"][0][0]]
+            p = body["packs"][body[TABLE_KEY]["pack"][packed_row(body, name)]]
             f, start, length = p[0], p[1], p[2]
         else:
             f, start, length = chunk0(body, name)[:3]
@@ -1022,6 +1084,80 @@ def _entries() -> list[Entry]:
             sparse_giant(16 << 30, "float32"),
             expect=("CorruptCheckpointError", "CheckpointError"),
         ),
+        # ---- the packed table (small tensors stored whole in a pack, one row each)
+        E(
+            "table-dims-2e64",
+            "giant-shape",
+            "packed-table row /small declares dims [2**64] (past int64)",
+            set_dims("/small", [2**64]),
+        ),
+        E(
+            "table-row-2e62-elements",
+            "giant-shape",
+            "packed-table row /small declares float32 [2**62]",
+            set_dims("/small", [2**62]),
+        ),
+        E(
+            "table-row-2e62-bytes",
+            "giant-shape",
+            "packed-table row /blob declares uint8 [2**62] (exactly 2^62 bytes, in a 5 KiB pack)",
+            set_dims("/blob", [2**62]),
+        ),
+        E(
+            "table-columns-ragged",
+            "fields",
+            "the packed table's pack column has one value more than its other columns",
+            edit_body(lambda b: b[TABLE_KEY]["pack"].append(0)),
+        ),
+        E(
+            "table-ndim-regrouped",
+            "fields",
+            "ndim [2, 1, 1] for dims [16, 4, 4, 5120]: same sum, /small [16, 4] over /small2",
+            edit_body(lambda b: b[TABLE_KEY].__setitem__("ndim", [2, 1, 1])),
+        ),
+        E(
+            "table-pack-bool",
+            "fields",
+            "a packed-table pack index is true (a bool, not 0 or 1)",
+            set_table("pack", "/small2", True),
+        ),
+        E(
+            "table-offset-past-pack",
+            "overlap",
+            "/blob's row starts at its pack's raw length",
+            set_table("offset", "/blob", 5216),
+        ),
+        E(
+            "table-dtype-list",
+            "dtype",
+            'a packed-table dtype ["float32"] (unhashable)',
+            set_table("dtype", "/small", ["float32"]),
+        ),
+        E(
+            "table-name-twice",
+            "duplicate-keys",
+            "two packed-table rows named /small, the second on /small2's bytes",
+            edit_body(table_rows_named_twice),
+        ),
+        E(
+            "table-name-in-tensors",
+            "duplicate-keys",
+            "a packed-table row named /big (a tensors entry of its own)",
+            set_table("name", "/small", "/big"),
+        ),
+        E(
+            "table-row-missing",
+            "tree",
+            "the packed table is gone; the tree still references /small, /small2 and /blob",
+            edit_body(lambda b: b.pop(TABLE_KEY)),
+            tree_only=True,
+        ),
+        E(
+            "table-200k-rows",
+            "huge-manifest",
+            "200,000 extra one-byte packed-table rows over /small's and /small2's bytes",
+            many_rows(200_000),
+        ),
         # ---- overlapping ranges and tiling
         E(
             "overlap-between-tensors",
@@ -1049,6 +1185,12 @@ def _entries() -> list[Entry]:
             "overlap",
             "two packed tensors share raw bytes",
             edit_body(pack_members_overlap),
+        ),
+        E(
+            "table-overlap-across-forms",
+            "overlap",
+            "/small2 in the older tensors-entry form, on /small's bytes (a table row)",
+            edit_body(table_overlap_with_dict_form),
         ),
         E(
             "pack-over-chunk",
