@@ -1154,6 +1154,17 @@ _MEMORY_PROBE = textwrap.dedent(
 )
 
 
+def _probe_in_fresh_process(root: Path) -> dict[str, Any]:
+    """Run ``_MEMORY_PROBE`` on ``root/ck`` in a new interpreter (so its peak RSS is its own)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, str(root), "ck"],
+        capture_output=True, text=True, timeout=100, check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("content_size", [True, False], ids=["declared", "undeclared"])
 def test_zstd_bomb_memory_stays_small(tmp_path: Path, content_size: bool) -> None:
@@ -1161,13 +1172,7 @@ def test_zstd_bomb_memory_stays_small(tmp_path: Path, content_size: bool) -> Non
     (a fresh one, so its peak RSS is its own) grows by far less than the bomb."""
     ck = make_checkpoint(tmp_path, "zstd")
     replace_big_with_stored(zstd_bomb(1 << 30, content_size=content_size))(ck)
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), "ck"],
-        capture_output=True, text=True, timeout=100, check=False,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _probe_in_fresh_process(tmp_path)
     assert out["load"].startswith("ckptlib.errors.CorruptCheckpointError"), out
     assert "evil.bin" in out["load"]
     assert out["deep"][0] == "corrupt", out
@@ -1204,13 +1209,7 @@ def test_table_refusal_memory_stays_small(tmp_path: Path, which: str) -> None:
     tamper, match = TABLE_MEMORY_CASES[which]
     ck = make_checkpoint(tmp_path)
     tamper(ck)
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), "ck"],
-        capture_output=True, text=True, timeout=100, check=False,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _probe_in_fresh_process(tmp_path)
     assert out["load"].startswith("ckptlib.errors.CorruptCheckpointError"), out
     assert MANIFEST in out["load"] and re.search(match, out["load"]), out
     assert out["deep"][0] == "corrupt" and re.search(match, out["deep"][1]), out
