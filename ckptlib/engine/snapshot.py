@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptlib.engine import staging_cuda
+from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.errors import CheckpointError, CommitTimeoutError
 from ckptlib.plan.flatten import FlatState, TensorItem
 
@@ -116,27 +117,28 @@ class Stager:
         """
         items = flat.items
         defer = list(deferred) if deferred is not None else [False] * len(items)
-        key = (
-            self.budget,
-            tuple(
-                (it.name, it.tensor.shape, it.tensor.dtype, it.tensor.device.type,
-                 it.global_shape, it.global_offset, it.replicated, d)
-                for it, d in zip(items, defer, strict=True)
-            ),
-        )
-        if key != self._plan_key or self._plan is None:
-            self._plan = None  # let a replaced arena go before allocating a new one
-            plan = self._make_plan(items, defer)
-            self._attach(plan, items)
-            self._plan, self._plan_key = plan, key
-        plan = self._plan
-        srcs: list[list[torch.Tensor]] = []
-        for rnd in plan.rounds:
-            row: list[torch.Tensor] = []
-            for p in rnd:
-                t = items[p.item].tensor
-                row.append(t if p.rows is None else t[p.rows[0] : p.rows[1]])
-            srcs.append(row)
+        with paused_gc():  # a few objects per tensor: see engine/gc_pause.py
+            key = (
+                self.budget,
+                [
+                    (it.name, t.shape, t.dtype, t.device, it.global_shape, it.global_offset, it.replicated, d)
+                    for it, d in zip(items, defer, strict=True)
+                    for t in (it.tensor,)
+                ],
+            )
+            if key != self._plan_key or self._plan is None:
+                self._plan = None  # let a replaced arena go before allocating a new one
+                plan = self._make_plan(items, defer)
+                self._attach(plan, items)
+                self._plan, self._plan_key = plan, key
+            plan = self._plan
+            srcs: list[list[torch.Tensor]] = []
+            for rnd in plan.rounds:
+                row: list[torch.Tensor] = []
+                for p in rnd:
+                    t = items[p.item].tensor
+                    row.append(t if p.rows is None else t[p.rows[0] : p.rows[1]])
+                srcs.append(row)
         staged_items = [it for rnd in plan.staged for it in rnd]
         if plan.streaming:
             staged_flat = FlatState(flat.tree, items, flat.per_rank)  # only shapes/names are read from it
@@ -373,14 +375,15 @@ def copy_round(
     cpu_d: list[torch.Tensor] = []
     cpu_s: list[torch.Tensor] = []
     gpu: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for d, s in zip(dsts, srcs, strict=True):
-        if s.device.type == "cpu":
-            cpu_d.append(d)
-            cpu_s.append(s)
-        else:
-            pair = gpu.setdefault(s.device, ([], []))
-            pair[0].append(d)
-            pair[1].append(s)
+    with paused_gc():
+        for d, s in zip(dsts, srcs, strict=True):
+            if s.is_cpu:
+                cpu_d.append(d)
+                cpu_s.append(s)
+            else:
+                pair = gpu.setdefault(s.device, ([], []))
+                pair[0].append(d)
+                pair[1].append(s)
     pending = [
         staging_cuda.copy_async(ds, ss, dev, (ready or {}).get(dev)) for dev, (ds, ss) in gpu.items()
     ]
@@ -401,34 +404,39 @@ def copy_cpu(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """Host-to-host copy of ``srcs`` into ``dsts``, split by bytes over ``COPY_THREADS``.
 
     Runs on the staging thread plus short-lived helper threads (joined before returning).
-    Large contiguous tensors are cut in halves so the shares stay balanced.
+    Tensors bigger than half a share are cut into one slice per lane; the others go to the
+    lanes in order, each lane taking its share of their bytes (no sort: with tens of
+    thousands of small tensors the split must cost little per tensor).
     """
-    total = sum(s.numel() * s.element_size() for s in srcs)
+    with paused_gc():
+        sizes = [s.nbytes for s in srcs]
+    total = sum(sizes)
     if COPY_THREADS < 2 or total < SPLIT_MIN_BYTES:
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)
         return
     n = COPY_THREADS
-    share = total / n
-    pieces: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    for d, s in zip(dsts, srcs, strict=True):
-        nb = s.numel() * s.element_size()
-        if nb > share / 2 and s.is_contiguous() and s.numel() >= n:
-            fd, fs = d.view(-1), s.reshape(-1)
-            step = (fd.numel() + n - 1) // n
-            for a in range(0, fd.numel(), step):
-                b = min(a + step, fd.numel())
-                pieces.append(((b - a) * s.element_size(), fd[a:b], fs[a:b]))
-        else:
-            pieces.append((nb, d, s))
-    pieces.sort(key=lambda p: -p[0])
     lanes: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(n)]
-    loads = [0] * n
-    for nb, d, s in pieces:
-        i = loads.index(min(loads))
-        lanes[i][0].append(d)
-        lanes[i][1].append(s)
-        loads[i] += nb
+    big = total / n / 2
+    with paused_gc():
+        rest: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for d, s, nb in zip(dsts, srcs, sizes, strict=True):
+            if nb > big and s.is_contiguous() and s.numel() >= n:
+                fd, fs = d.view(-1), s.reshape(-1)
+                step = (fd.numel() + n - 1) // n
+                for k, a in enumerate(range(0, fd.numel(), step)):
+                    lanes[k][0].append(fd[a : a + step])
+                    lanes[k][1].append(fs[a : a + step])
+            else:
+                rest.append((d, s, nb))
+        per_lane = sum(nb for _, _, nb in rest) / n
+        lane, done = 0, 0
+        for d, s, nb in rest:
+            if done >= per_lane * (lane + 1) and lane < n - 1:
+                lane += 1
+            lanes[lane][0].append(d)
+            lanes[lane][1].append(s)
+            done += nb
     errors: list[BaseException] = []
 
     def run(lane: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
