@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ckptlib.backends import Storage, join
+from ckptlib.engine import hugepages
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import check_files, read_manifest
@@ -32,9 +33,11 @@ from ckptlib.plan.flatten import dtensor_piece, is_dtensor, is_stateful
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
     try:
-        return torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype)
     except (RuntimeError, MemoryError) as e:
         raise CheckpointError(f"cannot allocate tensor {name!r} of shape {list(shape)}: {e}") from None
+    hugepages.advise(t)
+    return t
 
 
 PER_RANK_POLICIES = ("error", "rank0", "all")

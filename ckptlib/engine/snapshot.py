@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptlib.engine import staging_cuda
+from ckptlib.engine import hugepages, staging_cuda
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.errors import CheckpointError, CommitTimeoutError
 from ckptlib.plan.flatten import FlatState, TensorItem
@@ -224,7 +224,9 @@ class Stager:
 def _alloc(nbytes: int, pinned: bool) -> torch.Tensor:
     if pinned:
         return staging_cuda.alloc_pinned(nbytes)
-    return torch.empty(nbytes, dtype=torch.uint8)
+    arena = torch.empty(nbytes, dtype=torch.uint8)
+    hugepages.advise(arena)
+    return arena
 
 
 def _slabs(t: torch.Tensor, region: int) -> list[tuple[tuple[int, int] | None, int]]:
