@@ -5,8 +5,7 @@ Public names are listed in ``__all__`` (see API.md); everything else is internal
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ckptlib._version import __version__
 from ckptlib.api import load, load_metadata, save
 from ckptlib.engine.scan import StepInfo
 from ckptlib.errors import (

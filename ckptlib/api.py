@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ckptlib.backends import open_storage
-from ckptlib.dist.coordinator import default_coordinator
+from ckptlib.coord.coordinator import default_coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine import save as save_flow
 

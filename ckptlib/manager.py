@@ -35,8 +35,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from ckptlib import crashpoints
 from ckptlib.backends import Storage, open_storage
-from ckptlib.dist.coordinator import Coordinator, default_coordinator
+from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import resume, retire
 from ckptlib.engine import save as save_flow
 from ckptlib.engine.preemption import PreemptionWatcher
@@ -51,7 +52,6 @@ from ckptlib.errors import (
 from ckptlib.format import layout
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
-from ckptlib.testing import hooks
 
 log = logging.getLogger("ckptlib")
 
@@ -224,7 +224,7 @@ class CheckpointManager:
             self._join_thread()
             self._raise_pending()
         flat = save_flow.prepare(state, self.coordinator.rank)
-        hooks.point("snapshot", self.coordinator.rank)
+        crashpoints.point("snapshot", self.coordinator.rank)
         self._ensure_root()
         save_id = save_flow.new_save_id()
         created = time.time()
@@ -328,14 +328,14 @@ class CheckpointManager:
     def _after_commit(self, save_id: str) -> None:
         """Retention and cleanup; their failures are logged, never fail the committed save."""
         try:
-            hooks.point("cleanup")
+            crashpoints.point("cleanup")
             retire.clean_debris(self.storage, self._active_ids | {save_id})
             if self.keep_last is not None:
                 committed = [i.step for i in scan(self.storage) if i.status == "committed"]
                 for d in retention.decide(committed, self.keep_last, self.keep_every):
                     if not d.keep:
                         log.info("ckptlib: deleting step %d (%s)", d.step, d.why)
-                        hooks.point("retention")
+                        crashpoints.point("retention")
                         retire.delete_step(self.storage, layout.step_dir(d.step))
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)

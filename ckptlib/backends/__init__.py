@@ -7,8 +7,18 @@ import os
 from typing import Any
 
 from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+from ckptlib.backends.retry import deadline_scope
 
-__all__ = ["Entry", "ReadHandle", "Storage", "WriteStream", "join", "open_storage", "url_join"]
+__all__ = [
+    "Entry",
+    "ReadHandle",
+    "Storage",
+    "WriteStream",
+    "deadline_scope",
+    "join",
+    "open_storage",
+    "url_join",
+]
 
 
 def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:

@@ -66,7 +66,7 @@ def _common_options(prefix: str, default: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ckptlib`` command."""
-    from ckptlib import __version__
+    from ckptlib._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="ckptlib",

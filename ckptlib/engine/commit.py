@@ -27,12 +27,12 @@ import json
 import time
 from dataclasses import dataclass
 
+from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.engine.scan import check_step, read_manifest
 from ckptlib.errors import CheckpointError, CommitError, StepExistsError
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
-from ckptlib.testing import hooks
 
 
 @dataclass(slots=True)
@@ -95,7 +95,7 @@ def publish(storage: Storage, staging: Staging, manifest: bytes, *, overwrite: b
 
 def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
     storage.put_atomic(join(st.work, MANIFEST_NAME), manifest)
-    hooks.point("manifest")
+    crashpoints.point("manifest")
     storage.sync_dir(st.payload_prefix)
     storage.sync_dir(st.work)
     parent = st.final.rsplit("/", 1)[0] if "/" in st.final else ""
@@ -137,7 +137,7 @@ def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool
     path = join(st.final, MANIFEST_NAME)
     if storage.size(path) is not None and (overwrite or not _existing_is_valid(storage, st.final)):
         storage.delete(path)  # a damaged manifest, or one we were asked to replace
-    hooks.point("manifest")
+    crashpoints.point("manifest")
     if st.mode == "conditional_put":
         try:
             storage.put_if_absent(path, manifest)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ckptlib import crashpoints
 from ckptlib.backends import Storage
-from ckptlib.dist.coordinator import Coordinator
+from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.scan import scan
 from ckptlib.errors import (
@@ -23,7 +24,6 @@ from ckptlib.errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
-from ckptlib.testing import hooks
 
 log = logging.getLogger("ckptlib")
 
@@ -60,7 +60,7 @@ def restore(
             log.warning("ckptlib: skipping step %d (%s): %s", cstep, status, reason)
             continue
         outcome: tuple[str, str] = ("ok", "")
-        hooks.point("restore", coord.rank)
+        crashpoints.point("restore", coord.rank)
         try:
             load_flow.load_checkpoint(
                 storage, folder, state, verify=verify,

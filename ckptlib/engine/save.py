@@ -5,7 +5,7 @@ Entry points, all called on every rank:
   fast on values that cannot be saved without pickle, before any I/O.
 - :func:`persist` (caller's thread for synchronous saves, the manager's background thread
   for async ones): writes this rank's payloads and runs the two-phase commit through the
-  :class:`~ckptlib.dist.coordinator.Coordinator`. Returns a :class:`SaveResult`, or raises
+  :class:`~ckptlib.coord.coordinator.Coordinator`. Returns a :class:`SaveResult`, or raises
   :class:`CommitError` on every rank, after removing the staging area.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ckptlib import __version__
-from ckptlib.backends import Storage
-from ckptlib.backends.retry import deadline_scope
-from ckptlib.dist.coordinator import Coordinator, LocalCoordinator
+from ckptlib import crashpoints
+from ckptlib._version import __version__
+from ckptlib.backends import Storage, deadline_scope
+from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_files
@@ -40,7 +40,6 @@ from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
 from ckptlib.plan.trees import TreeMismatch
 from ckptlib.plan.trees import merge as merge_trees
-from ckptlib.testing import hooks
 
 DEFAULT_CHUNK_BYTES = 32 << 20
 
@@ -209,7 +208,7 @@ def _persist(
             )
         else:
             files, written = _write_rounds(storage, prefix, coord.rank, rounds, items, opts)
-        hooks.point("before_commit", coord.rank)
+        crashpoints.point("before_commit", coord.rank)
         result = {"files": files, "chunks": written, "tree": flat.tree, "per_rank": flat.per_rank,
                   "shapes": {it.name: it.global_shape for it in flat.items}}
     except Exception as e:  # any failure must still reach the commit protocol and abort

@@ -28,6 +28,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.engine.bytes_view import as_bytes
 from ckptlib.engine.pool import run_all
@@ -35,7 +36,6 @@ from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import NAMES, dtype_name
-from ckptlib.testing import hooks
 
 ALIGN = 64
 PACK_MEMBER_MAX = 64 << 10  # tensors up to this size are packed together
@@ -153,7 +153,7 @@ class _FileWriter:
         if self.fill:
             self.stream.write(self.view[: self.fill])
             self.fill = 0
-            hooks.point("write", self.rank)
+            crashpoints.point("write", self.rank)
 
     def pad(self) -> None:
         gap = -self.pos % ALIGN
@@ -172,7 +172,7 @@ class _FileWriter:
                 self.fill = n
             else:
                 self.stream.write(data)
-                hooks.point("write", self.rank)
+                crashpoints.point("write", self.rank)
         self.pos += n
 
     def close(self) -> int:

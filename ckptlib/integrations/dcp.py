@@ -69,8 +69,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptlib.backends import Storage, join, open_storage
-from ckptlib.backends.retry import deadline_scope
+from ckptlib.backends import Storage, deadline_scope, join, open_storage
 from ckptlib.engine import commit
 from ckptlib.engine import save as save_flow
 from ckptlib.engine.reader import Reader, Request

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from ckptlib.backends import Storage, open_storage
-from ckptlib.dist.coordinator import Coordinator, default_coordinator
+from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.scan import StepInfo, check_files, read_manifest, scan
 from ckptlib.errors import (

@@ -65,7 +65,7 @@ from megatron.core.dist_checkpointing.strategies import base as _mbase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 from ckptlib.backends import open_storage
-from ckptlib.dist.coordinator import Coordinator, default_coordinator
+from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import save as save_flow
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.scan import check_files, check_step, read_manifest

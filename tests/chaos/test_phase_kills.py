@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptlib.testing.hooks import PHASES
+from ckptlib.crashpoints import PHASES
 
 from .launch import STEPS, Campaign, reference
 

@@ -157,7 +157,7 @@ def test_random_kill_during_restore(
 # Cases that once failed, run on every CI pass: (world, phase, victim, nth, what it caught).
 REGRESSIONS = [
     # seed 1234 case0: rank 0 frozen before committing the last save; rank 1 hung for good in
-    # a store call to the frozen coordinator (fixed: bounded store calls in ckptlib.dist).
+    # a store call to the frozen coordinator (fixed: bounded store calls in ckptlib.coord).
     (2, "before_commit", 0, 5, "non-coordinator stuck in a store call to a frozen rank 0"),
 ]
 
@@ -251,7 +251,7 @@ def test_rank_skew_regression(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     """Regression (phase_kill seed 1234 ``before_commit-0``, under heavy load): a resuming
     job failed without any fault because one rank reached ``CheckpointManager(...)`` more
     than ``CKPTLIB_COORD_TIMEOUT`` after the other, and the coordinator's gloo group used
-    that timeout to connect (fixed: ranks meet on the store first, ckptlib.dist). Here the
+    that timeout to connect (fixed: ranks meet on the store first, ckptlib.coord). Here the
     last rank arrives 2x the timeout late, on purpose; the job must simply finish."""
     digest, _, _ = reference(tmp_path_factory.getbasetemp(), 2)
     c = Campaign("rank_skew", "regression", SEED, tmp_path, 2, digest)

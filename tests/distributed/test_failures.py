@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ckptlib.testing.hooks import PHASES
+from ckptlib.crashpoints import PHASES
 
 from .launch import results, run, start
 

@@ -207,7 +207,7 @@ def warm() -> int:
     import torch.distributed  # noqa: F401
 
     import ckptlib  # noqa: F401
-    from ckptlib.testing import hooks
+    from ckptlib import crashpoints as hooks
 
     line = sys.stdin.readline()
     if not line.strip():

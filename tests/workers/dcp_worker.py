@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ckptlib import crashpoints as hooks
 from ckptlib.integrations.dcp import CkptlibWriter, load_latest
-from ckptlib.testing import hooks
 
 IN, HID, OUT = 24, 40, 6
 

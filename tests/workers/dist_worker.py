@@ -133,13 +133,9 @@ def sc_fail(rank: int, world: int, root: str, args: dict) -> dict:
     dist.barrier()
     if rank == args["victim"]:
         os.environ["CKPTLIB_TEST_KILL_AT"] = f"{args['phase']}:{rank}:{args['signal']}"
-        import importlib
+        from ckptlib import crashpoints
 
-        from ckptlib.testing import hooks
-
-        importlib.reload(hooks)
-        for mod in ("ckptlib.engine.writer", "ckptlib.engine.save", "ckptlib.engine.commit"):
-            sys.modules[mod].hooks = hooks
+        crashpoints.configure()
     t0 = time.monotonic()
     try:
         ckptlib.save(state, os.path.join(root, "bad"))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import os
 import sys
@@ -175,8 +174,8 @@ class Results:
 
 
 def sc_train(ds: Any, rank: int, world: int, root: str, args: dict[str, Any], out: Results) -> None:
+    from ckptlib import crashpoints
     from ckptlib.integrations import deepspeed as ckds
-    from ckptlib.testing import hooks
 
     stages = args["stages"]
     for i, stage in enumerate(stages):
@@ -204,7 +203,7 @@ def sc_train(ds: Any, rank: int, world: int, root: str, args: dict[str, Any], ou
             # Rank 1 dies mid-write of global_step6: arm ckptlib's crash point through its
             # public environment variable (read when the module loads).
             os.environ["CKPTLIB_TEST_KILL_AT"] = "write:1:KILL"
-            importlib.reload(hooks)
+            crashpoints.configure()
             try:
                 engine.save_checkpoint(save_dir, client_state=client_state(engine))
                 out.put("killed_save", {"error": None})

@@ -10,7 +10,7 @@ The save flow (:mod:`ckptlib.engine.save`) calls, on every rank and in this orde
 Every rank either returns or raises the same :class:`CommitError` naming failed ranks.
 
 :class:`LocalCoordinator` is the single-process implementation; the torch.distributed one is
-:class:`ckptlib.dist.torch_dist.TorchCoordinator`.
+:class:`ckptlib.coord.torch_coordinator.TorchCoordinator`.
 """
 
 from __future__ import annotations
@@ -40,20 +40,20 @@ class Coordinator(ABC):
         """Every rank gets its entry of the coordinator's ``values``."""
 
     # -- liveness during the write phase (no-ops for a single process)
-    def begin_session(self, save_id: str) -> None:
+    def begin_session(self, save_id: str) -> None:  # noqa: B027 - optional hook
         """Start liveness tracking for one save."""
 
-    def end_session(self) -> None:
+    def end_session(self) -> None:  # noqa: B027 - optional hook
         """Stop liveness tracking."""
 
-    def report_done(self, error: str | None) -> None:
+    def report_done(self, error: str | None) -> None:  # noqa: B027 - optional hook
         """This rank finished writing (``error`` is None on success)."""
 
     def wait_all_done(self, deadline: float) -> dict[int, str]:
         """Coordinator: wait for every rank; rank -> error for ranks that failed or died."""
         return {}
 
-    def release(self, failures: dict[int, str]) -> None:
+    def release(self, failures: dict[int, str]) -> None:  # noqa: B027 - optional hook
         """Coordinator: let the other ranks proceed (no failures) or fail with ``failures``."""
 
     def wait_release(self, deadline: float) -> dict[int, str]:
@@ -78,7 +78,7 @@ class LocalCoordinator(Coordinator):
         assert values is not None
         return values[0]
 
-    def report_done(self, error: str | None) -> None:
+    def report_done(self, error: str | None) -> None:  # noqa: B027 - optional hook
         self._error = error
 
     def wait_all_done(self, deadline: float) -> dict[int, str]:
@@ -101,7 +101,7 @@ def default_coordinator(dead_after: float | None = None) -> Coordinator:
             if coord is None:
                 import os
 
-                from ckptlib.dist.torch_dist import DEFAULT_DEAD_AFTER, TorchCoordinator
+                from ckptlib.coord.torch_coordinator import DEFAULT_DEAD_AFTER, TorchCoordinator
 
                 env = os.environ.get("CKPTLIB_COORD_TIMEOUT")
                 timeout = dead_after or (float(env) if env else DEFAULT_DEAD_AFTER)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptlib.dist.coordinator import Coordinator
+from ckptlib.coord.coordinator import Coordinator
 from ckptlib.errors import CommitError, CommitTimeoutError
 
 DEFAULT_DEAD_AFTER = 30.0

@@ -1,0 +1,95 @@
+"""Named crash points for real-process chaos tests (tests reach them as ckptlib.testing.hooks too).
+
+The engine calls :func:`point` at each phase of a save (on the thread doing that phase: the
+training thread for ``snapshot``, the persist thread for the others, the caller's thread for
+``restore``). When the environment variable ``CKPTLIB_TEST_KILL_AT`` is
+``<phase>:<rank>[:<signal>][:<nth>]``, the process sends itself that signal (``KILL`` by
+default, or ``STOP``) the ``nth`` time (default 1: the first) rank ``<rank>`` reaches
+``<phase>`` in this process. ``<signal>`` may be left empty (``write:1::3``).
+
+With ``CKPTLIB_TEST_KILL_LOG=<path>`` also set, one JSON line (phase, rank, nth, signal, pid
+and ``time.time()``) is appended to ``<path>`` just before the signal is sent, so a test can
+measure how long the other ranks take to notice. With ``CKPTLIB_TEST_HOOK_TRACE=<path>``,
+every reach of every point appends ``<phase> <rank>`` to ``<path>`` (tests count reaches per
+save to choose ``nth``). Unset (the normal case) a point costs one comparison. Phases are
+listed in :data:`PHASES`; tests parametrize over it so a new phase without a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+PHASES = (
+    "snapshot",  # save() on the caller's thread, after flattening, before staging copies
+    "write",  # a rank has opened its first payload file and written part of it
+    "before_commit",  # every byte of this rank is durable, before the coordinator publishes
+    "manifest",  # coordinator: manifest file written in the staging folder, not yet renamed
+    "retention",  # coordinator: after the commit, while deleting old steps
+    "cleanup",  # coordinator: after the commit, while removing crashed saves' debris
+    "restore",  # while loading a checkpoint
+)
+
+SIGNALS = {"": signal.SIGKILL, "KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
+
+
+def parse(spec: str) -> tuple[str, int, int, int]:
+    """``<phase>:<rank>[:<signal>][:<nth>]`` -> (phase, rank, signal number, nth)."""
+    parts = spec.split(":")
+    if len(parts) < 2 or len(parts) > 4:
+        raise ValueError(f"bad CKPTLIB_TEST_KILL_AT {spec!r}")
+    sig = SIGNALS[parts[2].upper()] if len(parts) > 2 else signal.SIGKILL
+    nth = int(parts[3]) if len(parts) > 3 and parts[3] else 1
+    if nth < 1:
+        raise ValueError(f"bad CKPTLIB_TEST_KILL_AT {spec!r}: nth must be >= 1")
+    return parts[0], int(parts[1]), sig, nth
+
+
+# (phase, rank, signal[, nth]); some test workers assign a 3-tuple directly (nth 1).
+_target: tuple[str, int, int] | tuple[str, int, int, int] | None = None
+_seen: dict[tuple, int] = {}  # reaches of each target so far
+_trace: str | None = None
+
+
+def configure() -> None:
+    """(Re)read the environment variables. Runs at import; a test process that imported
+    ckptlib before it knew its environment (a pre-started worker) calls it again."""
+    global _target, _trace
+    spec = os.environ.get("CKPTLIB_TEST_KILL_AT")
+    _target = parse(spec) if spec else None
+    _seen.clear()
+    _trace = os.environ.get("CKPTLIB_TEST_HOOK_TRACE") or None
+
+
+configure()
+
+
+def _append(path: str, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def point(phase: str, rank: int = 0) -> None:
+    """Crash here if the test asked for it (see the module docstring)."""
+    global _target
+    if _trace is not None:
+        _append(_trace, f"{phase} {rank}\n")
+    target = _target
+    if target is None or target[0] != phase or target[1] != rank:
+        return
+    nth = target[3] if len(target) > 3 else 1
+    _seen[target] = _seen.get(target, 0) + 1
+    if _seen[target] != nth:
+        return
+    _target = None
+    sig = target[2]
+    log = os.environ.get("CKPTLIB_TEST_KILL_LOG")
+    if log:
+        rec = {"phase": phase, "rank": rank, "nth": nth, "signal": int(sig), "pid": os.getpid()}
+        _append(log, json.dumps({**rec, "time": time.time()}) + "\n")
+    os.kill(os.getpid(), sig)

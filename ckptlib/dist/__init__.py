@@ -1,1 +1,0 @@
-"""ckptlib.dist"""
