@@ -78,7 +78,7 @@ class LocalCoordinator(Coordinator):
         assert values is not None
         return values[0]
 
-    def report_done(self, error: str | None) -> None:  # noqa: B027 - optional hook
+    def report_done(self, error: str | None) -> None:
         self._error = error
 
     def wait_all_done(self, deadline: float) -> dict[int, str]:
