@@ -5,7 +5,7 @@ The save flow (:mod:`ckptlib.engine.save`) calls, on every rank and in this orde
 2. :meth:`agree` (staging prefix), :meth:`gather` + :meth:`scatter` (who writes what);
 3. every rank writes, then :meth:`report_done`; the coordinator :meth:`wait_all_done`
    (judging silent ranks dead) and :meth:`release` s the others, who :meth:`wait_release`;
-4. :meth:`gather` of write results, the coordinator publishes, :meth:`agree` on the outcome;
+4. :meth:`gather` of write results, the coordinator publishes, :meth:`share_outcome`;
 5. :meth:`end_session`.
 Every rank either returns or raises the same :class:`CommitError` naming failed ranks.
 
@@ -15,6 +15,7 @@ Every rank either returns or raises the same :class:`CommitError` naming failed 
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -59,6 +60,11 @@ class Coordinator(ABC):
     def wait_release(self, deadline: float) -> dict[int, str]:
         """Other ranks: wait for :meth:`release`; returns the failures (empty: proceed)."""
         return {}
+
+    def share_outcome(self, outcome: Any, deadline: float) -> Any:
+        """After the coordinator tried to publish: every rank gets its ``outcome`` (JSON-typed;
+        other ranks pass None). Bounded by ``deadline`` (``time.monotonic()``)."""
+        return self.agree(outcome, max(0.1, deadline - time.monotonic()))
 
 
 class LocalCoordinator(Coordinator):

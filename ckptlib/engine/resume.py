@@ -1,17 +1,30 @@
-"""Restore the newest consistent step: the resume planner's load half.
+"""The resume loop: restore the newest step every rank can load, falling back together.
 
-Called by ``CheckpointManager.restore`` on the caller's thread, on every rank when the job is
-distributed. The coordinator scans storage and every rank gets the same list of candidates
-(so ranks never disagree because of a stale listing); then, newest first, every rank loads
-its part and the ranks agree on the result: if any rank found the step corrupt, all move on
-to the next older step together (each skip logged with its reason). Other errors (a target
-that does not match the checkpoint) are raised on every rank.
+One loop for the manager and every integration (DCP, DeepSpeed, Megatron-Core). Called on the
+caller's thread, on every rank in the same order when the job is distributed:
+
+1. the coordinator lists the candidates (``list_candidates``, newest first) and every rank
+   gets the same list through :meth:`Coordinator.agree` (ranks never disagree because of a
+   stale listing);
+2. for each candidate whose status is ``committed``, the ranks meet (a bounded agreement, so a
+   rank that died or froze before the attempt fails the others within the coordinator's
+   deadline instead of hanging them inside a framework's own collectives), then every rank
+   runs ``attempt(candidate)`` -- loading or verifying its part;
+3. the outcomes are gathered and agreed through the coordinator (group timeout = its
+   deadline): if any rank found the step damaged, every rank moves on to the next older one,
+   logging why; any other failure is raised on every rank.
+
+:func:`resume_newest` returns ``None`` when there is no candidate at all and raises
+:class:`CorruptCheckpointError` when candidates exist but none is usable. :func:`restore` is
+the manager's use of it (``ckptlib`` steps loaded in place).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage
@@ -26,15 +39,113 @@ from ckptlib.errors import (
 )
 
 log = logging.getLogger("ckptlib")
+T = TypeVar("T")
 
 
-def candidates(storage: Storage) -> list[tuple[int, str, str, str]]:
-    """(step, folder, status, reason) for every step, newest first."""
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One step a resume may load. Travels between ranks as a JSON-typed list."""
+
+    step: int
+    folder: str
+    """Where it is: relative to the storage root, or a path/URL, as the caller needs."""
+    status: str
+    """``committed`` (try it); anything else (``incomplete``, ``corrupt``, ...) is skipped."""
+    reason: str = ""
+    extra: Any = None
+    """Caller data (JSON-typed): a DeepSpeed tag, a save id, ..."""
+
+
+@dataclass(slots=True)
+class Resumed(Generic[T]):
+    candidate: Candidate
+    value: T
+    """What ``attempt`` returned on this rank."""
+    skipped: list[str] = field(default_factory=list)
+    """Newer steps passed over, each ``"<label> <step>: <status>: <reason>"``."""
+
+
+def corruption_of(error: BaseException) -> str | None:
+    """The default damage test: a :class:`CorruptCheckpointError` means "try an older step"."""
+    return str(error) if isinstance(error, CorruptCheckpointError) else None
+
+
+def resume_newest(
+    coord: Coordinator,
+    list_candidates: Callable[[], list[Candidate]],
+    attempt: Callable[[Candidate], T],
+    *,
+    timeout: float,
+    where: str,
+    label: str = "step",
+    damaged: Callable[[BaseException], str | None] = corruption_of,
+) -> Resumed[T] | None:
+    """Run the resume loop (module docstring). Collective when ``coord.world_size > 1``.
+
+    ``list_candidates`` runs on the coordinator only; ``attempt`` on every rank, in the same
+    order. ``damaged(error)`` says why an exception from ``attempt`` means the step is damaged
+    (fall back), or None for a failure every rank must raise (a state that does not match).
+    ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
+    """
+    raw = coord.agree(
+        [[c.step, c.folder, c.status, c.reason, c.extra] for c in list_candidates()]
+        if coord.is_coordinator
+        else None,
+        timeout,
+    )
+    skipped: list[str] = []
+    corrupt_seen = False
+    for step, folder, status, reason, extra in raw:
+        cand = Candidate(int(step), folder, status, reason, extra)
+        if status != "committed":
+            log.warning("ckptlib: skipping %s %d (%s): %s", label, cand.step, status, reason)
+            skipped.append(f"{label} {cand.step}: {status}: {reason}")
+            corrupt_seen |= status == "corrupt"
+            continue
+        crashpoints.point("restore", coord.rank)
+        if coord.world_size > 1:
+            coord.agree(coord.gather(cand.step, timeout), timeout)  # everyone alive and here
+        value: Any = None
+        mine: tuple[str, str] = ("ok", "")
+        own_error: BaseException | None = None
+        try:
+            value = attempt(cand)
+        except Exception as e:  # every rank must learn the outcome before anyone raises
+            why = damaged(e)
+            if why is not None:
+                mine = ("corrupt", why)
+            else:
+                mine, own_error = (type(e).__name__, str(e)), e
+        verdicts = [mine] if coord.world_size <= 1 else coord.agree(coord.gather(mine, timeout), timeout)
+        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt")]
+        if fatal:
+            r, kind, msg = fatal[0]
+            cls = StateMismatchError if kind == "StateMismatchError" else CheckpointError
+            text = f"loading {label} {cand.step}: rank {r}: {msg}" if cls is StateMismatchError else (
+                f"loading {label} {cand.step}: rank {r}: {kind}: {msg}"
+            )
+            raise cls(text) from own_error
+        bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind == "corrupt"]
+        if bad:
+            detail = "; ".join(bad)
+            log.warning("ckptlib: %s %d is corrupt, trying an older one: %s", label, cand.step, detail)
+            skipped.append(f"{label} {cand.step}: corrupt: {detail}")
+            corrupt_seen = True
+            continue
+        log.info("ckptlib: restored %s %d from %s", label, cand.step, where)
+        return Resumed(cand, value, skipped)
+    if corrupt_seen:
+        raise CorruptCheckpointError(f"no usable checkpoint under {where}: " + "; ".join(skipped))
+    return None
+
+
+def step_candidates(storage: Storage) -> list[Candidate]:
+    """Every step under ``storage`` (scan: manifest, sizes), newest first."""
     try:
         infos = scan(storage)
     except CheckpointNotFoundError:
         return []
-    return [(i.step, i.path, i.status, i.reason) for i in infos]
+    return [Candidate(i.step, i.path, i.status, i.reason) for i in infos]
 
 
 def restore(
@@ -47,48 +158,19 @@ def restore(
     per_rank: str = "error",
     timeout: float = 600.0,
 ) -> int | None:
-    cands = coord.agree(candidates(storage) if coord.is_coordinator else None, timeout)
-    if step is not None:
-        cands = [c for c in cands if c[0] == step]
-        if not cands:
-            raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
-    problems = []
-    for cstep, folder, status, reason in cands:
-        if status != "committed":
-            if status == "corrupt":
-                problems.append(f"step {cstep}: {reason}")
-            log.warning("ckptlib: skipping step %d (%s): %s", cstep, status, reason)
-            continue
-        outcome: tuple[str, str] = ("ok", "")
-        crashpoints.point("restore", coord.rank)
-        try:
-            load_flow.load_checkpoint(
-                storage, folder, state, verify=verify,
-                rank=coord.rank, world_size=coord.world_size, per_rank=per_rank,
-            )
-        except CorruptCheckpointError as e:
-            outcome = ("corrupt", str(e))
-        except CheckpointError as e:
-            outcome = (type(e).__name__, str(e))
-        if coord.world_size > 1:
-            everyone = coord.gather(outcome, timeout)
-            verdict = coord.agree(everyone, timeout)
-        else:
-            verdict = [outcome]
-        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdict) if kind not in ("ok", "corrupt")]
-        if fatal:
-            r, kind, msg = fatal[0]
-            raise StateMismatchError(f"rank {r}: {msg}") if kind == "StateMismatchError" else CheckpointError(
-                f"rank {r}: {kind}: {msg}"
-            )
-        bad = [(r, msg) for r, (kind, msg) in enumerate(verdict) if kind == "corrupt"]
-        if bad:
-            detail = "; ".join(f"rank {r}: {msg}" for r, msg in bad)
-            problems.append(f"step {cstep}: {detail}")
-            log.warning("ckptlib: step %d is corrupt, trying an older one: %s", cstep, detail)
-            continue
-        log.info("ckptlib: restored step %d from %s", cstep, storage.url)
-        return cstep
-    if problems:
-        raise CorruptCheckpointError(f"no usable checkpoint under {storage.url}: " + "; ".join(problems))
-    return None
+    """``CheckpointManager.restore``: load the newest usable step into ``state`` in place."""
+
+    def listing() -> list[Candidate]:
+        cands = step_candidates(storage)
+        return cands if step is None else [c for c in cands if c.step == step]
+
+    def attempt(c: Candidate) -> None:
+        load_flow.load_checkpoint(
+            storage, c.folder, state, verify=verify,
+            rank=coord.rank, world_size=coord.world_size, per_rank=per_rank,
+        )
+
+    got = resume_newest(coord, listing, attempt, timeout=timeout, where=storage.url)
+    if got is None and step is not None:
+        raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
+    return got.candidate.step if got else None

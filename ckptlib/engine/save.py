@@ -245,7 +245,7 @@ def _persist(
             outcome = {"failures": failures or {0: f"{type(e).__name__}: {e}"}, "exists": isinstance(e, FileExistsError)}
         if outcome["failures"]:
             commit.abort(storage, staging)
-    outcome = coord.agree(outcome, _left(deadline))
+    outcome = coord.share_outcome(outcome if coord.is_coordinator else None, deadline)
     if outcome["failures"]:
         raise _fail(storage, final, {int(k): v for k, v in outcome["failures"].items()}, bool(outcome.get("exists")))
     return SaveResult(save_id, sum(size for _, size in body["files"]) if body else 0)
