@@ -25,6 +25,7 @@ from ckptlib.errors import CorruptCheckpointError, ManifestVersionError
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import ALGORITHMS, checksum
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
+from ckptlib.format.validate import MAX_NDIM, MAX_SIZE, Checker
 
 FORMAT_NAME = "ckptlib"
 FORMAT_VERSION = 1
@@ -32,8 +33,6 @@ MANIFEST_NAME = "manifest.json"
 CODECS = ("raw", "zstd", "zstd-shuffle")
 COMMIT_MODES = ("rename", "conditional_put", "put_verify")
 
-MAX_SIZE = 1 << 62  # no file, range or tensor may claim more bytes than this
-MAX_NDIM = 64
 # zstd cannot expand a frame by more than this factor (an RLE block: 4 bytes -> 128 KiB).
 MAX_ZSTD_RATIO = 32768
 _PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
@@ -252,55 +251,6 @@ def _head(version: int, digest: str) -> bytes:
 
 # --------------------------------------------------------------------------- decode
 
-class _V:
-    """Small validation helpers that raise CorruptCheckpointError naming the manifest."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def fail(self, msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(msg, self.where)
-
-    def obj(self, x: Any, what: str) -> dict[str, Any]:
-        if not isinstance(x, dict):
-            raise self.fail(f"{what} must be an object")
-        return x
-
-    def lst(self, x: Any, what: str) -> list[Any]:
-        if not isinstance(x, list):
-            raise self.fail(f"{what} must be a list")
-        return x
-
-    def int_(self, x: Any, what: str, lo: int = 0, hi: int = MAX_SIZE) -> int:
-        if type(x) is not int or not lo <= x <= hi:
-            raise self.fail(f"{what} must be an integer in [{lo}, {hi}], got {x!r:.60}")
-        return x
-
-    def str_(self, x: Any, what: str, maxlen: int = 4096) -> str:
-        if not isinstance(x, str) or len(x) > maxlen:
-            raise self.fail(f"{what} must be a string of at most {maxlen} characters")
-        return x
-
-    def shape(self, x: Any, what: str) -> tuple[int, ...]:
-        if type(x) is not list:
-            raise self.fail(f"{what} must be a list")
-        if len(x) > MAX_NDIM:
-            raise self.fail(f"{what} has more than {MAX_NDIM} dimensions")
-        n = 1
-        nonzero = 1  # product of the dims other than 0: bounds the strides of an empty tensor too
-        for d in x:
-            if type(d) is not int or not 0 <= d <= MAX_SIZE:
-                raise self.fail(f"{what} must hold integers in [0, 2^62], got {d!r:.60}")
-            n *= d
-            if d:
-                nonzero *= d
-        if n > MAX_SIZE:
-            raise self.fail(f"{what} {x} declares more than 2^62 elements")
-        if nonzero > MAX_SIZE:
-            raise self.fail(f"{what} {x}: its non-zero dimensions multiply to more than 2^62")
-        return tuple(x)
-
-
 def check_path(path: str, where: str = "") -> str:
     """A payload path: relative, normalized, at most 4 levels, no dot-only parts."""
     parts = path.split("/")
@@ -313,7 +263,7 @@ def check_path(path: str, where: str = "") -> str:
 
 def decode(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate untrusted manifest bytes."""
-    v = _V(where)
+    v = Checker(where)
     top = v.obj(jsonio.loads(data, where), "manifest")
     if top.get("format") != FORMAT_NAME:
         raise v.fail("not a ckptlib manifest (missing format marker)")
@@ -344,7 +294,7 @@ def decode(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     return _decode_body(body, v)
 
 
-def _decode_body(body: dict[str, Any], v: _V) -> Manifest:
+def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
     step = body.get("step")
     if step is not None:
         v.int_(step, "step")
@@ -419,7 +369,7 @@ def _decode_body(body: dict[str, Any], v: _V) -> Manifest:
 
 
 def _decode_packs(
-    raw: Any, files: list[FileEntry], ranges: list[list[tuple[int, int, str]]], v: _V
+    raw: Any, files: list[FileEntry], ranges: list[list[tuple[int, int, str]]], v: Checker
 ) -> list[Pack]:
     packs = []
     for i, p in enumerate(v.lst(raw, "packs")):
@@ -449,7 +399,7 @@ def _decode_tensor(
     ranges: list[list[tuple[int, int, str]]],
     packs: list[Pack],
     members: list[tuple[int, int, int, str]],
-    v: _V,
+    v: Checker,
 ) -> TensorEntry:
     # Hot path for checkpoints with many tensors: messages are only formatted on failure.
     dtype = t.get("dtype")
@@ -475,7 +425,7 @@ def _decode_tensor(
 
 
 def _box(
-    name: str, what: str, off: Any, shp: Any, shape: tuple[int, ...], v: _V
+    name: str, what: str, off: Any, shp: Any, shape: tuple[int, ...], v: Checker
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     offset = v.shape(off, f"tensor {name!r:.200} {what} offset")
     box = v.shape(shp, f"tensor {name!r:.200} {what} shape")
@@ -495,7 +445,7 @@ def _decode_chunk(
     itemsize: int,
     files: list[FileEntry],
     ranges: list[list[tuple[int, int, str]]],
-    v: _V,
+    v: Checker,
 ) -> Chunk:
     if type(c) is not list or len(c) != 7:
         raise v.fail(f"tensor {name!r:.200} chunk {j} must be a list of 7 fields")
@@ -525,7 +475,7 @@ def _check_stored(
     fidx: int,
     files: list[FileEntry],
     ranges: list[list[tuple[int, int, str]]],
-    v: _V,
+    v: Checker,
 ) -> None:
     """Shared by chunks and packs: stored vs raw size, bounded expansion, range inside its file."""
     if codec == "raw" and length != raw:
@@ -546,7 +496,7 @@ def _decode_piece(
     itemsize: int,
     packs: list[Pack],
     members: list[tuple[int, int, int, str]],
-    v: _V,
+    v: Checker,
 ) -> Piece:
     if type(p) is not list or len(p) not in (2, 4):
         raise v.fail(f"tensor {name!r:.200} packed piece {j} must be [pack, raw_offset(, offset, shape)]")
@@ -583,7 +533,7 @@ _ZEROS = [(0,) * n for n in range(MAX_NDIM + 1)]
 _LOG2_LIMIT = 62.5  # log2 of a row's byte size; above it the exact product could overflow int64
 
 
-def _int_column(col: Any, what: str, lo: int, hi: int, v: _V) -> np.ndarray:
+def _int_column(col: Any, what: str, lo: int, hi: int, v: Checker) -> np.ndarray:
     if type(col) is not list or not set(map(type, col)) <= {int}:  # bool is not int here
         raise v.fail(f"{what} must be a list of integers")
     try:
@@ -595,7 +545,7 @@ def _int_column(col: Any, what: str, lo: int, hi: int, v: _V) -> np.ndarray:
     return arr
 
 
-def _decode_table(raw: Any, packs: list[Pack], v: _V) -> _Table:
+def _decode_table(raw: Any, packs: list[Pack], v: Checker) -> _Table:
     """Validate the ``packed_tensors`` table column by column (numpy), then build entries.
 
     Rows are tensors stored whole in one pack, never empty (zero-size tensors are stored as
@@ -648,7 +598,7 @@ def _decode_table(raw: Any, packs: list[Pack], v: _V) -> _Table:
     return _Table(entries, pack, offset, offset + nbytes)
 
 
-def _check_members(members: list[tuple[int, int, int, str]], table: _Table, v: _V) -> None:
+def _check_members(members: list[tuple[int, int, int, str]], table: _Table, v: Checker) -> None:
     """No two pieces of a pack may share bytes (all pieces: table rows and ``packed`` lists)."""
     pack, start, end = table.pack, table.start, table.end
     if members:
@@ -670,7 +620,7 @@ def _check_members(members: list[tuple[int, int, int, str]], table: _Table, v: _
 _GRID_LIMIT = 1 << 22
 
 
-def _check_tiling(shape: tuple[int, ...], chunks: list[Chunk | Piece], what: str, v: _V) -> None:
+def _check_tiling(shape: tuple[int, ...], chunks: list[Chunk | Piece], what: str, v: Checker) -> None:
     """Chunks must cover the tensor exactly once: no gaps (garbage) and no overlaps."""
     total = _volume(shape)
     if total == 0:

@@ -87,6 +87,7 @@ from ckptlib.format import layout
 from ckptlib.format import manifest as mf
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES, NAMES
+from ckptlib.format.validate import Checker
 from ckptlib.plan.flatten import flatten
 
 __all__ = [
@@ -275,28 +276,6 @@ def metadata_to_json(md: Metadata, stored: dict[MetadataIndex, StoredItem]) -> d
     }
 
 
-class _Check:
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def fail(self, msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"DCP metadata: {msg}", self.where)
-
-    def typed(self, x: Any, types: type, what: str) -> Any:
-        if not isinstance(x, types) or (isinstance(x, bool) and types is not bool):
-            raise self.fail(f"{what} has the wrong type")
-        return x
-
-    def ints(self, x: Any, what: str) -> list[int]:
-        if (
-            type(x) is not list
-            or len(x) > mf.MAX_NDIM
-            or any(type(v) is not int or not 0 <= v <= mf.MAX_SIZE for v in x)
-        ):
-            raise self.fail(f"{what} must be a list of non-negative integers")
-        return x
-
-
 def metadata_from_json(
     obj: Any, m: mf.Manifest, where: str = ""
 ) -> tuple[Metadata, dict[str, Any]]:
@@ -306,7 +285,7 @@ def metadata_from_json(
     Everything is checked against the manifest (which ckptlib validated): tensors exist with
     the recorded dtype and size, chunk boxes lie inside them, references resolve.
     """
-    c = _Check(where)
+    c = Checker(where, "DCP metadata: ")
     obj = c.typed(obj, dict, "extra.dcp")
     if obj.get("schema") != JSON_SCHEMA:
         raise c.fail(f"unknown schema {obj.get('schema')!r:.40}")
