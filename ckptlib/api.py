@@ -11,7 +11,9 @@ from ckptlib.engine import load as load_flow
 from ckptlib.engine import save as save_flow
 
 
-def _split(url: str | os.PathLike[str]) -> tuple[str, str]:
+def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(parent URL, name)`` of a checkpoint folder URL or local path (local paths made absolute).
+    Public seam for adapters that address one checkpoint folder by URL."""
     url = os.fspath(url).rstrip("/")
     if "://" in url:
         scheme, rest = url.split("://", 1)
@@ -36,7 +38,7 @@ def save(
     kept (``StepExistsError``) unless ``overwrite=True``. Collective when torch.distributed
     is initialized.
     """
-    parent, name = _split(url)
+    parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
     storage.makedirs("")
     coordinator = default_coordinator()
@@ -63,7 +65,7 @@ def load(
     ``PerRank`` values become when the world size changed: ``"error"`` (default),
     ``"rank0"`` or ``"all"``. Needs no collective: every rank reads what it needs.
     """
-    parent, name = _split(url)
+    parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
     rank, world = _rank_world()
     return load_flow.load_checkpoint(
@@ -84,6 +86,6 @@ def load_metadata(url: str | os.PathLike[str], *, storage_options: dict[str, Any
     from ckptlib.engine.scan import read_manifest
     from ckptlib.format import tree as tree_codec
 
-    parent, name = _split(url)
+    parent, name = split_url(url)
     m = read_manifest(open_storage(parent, storage_options), name)
     return tree_codec.decode(m.metadata, (), f"{url}/manifest.json")

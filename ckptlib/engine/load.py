@@ -3,7 +3,7 @@
 Called on the caller's thread by ``ckptlib.load`` and ``CheckpointManager.restore``.
 
 ``into=None`` builds a fresh structure of CPU tensors. ``into=state`` walks the target and the
-saved tree side by side (:class:`_Merge`): tensors are filled in place (read straight into
+saved tree side by side (:class:`Merge`): tensors are filled in place (read straight into
 their memory when they are contiguous CPU tensors of the same dtype and shape, else through
 a temporary and ``copy_``), containers are updated in place, objects with
 ``load_state_dict`` get their merged state dict, and plain values are replaced. A tensor
@@ -43,12 +43,19 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tenso
 PER_RANK_POLICIES = ("error", "rank0", "all")
 
 
-class _Merge:
-    def __init__(self, m: Manifest, rank: int = 0, world_size: int = 1, per_rank: str = "error") -> None:
+class Merge:
+    """A read plan: the saved tree walked beside a target (:meth:`merge`) or alone (:meth:`fresh`),
+    collecting read requests and deferred copies that :func:`run_plan` executes. Public for the
+    adapters in ``ckptlib/integrations``, which plan trees of their own; ``where`` names the
+    checkpoint in errors. Caller's thread only."""
+
+    def __init__(
+        self, m: Manifest, rank: int = 0, world_size: int = 1, per_rank: str = "error", *, where: str = ""
+    ) -> None:
         if per_rank not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank must be one of {PER_RANK_POLICIES}")
         self.m = m
-        self.where = ""
+        self.where = where
         self.rank = rank
         self.world_size = world_size
         self.per_rank = per_rank
@@ -116,10 +123,10 @@ class _Merge:
         if isinstance(v, tree_codec.TensorRef):
             if is_dtensor(target):
                 local, gshape, offset = dtensor_piece(target, path)
-                self._tensor(Shard(local, gshape, offset), v.name, path)
+                self.tensor(Shard(local, gshape, offset), v.name, path)
                 return target
             if isinstance(target, Shard | torch.Tensor):
-                self._tensor(target, v.name, path)
+                self.tensor(target, v.name, path)
                 return target
             if target is None:
                 return self.fresh(v)
@@ -127,7 +134,7 @@ class _Merge:
         if isinstance(v, tree_codec.Stateful) and is_stateful(target):
             sd = target.state_dict()
             merged = self.merge(sd, dict(v), path)
-            self.loads.append(lambda: target.load_state_dict(_resolve_lazy(merged)))
+            self.loads.append(lambda: target.load_state_dict(resolve_lazy(merged)))
             return target
         if isinstance(v, dict):
             if not isinstance(target, dict):
@@ -152,7 +159,8 @@ class _Merge:
             return self.fresh(v)
         return self.fresh(v)
 
-    def _tensor(self, target: torch.Tensor | Shard, name: str, path: str) -> None:
+    def tensor(self, target: torch.Tensor | Shard, name: str, path: str) -> None:
+        """Plan reading the saved tensor ``name`` into ``target`` (a tensor or a ``Shard`` of it)."""
         e = self.m.tensors[name]
         if isinstance(target, Shard):
             t, offset, gshape = target.local, tuple(target.global_offset), tuple(target.global_shape)
@@ -184,19 +192,19 @@ class _Lazy:
         self.holder = holder
 
 
-def _resolve_lazy(x: Any) -> Any:
+def resolve_lazy(x: Any) -> Any:
     if isinstance(x, _Lazy):
         return x.holder[0]
     if isinstance(x, dict):
         for k, v in x.items():
             if isinstance(v, _Lazy | dict | list | tuple):
-                x[k] = _resolve_lazy(v)
+                x[k] = resolve_lazy(v)
         return x
     if isinstance(x, list):
-        x[:] = [_resolve_lazy(v) for v in x]
+        x[:] = [resolve_lazy(v) for v in x]
         return x
     if isinstance(x, tuple):
-        return tuple(_resolve_lazy(v) for v in x)
+        return tuple(resolve_lazy(v) for v in x)
     return x
 
 
@@ -220,15 +228,14 @@ def load_checkpoint(
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
     with paused_gc():
         saved = tree_codec.decode(m.tree, m.tensors, where)
-        plan = _Merge(m, rank, world_size, per_rank)
-        plan.where = where
+        plan = Merge(m, rank, world_size, per_rank, where=where)
         result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
     run_plan(plan, storage, folder, m, verify=verify, threads=threads, stats=stats)
-    return _resolve_lazy(result)
+    return resolve_lazy(result)
 
 
 def run_plan(
-    plan: _Merge,
+    plan: Merge,
     storage: Storage,
     folder: str,
     m: Manifest,
@@ -257,7 +264,3 @@ def run_plan(
     for fn in (*plan.copies, *plan.fills, *plan.loads):
         fn()
 
-
-# Names for the adapters in ckptlib/integrations, which plan trees of their own.
-Merge = _Merge
-resolve_lazy = _resolve_lazy

@@ -127,7 +127,7 @@ except ImportError:  # older torch
 
 
 def _split(url: str | os.PathLike[str]) -> tuple[str, str]:
-    from ckptlib.api import _split as split_url
+    from ckptlib.api import split_url
 
     return split_url(url)
 

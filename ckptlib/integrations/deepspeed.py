@@ -472,8 +472,7 @@ class _EngineMixin:
                 f"{view.storage.url}); it has: {sorted(view.files)}"
             )
         where = f"{view.storage.url.rstrip('/')}/{view.folder} [{name}]"
-        plan = Merge(view.manifest)
-        plan.where = where
+        plan = Merge(view.manifest, where=where)
         value = plan.fresh(node)
         run_plan(plan, view.storage, view.folder, view.manifest, verify=True)
         sd = decode_value(resolve_lazy(value), where)

@@ -399,8 +399,7 @@ class LoadStrategy(_mbase.LoadShardedStrategy):
                 if isinstance(per, dict):
                     for k, v in per.items():
                         objects.setdefault(k, v)
-        plan = Merge(m)
-        plan.where = where
+        plan = Merge(m, where=where)
 
         def one(x: Any) -> Any:
             if isinstance(x, ShardedTensor):
@@ -417,7 +416,7 @@ class LoadStrategy(_mbase.LoadShardedStrategy):
                     raise StateMismatchError(
                         f"{x.key}: checkpoint shape {list(e.shape)}, requested global shape {list(x.global_shape)}"
                     )
-                plan._tensor(Shard(t, tuple(e.shape), tuple(x.global_offset)), ref.name, x.key)
+                plan.tensor(Shard(t, tuple(e.shape), tuple(x.global_offset)), ref.name, x.key)
                 return x.data
             if isinstance(x, ShardedObject):
                 if x.unique_key not in objects:
