@@ -44,7 +44,6 @@ DEFAULT_GRACE = 3600.0
 """Seconds without a write before a manifest-less step or an upload counts as dead."""
 
 SAVE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
-PAYLOAD_RE = re.compile(r"^r\d{5}[\w.-]*\.bin$")
 
 
 def delete_step(storage: Storage, folder: str) -> None:
@@ -162,7 +161,7 @@ def _only_ours(storage: Storage, folder: str) -> bool:
             files = storage.listdir(join(folder, e.name))
         except FileNotFoundError:
             continue
-        if any(f.is_dir or not PAYLOAD_RE.match(f.name) for f in files):
+        if any(f.is_dir or not layout.is_payload_name(f.name) for f in files):
             return False
     return True
 

@@ -34,6 +34,7 @@ from ckptlib.engine.bytes_view import as_bytes
 from ckptlib.engine.pool import run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
+from ckptlib.format import layout
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import NAMES, dtype_name
 
@@ -269,7 +270,7 @@ def write_files(
     groups = plan_files(make_units(jobs), num_files)
     # ``tag`` keeps names unique when one rank calls this several times for one save
     # (a snapshot streamed through a staging budget is written round by round).
-    paths = [join(prefix, f"r{rank:05d}{tag}-{i}.bin") for i in range(len(groups))]
+    paths = [join(prefix, layout.payload_name(rank, tag, i)) for i in range(len(groups))]
     results = run_all(
         [
             partial(_write_one, storage, p, g, compression, algorithm, pack_bytes, rank)

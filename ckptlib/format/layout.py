@@ -5,7 +5,7 @@ Under a CheckpointManager root::
     step-000000001200/                 a committed step (rename-capable storage)
         manifest.json                  the commit point
         .ckptlib                       ownership marker
-        <save_id>/r00000-0.bin         payload files, one set per rank
+        <save_id>/r00000-0.bin         payload files, one set per rank (:func:`payload_name`)
     step-000000001300.tmp-<save_id>/   a save in progress (or the debris of a crashed one)
     step-000000001100.del-<save_id>/   a step being deleted by retention
 
@@ -22,6 +22,8 @@ MARKER = ".ckptlib"
 STEP_DIGITS = 12
 STEP_RE = re.compile(r"^step-(\d{1,20})$")
 TMP_RE = re.compile(r"^(.+)\.(tmp|del)-([0-9a-f]{8,64})$")
+PAYLOAD_RE = re.compile(r"^r\d{5}[\w.-]*\.bin$")
+"""Any name :func:`payload_name` makes (the retire code's debris rule)."""
 
 
 def step_dir(step: int) -> str:
@@ -41,3 +43,16 @@ def tmp_dir(final: str, save_id: str) -> str:
 
 def del_dir(final: str, save_id: str) -> str:
     return f"{final}.del-{save_id}"
+
+
+def payload_name(rank: int, tag: str, index: int) -> str:
+    """Payload file ``index`` of ``rank``: ``r<rank, 5 digits><tag>-<index>.bin``.
+
+    Called by the writer (engine/writer.py). ``tag`` is empty unless one rank writes one save
+    in several rounds (``p<k>`` for round k > 0), so names stay unique within a save.
+    """
+    return f"r{rank:05d}{tag}-{index}.bin"
+
+
+def is_payload_name(name: str) -> bool:
+    return PAYLOAD_RE.match(name) is not None
