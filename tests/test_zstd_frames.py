@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import zstandard
 
-from ckptlib.engine.verify import _check_zstd
 from ckptlib.errors import CorruptCheckpointError
-from ckptlib.format.codec import decompress_frame
+from ckptlib.format.codec import check_frame, decompress_frame
 
 GOOD = zstandard.ZstdCompressor(write_content_size=True).compress(b"a" * 100_000)
 NO_SIZE = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(range(256)) * 400)
@@ -33,7 +32,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("check", [decompress_frame, _check_zstd], ids=["load", "verify"])
+@pytest.mark.parametrize("check", [decompress_frame, check_frame], ids=["load", "verify"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_frame_rules(case: str, check) -> None:
     data, raw_size, ok = CASES[case]

@@ -2,7 +2,8 @@
 
 Called by ``check_step(deep=True)`` (CLI ``verify``, ``CheckpointManager.steps(deep=True)``)
 on the caller's thread. Memory stays bounded by streaming each chunk in pieces, whatever the
-manifest claims.
+manifest claims. The rules are format/'s: :class:`~ckptlib.format.checksum.Hasher` (checksums)
+and :func:`~ckptlib.format.codec.check_frame` (the strict one-frame zstd rule).
 """
 
 from __future__ import annotations
@@ -10,33 +11,14 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Container
 
-import crc32c
-import xxhash
-import zstandard
-
-from ckptlib.backends import Storage, join
+from ckptlib.backends import ReadHandle, Storage, join
 from ckptlib.errors import CorruptCheckpointError
+from ckptlib.format.checksum import Hasher
+from ckptlib.format.codec import check_frame
 from ckptlib.format.dtypes import ITEMSIZE
 from ckptlib.format.manifest import Manifest
 
 PIECE = 8 << 20
-_SLICE = 4096  # input bytes per completeness step: bounds each step's output
-
-
-class _Hasher:
-    def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
-        self.h = xxhash.xxh3_64() if algorithm == "xxh3_64" else None
-        self.crc = 0
-
-    def update(self, data) -> None:
-        if self.h is not None:
-            self.h.update(data)
-        else:
-            self.crc = crc32c.crc32c(data, self.crc)
-
-    def hexdigest(self) -> str:
-        return self.h.hexdigest() if self.h is not None else f"{self.crc:08x}"
 
 
 def verify_chunks(
@@ -52,7 +34,7 @@ def verify_chunks(
     ``progress(n)`` as it goes (``n`` bytes checked). ``files``: only these indices into
     ``m.files`` (ranks splitting one verification between them); None checks every file.
     """
-    ranges: dict[int, list[tuple[int, int, str, str, int]]] = {}
+    ranges: dict[int, list[tuple[int, int, str, str, int, str]]] = {}
     for name, t in m.tensors.items():
         itemsize = ITEMSIZE[t.dtype]
         for i, c in enumerate(t.chunks):
@@ -75,8 +57,19 @@ def verify_chunks(
                 _verify_range(h, start, length, digest, codec, raw, label, m.checksum_algorithm, where, progress)
 
 
-def _verify_range(h, start, length, digest, codec, raw, label, algorithm, where, progress) -> None:
-    hasher = _Hasher(algorithm)
+def _verify_range(
+    h: ReadHandle,
+    start: int,
+    length: int,
+    digest: str,
+    codec: str,
+    raw: int,
+    label: str,
+    algorithm: str,
+    where: str,
+    progress: Callable[[int], None] | None,
+) -> None:
+    hasher = Hasher(algorithm)
     stored = io.BytesIO() if codec != "raw" else None
     pos = 0
     while pos < length:
@@ -93,42 +86,4 @@ def _verify_range(h, start, length, digest, codec, raw, label, algorithm, where,
             f"checksum mismatch in {label} at bytes [{start}, {start + length})", where
         )
     if stored is not None:
-        _check_zstd(stored.getvalue(), raw, f"{where} ({label})")
-
-
-def _check_zstd(data: bytes, raw_size: int, where: str) -> None:
-    """``data`` must be one complete zstd frame expanding to exactly ``raw_size`` bytes.
-
-    The same rules as :func:`ckptlib.format.codec.decompress_frame` (what loads use), checked
-    without ever holding the raw bytes: the output is streamed in ``PIECE``-sized reads and
-    discarded, then the frame is walked again with small input slices to prove it is complete
-    and that nothing follows it.
-    """
-    try:
-        params = zstandard.get_frame_parameters(data)
-        if params.content_size not in (zstandard.CONTENTSIZE_UNKNOWN, raw_size):
-            raise CorruptCheckpointError(f"zstd frame declares {params.content_size} bytes, expected {raw_size}", where)
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=False)
-        total = 0
-        while True:
-            piece = reader.read(min(PIECE, raw_size + 1 - total))
-            if not piece:
-                break
-            total += len(piece)
-            if total > raw_size:
-                break
-        if total == raw_size:  # the output is bounded: now prove the frame ends where the data ends
-            dobj = zstandard.ZstdDecompressor().decompressobj()
-            for off in range(0, len(data), _SLICE):
-                dobj.decompress(data[off : off + _SLICE])
-                if dobj.eof:
-                    if off + _SLICE < len(data) or dobj.unused_data:
-                        raise CorruptCheckpointError("zstd data has bytes after its frame", where)
-                    break
-            if not dobj.eof:
-                raise CorruptCheckpointError("zstd frame is incomplete (truncated)", where)
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpointError(f"zstd data is damaged ({e})", where) from None
-    if total != raw_size:
-        raise CorruptCheckpointError(f"zstd data expands to {'more than ' if total > raw_size else ''}"
-                                     f"{min(total, raw_size)} bytes, expected {raw_size}", where)
+        check_frame(stored.getvalue(), raw, f"{where} ({label})")
