@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from ckptlib.engine.writer import WrittenChunk
-from ckptlib.format import manifest as mf
+from ckptlib.format.build import WrittenChunk, build_body, encode_body
 from ckptlib.plan.assign import PieceDesc, assign, digest
 
 
-def build_body(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], world: int) -> bytes:
-    from ckptlib.engine import save as sf
-
+def manifest_bytes(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], world: int) -> bytes:
     results = []
     per_rank: list[list[WrittenChunk]] = [[] for _ in range(world)]
     for i, (name, off, shape, nbytes) in enumerate(pieces):
@@ -27,8 +24,7 @@ def build_body(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...], int]], 
                         "shapes": {}})
     shapes = {p[0]: (len(pieces),) for p in pieces}
     results[0]["shapes"] = shapes
-    body = sf._build_body(results, 1, "ab" * 16, 0.0, "rename", None, "x/p")
-    return mf.encode_body(body)
+    return encode_body(build_body(results, 1, "ab" * 16, 0.0, "rename", None, "x/p", tree=None))
 
 
 def main() -> None:
@@ -48,7 +44,7 @@ def main() -> None:
         assign(rep, [d] * world, [[] for _ in range(world)])
         ta = time.perf_counter() - t
         t = time.perf_counter()
-        build_body([(p.name, p.offset, p.shape, p.nbytes) for p in rep], world)
+        manifest_bytes([(p.name, p.offset, p.shape, p.nbytes) for p in rep], world)
         tb = time.perf_counter() - t
         print(f"| {args.tensors} replicated tensors | {world} | {args.tensors} | {ta:.3f} | {tb:.3f} |")
     for world in args.ranks:
@@ -60,7 +56,7 @@ def main() -> None:
         ta = time.perf_counter() - t
         pieces = [(p.name, p.offset, p.shape, p.nbytes) for rank in sharded for p in rank]
         t = time.perf_counter()
-        build_body(pieces, world)
+        manifest_bytes(pieces, world)
         tb = time.perf_counter() - t
         print(f"| {n} tensors sharded over every rank | {world} | {n * world} | {ta:.3f} | {tb:.3f} |")
 

@@ -32,7 +32,7 @@ from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
-from ckptlib.format.manifest import Chunk, Manifest, Pack, Piece
+from ckptlib.format.schema import Chunk, Manifest, Pack, Piece
 
 COALESCE_MAX = 8 << 20  # chunks smaller than this are fetched together with their neighbours
 COALESCE_GAP = 64 << 10

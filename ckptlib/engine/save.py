@@ -20,12 +20,11 @@ from typing import Any
 import torch
 
 from ckptlib import crashpoints
-from ckptlib._version import __version__
 from ckptlib.backends import Storage, deadline_scope
 from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
 from ckptlib.engine.gc_pause import paused_gc
-from ckptlib.engine.writer import ChunkJob, WrittenPack, split_chunks, write_files
+from ckptlib.engine.writer import ChunkJob, split_chunks, write_files
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
@@ -33,7 +32,7 @@ from ckptlib.errors import (
     StepExistsError,
     UnsupportedValueError,
 )
-from ckptlib.format import manifest as mf
+from ckptlib.format.build import build_body, encode_body
 from ckptlib.format.codec import codec_for
 from ckptlib.format.dtypes import dtype_name
 from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
@@ -236,8 +235,11 @@ def _persist(
             if failures:
                 raise CommitError("some ranks failed")
             with paused_gc():
-                body = _build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix)
-                data = mf.encode_body(body)
+                one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
+                tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
+                body = build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix,
+                                  tree=tree)
+                data = encode_body(body)
             commit.publish(storage, staging, data, overwrite=opts.overwrite)
         except TreeMismatch as e:
             outcome = {"failures": {0: str(e)}}
@@ -279,77 +281,3 @@ def _write_rounds(
 
 def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
-
-
-def _build_body(
-    results: list[dict[str, Any]],
-    step: int | None,
-    save_id: str,
-    created: float,
-    mode: str,
-    metadata: Any,
-    prefix: str,
-) -> dict[str, Any]:
-    """The manifest body (JSON-ready) from every rank's write results. Coordinator only.
-
-    Builds JSON structures directly (no intermediate objects): with tens of thousands of
-    small tensors, per-tensor overhead here is a visible part of the save.
-    """
-    files: list[list[Any]] = []
-    index: dict[str, int] = {}
-    strip = len(prefix) - len(prefix.rsplit("/", 1)[-1])  # keep "<save_id>/..." relative to the step
-    for res in results:
-        for path, size in res["files"]:
-            index[path] = len(files)
-            files.append([path[strip:], size])
-    shapes: dict[str, tuple[int, ...]] = {}
-    for res in results:
-        shapes.update(res["shapes"])
-    tensors: dict[str, dict[str, Any]] = {}
-    packs: list[list[Any]] = []
-    table = mf.PackedTable()
-    add_row = table.rows.append
-    for res in results:
-        for c in res["chunks"]:
-            if isinstance(c, WrittenPack):
-                pidx = len(packs)
-                packs.append([index[c.file], c.start, c.length, c.checksum, c.codec, c.raw_length])
-                for m, raw_offset in zip(c.members, c.offsets, strict=True):
-                    name, shape = m.name, m.shape
-                    gshape = shapes[name]
-                    if shape == gshape:  # the whole tensor: a row of the packed table
-                        add_row((name, m.dtype, gshape, pidx, raw_offset))
-                        continue
-                    piece = [pidx, raw_offset, list(m.offset), list(shape)]
-                    entry = tensors.get(name)
-                    if entry is None:
-                        tensors[name] = {"dtype": m.dtype, "shape": list(gshape), "packed": [piece]}
-                    else:
-                        entry.setdefault("packed", []).append(piece)
-                continue
-            entry = tensors.get(c.name)
-            if entry is None:
-                entry = tensors[c.name] = {"dtype": c.dtype, "shape": list(shapes[c.name])}
-            entry.setdefault("chunks", []).append(
-                [index[c.file], c.start, c.length, c.checksum, list(c.offset), list(c.shape), c.codec]
-            )
-    if len(results) == 1 and not results[0].get("per_rank"):
-        tree = results[0]["tree"]  # one rank, no PerRank values: nothing to merge
-    else:
-        tree = merge_trees([res["tree"] for res in results])
-    return {
-        "step": step,
-        "save_id": save_id,
-        "created": created,
-        "world_size": len(results),
-        "commit": mode,
-        "checksum_algorithm": "xxh3_64",
-        "library": f"ckptlib {__version__}",
-        "files": files,
-        "packs": packs,
-        "tensors": tensors,
-        mf.TABLE_KEY: table.json(),
-        "tree": tree,
-        "metadata": metadata,
-        "extra": {},
-    }

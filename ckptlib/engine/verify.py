@@ -16,7 +16,7 @@ from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format.checksum import Hasher
 from ckptlib.format.codec import check_frame
 from ckptlib.format.dtypes import ITEMSIZE
-from ckptlib.format.manifest import Manifest
+from ckptlib.format.schema import Manifest
 
 PIECE = 8 << 20
 

@@ -35,6 +35,7 @@ from ckptlib.engine.pool import run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format import layout
+from ckptlib.format.build import WrittenChunk, WrittenPack
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import NAMES, dtype_name
 
@@ -55,36 +56,9 @@ class ChunkJob:
 
 
 @dataclass(slots=True)
-class WrittenChunk:
-    name: str
-    file: str
-    start: int
-    length: int
-    checksum: str
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    codec: str
-    dtype: str
-
-
-@dataclass(slots=True)
 class PackJob:
     members: list[ChunkJob]
     nbytes: int
-
-
-@dataclass(slots=True)
-class WrittenPack:
-    file: str
-    start: int
-    length: int
-    checksum: str
-    codec: str
-    raw_length: int
-    members: list[ChunkJob]
-    """The packed chunks, in order (their tensors are not read again)."""
-    offsets: list[int]
-    """Raw offset of each member inside the decoded pack."""
 
 
 def split_chunks(
@@ -193,7 +167,7 @@ def _pack_bytes(members: list[ChunkJob], buf: np.ndarray) -> tuple[np.ndarray, l
     if buf.size < total:
         buf = np.empty(total, dtype=np.uint8)
     base = buf.ctypes.data
-    offsets = []
+    offsets: list[int] = []
     add, memmove = offsets.append, ctypes.memmove
     off = 0
     for m in members:  # packs never hold empty members (make_units), so nbytes > 0

@@ -86,6 +86,7 @@ from ckptlib.errors import (
 from ckptlib.format import layout
 from ckptlib.format import manifest as mf
 from ckptlib.format import tree as tree_codec
+from ckptlib.format.build import build_body
 from ckptlib.format.dtypes import DTYPES, NAMES
 from ckptlib.format.validate import Checker
 from ckptlib.plan.flatten import flatten
@@ -743,8 +744,8 @@ class CkptlibWriter(_Located, StorageWriter):
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id)
         metadata.storage_meta.save_id = staging.save_id
-        body = save_flow._build_body(
-            parts, step, staging.save_id, time.time(), staging.mode, None, staging.payload_prefix
+        body = build_body(
+            parts, step, staging.save_id, time.time(), staging.mode, None, staging.payload_prefix, tree=None
         )
         order = {k: i for i, k in enumerate(metadata.state_dict_metadata)}
         items.sort(key=lambda kv: order.get(kv[0], len(order)))

@@ -1,0 +1,232 @@
+"""Building the v1 manifest: its body from what the ranks wrote, and its bytes. Pure.
+
+Who calls what:
+- each rank's writer (engine/writer.py) describes what it wrote as :class:`WrittenChunk` and
+  :class:`WrittenPack` records; the save flow (engine/save.py) gathers them from every rank;
+- the coordinator, on the thread that persists the save, calls :func:`build_body` with every
+  rank's results, then :func:`encode_body`, and publishes the bytes (engine/commit.py);
+- :func:`encode` serializes a :class:`~ckptlib.format.schema.Manifest` held in memory (tests,
+  tools) through :func:`to_body`, which spells every key and row with the same helpers;
+- decoding (:mod:`ckptlib.format.decode`) checks the head made by :func:`manifest_head`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ckptlib._version import __version__
+from ckptlib.format import jsonio
+from ckptlib.format.checksum import DEFAULT_ALGORITHM, checksum
+from ckptlib.format.packed_table import TABLE_KEY, PackedTable
+from ckptlib.format.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    Manifest,
+    TensorEntry,
+    is_whole_packed,
+)
+
+
+class PackMember(Protocol):
+    """A tensor piece stored in a pack, as the writer describes it (``engine.writer.ChunkJob``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def offset(self) -> tuple[int, ...]: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+@dataclass(slots=True)
+class WrittenChunk:
+    """One chunk a rank wrote: a box of tensor ``name`` at ``[start, start + length)`` of ``file``."""
+
+    name: str
+    file: str
+    """The payload file's path on storage (made relative to the step by :func:`build_body`)."""
+    start: int
+    length: int
+    checksum: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    codec: str
+    dtype: str
+
+
+@dataclass(slots=True)
+class WrittenPack:
+    """One pack a rank wrote: many small pieces stored (and checksummed) as one range."""
+
+    file: str
+    start: int
+    length: int
+    checksum: str
+    codec: str
+    raw_length: int
+    members: Sequence[PackMember]
+    """The packed pieces, in order."""
+    offsets: list[int]
+    """Raw offset of each member inside the decoded pack."""
+
+
+def chunk_row(
+    file: int, start: int, length: int, digest: str, offset: tuple[int, ...], shape: tuple[int, ...], codec: str
+) -> list[Any]:
+    """A chunk's compact positional form (docs/format.md)."""
+    return [file, start, length, digest, list(offset), list(shape), codec]
+
+
+def _body(
+    *,
+    step: int | None,
+    save_id: str,
+    created: float,
+    world_size: int,
+    commit: str,
+    checksum_algorithm: str,
+    library: str,
+    files: list[list[Any]],
+    packs: list[list[Any]],
+    tensors: dict[str, dict[str, Any]],
+    table: PackedTable,
+    tree: Any,
+    metadata: Any,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The body's keys, in their order: the one place that spells them."""
+    return {
+        "step": step,
+        "save_id": save_id,
+        "created": created,
+        "world_size": world_size,
+        "commit": commit,
+        "checksum_algorithm": checksum_algorithm,
+        "library": library,
+        "files": files,
+        "packs": packs,
+        "tensors": tensors,
+        TABLE_KEY: table.json(),
+        "tree": tree,
+        "metadata": metadata,
+        "extra": extra,
+    }
+
+
+def build_body(
+    results: Sequence[Mapping[str, Any]],
+    step: int | None,
+    save_id: str,
+    created: float,
+    mode: str,
+    metadata: Any,
+    prefix: str,
+    *,
+    tree: Any,
+) -> dict[str, Any]:
+    """The manifest body (JSON-ready) from every rank's write results. Coordinator only.
+
+    ``results[r]`` is rank r's report: ``files`` (``(path, size)`` pairs), ``chunks`` (its
+    :class:`WrittenChunk` / :class:`WrittenPack` records) and ``shapes`` (global shape per tensor
+    name); other keys are ignored. Paths are made relative to the step folder, keeping
+    ``<save_id>/...`` of ``prefix``. ``tree``: the merged tree of non-tensor values (the caller
+    merges the ranks' trees). Builds JSON structures directly (no intermediate objects): with
+    tens of thousands of small tensors, per-tensor overhead here is a visible part of the save.
+    """
+    files: list[list[Any]] = []
+    index: dict[str, int] = {}
+    strip = len(prefix) - len(prefix.rsplit("/", 1)[-1])  # keep "<save_id>/..." relative to the step
+    for res in results:
+        for path, size in res["files"]:
+            index[path] = len(files)
+            files.append([path[strip:], size])
+    shapes: dict[str, tuple[int, ...]] = {}
+    for res in results:
+        shapes.update(res["shapes"])
+    tensors: dict[str, dict[str, Any]] = {}
+    packs: list[list[Any]] = []
+    table = PackedTable()
+    add_row = table.rows.append
+    for res in results:
+        for c in res["chunks"]:
+            if isinstance(c, WrittenPack):
+                pidx = len(packs)
+                packs.append([index[c.file], c.start, c.length, c.checksum, c.codec, c.raw_length])
+                for m, raw_offset in zip(c.members, c.offsets, strict=True):
+                    name, shape = m.name, m.shape
+                    gshape = shapes[name]
+                    if shape == gshape:  # the whole tensor: a row of the packed table
+                        add_row((name, m.dtype, gshape, pidx, raw_offset))
+                        continue
+                    piece = [pidx, raw_offset, list(m.offset), list(shape)]
+                    entry = tensors.get(name)
+                    if entry is None:
+                        tensors[name] = {"dtype": m.dtype, "shape": list(gshape), "packed": [piece]}
+                    else:
+                        entry.setdefault("packed", []).append(piece)
+                continue
+            entry = tensors.get(c.name)
+            if entry is None:
+                entry = tensors[c.name] = {"dtype": c.dtype, "shape": list(shapes[c.name])}
+            entry.setdefault("chunks", []).append(
+                chunk_row(index[c.file], c.start, c.length, c.checksum, c.offset, c.shape, c.codec)
+            )
+    return _body(
+        step=step, save_id=save_id, created=created, world_size=len(results), commit=mode,
+        checksum_algorithm=DEFAULT_ALGORITHM, library=f"ckptlib {__version__}", files=files, packs=packs,
+        tensors=tensors, table=table, tree=tree, metadata=metadata, extra={},
+    )  # fmt: skip
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
+    if t.chunks:
+        out["chunks"] = [chunk_row(c.file, c.start, c.length, c.checksum, c.offset, c.shape, c.codec) for c in t.chunks]
+    if t.pieces:
+        out["packed"] = [
+            [p.pack, p.raw_offset] if p.shape == t.shape else [p.pack, p.raw_offset, list(p.offset), list(p.shape)]
+            for p in t.pieces
+        ]
+    return out
+
+
+def to_body(m: Manifest) -> dict[str, Any]:
+    """The body of a manifest held in memory (what :func:`encode` serializes)."""
+    table = PackedTable()
+    for name, t in m.tensors.items():
+        if is_whole_packed(t):
+            table.rows.append((name, t.dtype, t.shape, t.pieces[0].pack, t.pieces[0].raw_offset))
+    return _body(
+        step=m.step, save_id=m.save_id, created=m.created, world_size=m.world_size, commit=m.commit,
+        checksum_algorithm=m.checksum_algorithm, library=m.library,
+        files=[[f.path, f.size] for f in m.files],
+        packs=[[p.file, p.start, p.length, p.checksum, p.codec, p.raw_length] for p in m.packs],
+        tensors={name: _tensor_json(t) for name, t in m.tensors.items() if not is_whole_packed(t)},
+        table=table, tree=m.tree, metadata=m.metadata, extra=m.extra,
+    )  # fmt: skip
+
+
+def encode(m: Manifest) -> bytes:
+    """Serialize ``m``, with a checksum over the body (see :func:`encode_body`)."""
+    return encode_body(to_body(m))
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The manifest file: a fixed head, the body's compact JSON, and ``}``.
+
+    The head carries the format marker, version and an xxh3-64 checksum of exactly the body's
+    bytes, so any change to the body is detected without re-serializing it.
+    """
+    text = jsonio.dumps(body, sort_keys=False).encode("ascii")
+    return manifest_head(FORMAT_VERSION, checksum(text)) + text + b"}"
+
+
+def manifest_head(version: int, digest: str) -> bytes:
+    """Everything before the body text; the checksum covers exactly the body's bytes."""
+    return (
+        f'{{"format":"{FORMAT_NAME}","format_version":{version},"checksum":"xxh3_64:{digest}","body":'
+    ).encode("ascii")

@@ -1,0 +1,348 @@
+"""Decoding the v1 manifest: parse and validate untrusted bytes. Pure.
+
+Called by the scanner and the reader (engine/scan.py, on whichever thread judges or loads a
+step) on bytes read from storage, and by the save flows to check what they are about to
+publish. :func:`decode` validates everything that can be checked without touching payload
+files (schema, dtype allowlist, sizes with overflow checks, byte ranges inside files and
+non-overlapping, chunk boxes tiling each tensor exactly, payload paths normalized and inside
+the step folder, the manifest's own checksum) and raises :class:`CorruptCheckpointError`
+naming what is wrong. The tree of non-tensor values is validated lazily by
+:mod:`ckptlib.format.tree` when it is decoded, with the tensor names checked against
+``Manifest.tensors``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from ckptlib.errors import CorruptCheckpointError, ManifestVersionError
+from ckptlib.format import jsonio
+from ckptlib.format.build import manifest_head
+from ckptlib.format.checksum import ALGORITHMS, checksum
+from ckptlib.format.dtypes import DTYPES, ITEMSIZE
+from ckptlib.format.packed_table import NO_TABLE, TABLE_KEY, check_members, decode_table
+from ckptlib.format.schema import (
+    CODECS,
+    COMMIT_MODES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_ZSTD_RATIO,
+    Chunk,
+    FileEntry,
+    Manifest,
+    Pack,
+    Piece,
+    TensorEntry,
+    volume,
+)
+from ckptlib.format.validate import MAX_SIZE, Checker
+
+_PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_path(path: str, where: str = "") -> str:
+    """A payload path: relative, normalized, at most 4 levels, no dot-only parts."""
+    parts = path.split("/")
+    if not path or len(parts) > 4 or not all(_PATH_PART.match(p) for p in parts):
+        raise CorruptCheckpointError(
+            f"payload path {path!r:.200} is not a plain relative path inside the step folder", where
+        )
+    return path
+
+
+def decode(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate untrusted manifest bytes."""
+    v = Checker(where)
+    top = v.obj(jsonio.loads(data, where), "manifest")
+    if top.get("format") != FORMAT_NAME:
+        raise v.fail("not a ckptlib manifest (missing format marker)")
+    version = top.get("format_version")
+    if type(version) is not int:
+        raise v.fail("format_version must be an integer")
+    if version > FORMAT_VERSION:
+        raise ManifestVersionError(
+            f"format_version {version} is newer than this ckptlib supports ({FORMAT_VERSION}); "
+            "upgrade ckptlib to read it",
+            where,
+        )
+    if version < 1:
+        raise v.fail(f"unknown format_version {version}")
+    body = v.obj(top.get("body"), "body")
+    declared = v.str_(top.get("checksum"), "checksum", 200)
+    algo, _, digest = declared.partition(":")
+    head = manifest_head(version, digest)
+    data = bytes(data)
+    if (
+        algo != "xxh3_64"
+        or set(top) != {"format", "format_version", "checksum", "body"}
+        or not data.startswith(head)
+        or not data.endswith(b"}")
+        or checksum(data[len(head) : -1]) != digest
+    ):
+        raise v.fail("manifest checksum mismatch (the manifest was modified or is damaged)")
+    return _decode_body(body, v)
+
+
+def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
+    step = body.get("step")
+    if step is not None:
+        v.int_(step, "step")
+    save_id = v.str_(body.get("save_id"), "save_id", 64)
+    if not re.fullmatch(r"[0-9a-f]{8,64}", save_id):
+        raise v.fail("save_id must be lowercase hex")
+    created: Any = body.get("created")
+    if type(created) not in (int, float):
+        raise v.fail("created must be a number")
+    world_size = v.int_(body.get("world_size"), "world_size", 1, 1 << 24)
+    commit = body.get("commit")
+    if commit not in COMMIT_MODES:
+        raise v.fail(f"commit must be one of {COMMIT_MODES}")
+    algorithm = body.get("checksum_algorithm")
+    if algorithm not in ALGORITHMS:
+        raise v.fail(f"checksum_algorithm must be one of {ALGORITHMS}")
+
+    files: list[FileEntry] = []
+    seen_paths: set[str] = set()
+    for i, f in enumerate(v.lst(body.get("files"), "files")):
+        f = v.lst(f, f"files[{i}]")
+        if len(f) != 2:
+            raise v.fail(f"files[{i}] must be [path, size]")
+        path = check_path(v.str_(f[0], f"files[{i}].path", 600), v.where)
+        if path in seen_paths or path == MANIFEST_NAME:
+            raise v.fail(f"payload path {path!r} listed twice or shadows the manifest")
+        seen_paths.add(path)
+        files.append(FileEntry(path, v.int_(f[1], f"files[{i}].size")))
+
+    ranges: list[list[tuple[int, int, str]]] = [[] for _ in files]
+    packs = _decode_packs(body.get("packs", []), files, ranges, v)
+    members: list[tuple[int, int, int, str]] = []
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in v.obj(body.get("tensors"), "tensors").items():
+        v.str_(name, "tensor name", 4096)
+        tensors[name] = _decode_tensor(name, v.obj(t, f"tensor {name!r}"), files, ranges, packs, members, v)
+    table = decode_table(body[TABLE_KEY], packs, v) if TABLE_KEY in body else NO_TABLE
+    for name, entry in table.entries:
+        if name in tensors:
+            raise v.fail(f"tensor {name!r:.200} is listed twice")
+        tensors[name] = entry
+    check_members(members, table, v)
+
+    for i, rs in enumerate(ranges):
+        rs.sort()
+        prev_end, prev_name = 0, ""
+        for start, end, tname in rs:
+            if start < prev_end:
+                raise v.fail(
+                    f"byte ranges overlap in {files[i].path!r}: {prev_name!r} and {tname!r}"
+                )
+            prev_end, prev_name = end, tname
+
+    metadata = body.get("metadata")
+    extra = body.get("extra", {})
+    v.obj(extra, "extra")
+    return Manifest(
+        step=step,
+        save_id=save_id,
+        created=float(created),
+        world_size=world_size,
+        commit=commit,
+        files=files,
+        tensors=tensors,
+        tree=body.get("tree"),
+        metadata=metadata,
+        packs=packs,
+        checksum_algorithm=algorithm,
+        library=str(body.get("library", ""))[:200],
+        extra=extra,
+    )
+
+
+def _decode_packs(
+    raw: Any, files: list[FileEntry], ranges: list[list[tuple[int, int, str]]], v: Checker
+) -> list[Pack]:
+    packs = []
+    for i, p in enumerate(v.lst(raw, "packs")):
+        pw = f"pack {i}"
+        p = v.lst(p, pw)
+        if len(p) != 6:
+            raise v.fail(f"{pw} must have 6 fields")
+        if not files:
+            raise v.fail(f"{pw} references a file but none are listed")
+        fidx = v.int_(p[0], f"{pw} file", 0, len(files) - 1)
+        start = v.int_(p[1], f"{pw} start")
+        length = v.int_(p[2], f"{pw} length")
+        digest = v.str_(p[3], f"{pw} checksum", 64)
+        codec = p[4]
+        if codec not in ("raw", "zstd"):
+            raise v.fail(f"{pw}: unknown codec {codec!r:.40}")
+        raw_length = v.int_(p[5], f"{pw} raw length")
+        _check_stored(pw, f"<{pw}>", codec, start, length, raw_length, fidx, files, ranges, v)
+        packs.append(Pack(fidx, start, length, digest, codec, raw_length))
+    return packs
+
+
+def _decode_tensor(
+    name: str,
+    t: dict[str, Any],
+    files: list[FileEntry],
+    ranges: list[list[tuple[int, int, str]]],
+    packs: list[Pack],
+    members: list[tuple[int, int, int, str]],
+    v: Checker,
+) -> TensorEntry:
+    # Hot path for checkpoints with many tensors: messages are only formatted on failure.
+    dtype = t.get("dtype")
+    if type(dtype) is not str or dtype not in DTYPES:  # a list or dict here is unhashable
+        raise v.fail(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist")
+    shape = v.shape(t.get("shape"), f"tensor {name!r:.200} shape")
+    itemsize = ITEMSIZE[dtype]
+    if volume(shape) * itemsize > MAX_SIZE:
+        raise v.fail(f"tensor {name!r:.200}: declares more than 2^62 bytes")
+    chunks: list[Chunk] = []
+    raw_chunks = t.get("chunks", ())
+    if raw_chunks:
+        for j, c in enumerate(v.lst(raw_chunks, f"tensor {name!r:.200} chunks")):
+            chunks.append(_decode_chunk(name, j, c, shape, itemsize, files, ranges, v))
+    pieces: list[Piece] = []
+    raw_pieces = t.get("packed", ())
+    if raw_pieces:
+        for j, p in enumerate(v.lst(raw_pieces, f"tensor {name!r:.200} packed")):
+            pieces.append(_decode_piece(name, j, p, shape, itemsize, packs, members, v))
+    if not (len(chunks) + len(pieces) == 1 and (chunks or pieces)[0].shape == shape):
+        _check_tiling(shape, [*chunks, *pieces], f"tensor {name!r:.200}", v)
+    return TensorEntry(dtype, shape, chunks, pieces)
+
+
+def _box(
+    name: str, what: str, off: Any, shp: Any, shape: tuple[int, ...], v: Checker
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    offset = v.shape(off, f"tensor {name!r:.200} {what} offset")
+    box = v.shape(shp, f"tensor {name!r:.200} {what} shape")
+    if len(offset) != len(shape) or len(box) != len(shape):
+        raise v.fail(f"tensor {name!r:.200} {what}: offset/shape rank differs from the tensor's")
+    for o, n, size in zip(offset, box, shape, strict=True):
+        if o + n > size:
+            raise v.fail(f"tensor {name!r:.200} {what}: box lies outside the tensor's shape {list(shape)}")
+    return offset, box
+
+
+def _decode_chunk(
+    name: str,
+    j: int,
+    c: Any,
+    shape: tuple[int, ...],
+    itemsize: int,
+    files: list[FileEntry],
+    ranges: list[list[tuple[int, int, str]]],
+    v: Checker,
+) -> Chunk:
+    if type(c) is not list or len(c) != 7:
+        raise v.fail(f"tensor {name!r:.200} chunk {j} must be a list of 7 fields")
+    cw = f"chunk {j}"
+    if not files:
+        raise v.fail(f"tensor {name!r:.200} {cw} references a file but none are listed")
+    fidx = v.int_(c[0], f"tensor {name!r:.200} {cw} file", 0, len(files) - 1)
+    start = v.int_(c[1], f"tensor {name!r:.200} {cw} start")
+    length = v.int_(c[2], f"tensor {name!r:.200} {cw} length")
+    digest = v.str_(c[3], f"tensor {name!r:.200} {cw} checksum", 64)
+    offset, cshape = _box(name, cw, c[4], c[5], shape, v)
+    codec = c[6]
+    if codec not in CODECS:
+        raise v.fail(f"tensor {name!r:.200} {cw}: unknown codec {codec!r:.40}")
+    raw = volume(cshape) * itemsize
+    _check_stored(f"tensor {name!r:.200} {cw}", name, codec, start, length, raw, fidx, files, ranges, v)
+    return Chunk(fidx, start, length, digest, offset, cshape, codec)
+
+
+def _check_stored(
+    what: str,
+    owner: str,
+    codec: str,
+    start: int,
+    length: int,
+    raw: int,
+    fidx: int,
+    files: list[FileEntry],
+    ranges: list[list[tuple[int, int, str]]],
+    v: Checker,
+) -> None:
+    """Shared by chunks and packs: stored vs raw size, bounded expansion, range inside its file."""
+    if codec == "raw" and length != raw:
+        raise v.fail(f"{what}: stored length {length} != raw size {raw}")
+    if codec != "raw" and raw > length * MAX_ZSTD_RATIO + 65536:
+        raise v.fail(f"{what}: claims {raw} raw bytes from {length} compressed (impossible)")
+    if start + length > files[fidx].size:
+        raise v.fail(f"{what}: byte range ends past the end of {files[fidx].path!r}")
+    if length:
+        ranges[fidx].append((start, start + length, owner))
+
+
+def _decode_piece(
+    name: str,
+    j: int,
+    p: Any,
+    shape: tuple[int, ...],
+    itemsize: int,
+    packs: list[Pack],
+    members: list[tuple[int, int, int, str]],
+    v: Checker,
+) -> Piece:
+    if type(p) is not list or len(p) not in (2, 4):
+        raise v.fail(f"tensor {name!r:.200} packed piece {j} must be [pack, raw_offset(, offset, shape)]")
+    if not packs:
+        raise v.fail(f"tensor {name!r:.200} packed piece {j} references a pack but none are listed")
+    pidx, raw_offset = p[0], p[1]
+    if type(pidx) is not int or not 0 <= pidx < len(packs):
+        raise v.fail(f"tensor {name!r:.200} packed piece {j}: pack index {pidx!r:.40} out of range")
+    if type(raw_offset) is not int or not 0 <= raw_offset <= MAX_SIZE:
+        raise v.fail(f"tensor {name!r:.200} packed piece {j}: bad raw offset {raw_offset!r:.40}")
+    if len(p) == 2:  # the whole tensor
+        offset, box = (0,) * len(shape), shape
+    else:
+        offset, box = _box(name, f"packed piece {j}", p[2], p[3], shape, v)
+    end = raw_offset + volume(box) * itemsize
+    if end > packs[pidx].raw_length:
+        raise v.fail(f"tensor {name!r:.200} packed piece {j}: ends past the end of pack {pidx}")
+    if end > raw_offset:
+        members.append((pidx, raw_offset, end, name))
+    return Piece(pidx, raw_offset, offset, box)
+
+
+_GRID_LIMIT = 1 << 22
+
+
+def _check_tiling(shape: tuple[int, ...], chunks: list[Chunk | Piece], what: str, v: Checker) -> None:
+    """Chunks must cover the tensor exactly once: no gaps (garbage) and no overlaps."""
+    total = volume(shape)
+    if total == 0:
+        return
+    nonempty = [c for c in chunks if volume(c.shape)]
+    if sum(volume(c.shape) for c in nonempty) != total:
+        raise v.fail(f"{what}: chunks do not cover the tensor exactly once")
+    if len(nonempty) == 1:
+        return
+    if not shape:
+        raise v.fail(f"{what}: a scalar has more than one chunk")
+    # Exact check on the grid induced by all chunk boundaries (sizes already sum to the
+    # volume, so "no overlap" is equivalent to "no gap").
+    bounds = []
+    cells = 1
+    for d, size in enumerate(shape):
+        b = sorted({0, size} | {c.offset[d] for c in nonempty} | {c.offset[d] + c.shape[d] for c in nonempty})
+        bounds.append(b)
+        cells *= len(b) - 1
+    if cells > _GRID_LIMIT:
+        raise v.fail(f"{what}: chunk layout too fragmented to validate ({cells} cells)")
+    pos = [{b: i for i, b in enumerate(bl)} for bl in bounds]
+    grid = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
+    for c in nonempty:
+        idx = tuple(
+            slice(pos[d][c.offset[d]], pos[d][c.offset[d] + c.shape[d]]) for d in range(len(shape))
+        )
+        grid[idx] += 1
+    if grid.min() != 1 or grid.max() != 1:
+        raise v.fail(f"{what}: chunks overlap or leave gaps")

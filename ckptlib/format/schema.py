@@ -1,0 +1,136 @@
+"""The v1 manifest's schema: the decoded records and the format's constants. Pure.
+
+Built by :func:`ckptlib.format.decode.decode` (from untrusted bytes) and by callers that
+assemble a manifest in memory (tests, tools); serialized by :mod:`ckptlib.format.build`.
+The JSON layout of each record is documented in ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ckptlib.format.dtypes import ITEMSIZE
+
+FORMAT_NAME = "ckptlib"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CODECS = ("raw", "zstd", "zstd-shuffle")
+COMMIT_MODES = ("rename", "conditional_put", "put_verify")
+
+MAX_MANIFEST_BYTES = 256 << 20
+"""Largest manifest file accepted: about 4M sharded pieces or 1.7M whole tensors (the arithmetic
+is in docs/format.md, "Limits"). Readers refuse a bigger one by its size, before reading it."""
+
+# zstd cannot expand a frame by more than this factor (an RLE block: 4 bytes -> 128 KiB).
+MAX_ZSTD_RATIO = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One independently checksummed byte range holding a box of a tensor."""
+
+    file: int
+    """Index into :attr:`Manifest.files`."""
+    start: int
+    """Byte offset of the stored bytes in the file."""
+    length: int
+    """Number of stored bytes (after compression)."""
+    checksum: str
+    """Hex digest of the stored bytes with :attr:`Manifest.checksum_algorithm`."""
+    offset: tuple[int, ...]
+    """Position of the box in the global tensor."""
+    shape: tuple[int, ...]
+    """Shape of the box; its raw size is ``prod(shape) * itemsize``."""
+    codec: str = "raw"
+    """``raw``, ``zstd`` or ``zstd-shuffle`` (bytes grouped by position in the element)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pack:
+    """One checksummed byte range holding many small tensor pieces, packed back to back.
+
+    Small tensors are packed so that each costs neither a file, nor a write, nor a checksum of
+    its own. The pack is stored (and compressed) as a whole; its members are raw bytes at
+    ``raw_offset`` inside the decoded pack.
+    """
+
+    file: int
+    start: int
+    length: int
+    """Stored bytes (after compression)."""
+    checksum: str
+    codec: str
+    """``raw`` or ``zstd`` (members have mixed dtypes, so no byte shuffle)."""
+    raw_length: int
+    """Bytes after decoding."""
+
+
+class Piece(NamedTuple):
+    """A box of a tensor stored inside a :class:`Pack`."""
+
+    pack: int
+    raw_offset: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+class TensorEntry(NamedTuple):
+    """One saved tensor: its chunks of its own and/or its pieces inside packs.
+
+    A tuple (not a dataclass) because a manifest holds one per tensor and decoding builds
+    tens of thousands of them; ``chunks`` and ``pieces`` must not be mutated.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[Chunk]
+    pieces: list[Piece] = []
+
+    @property
+    def nbytes(self) -> int:
+        return volume(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    path: str
+    """Relative to the step folder, e.g. ``<save_id>/r00000-0.bin``."""
+    size: int
+    """Exact size in bytes; the scanner checks it against storage."""
+
+
+@dataclass(slots=True)
+class Manifest:
+    step: int | None
+    save_id: str
+    created: float
+    world_size: int
+    commit: str
+    files: list[FileEntry]
+    tensors: dict[str, TensorEntry]
+    tree: Any
+    metadata: Any = None
+    packs: list[Pack] = field(default_factory=list)
+    checksum_algorithm: str = "xxh3_64"
+    library: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def volume(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def is_whole_packed(t: TensorEntry) -> bool:
+    """True if ``t`` is stored as one whole-tensor piece of a pack: a packed-table row.
+
+    Rows are never empty; an empty tensor stays in ``tensors`` (as the writer stores it).
+    """
+    return not t.chunks and len(t.pieces) == 1 and t.pieces[0].shape == t.shape and all(t.shape)
