@@ -22,9 +22,8 @@ from ckptlib.errors import (
     StorageError,
 )
 from ckptlib.format import layout
-from ckptlib.format import manifest as mf
-
-MAX_MANIFEST_BYTES = 1 << 30
+from ckptlib.format.decode import decode
+from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 
 
 @dataclass(slots=True)
@@ -45,27 +44,39 @@ class StepInfo:
     save_id: str = ""
     world_size: int = 0
     num_tensors: int = 0
-    manifest: mf.Manifest | None = field(default=None, repr=False, compare=False)
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
 
 
-def read_manifest(storage: Storage, folder: str) -> mf.Manifest:
-    """Read and validate ``folder/manifest.json``."""
-    path = join(folder, mf.MANIFEST_NAME)
+def read_manifest(storage: Storage, folder: str) -> Manifest:
+    """Read and validate ``folder/manifest.json``.
+
+    A manifest over ``MAX_MANIFEST_BYTES`` is refused by its size (``storage.size``) before it
+    is opened; the size of the open file is checked again, so no more than the limit is ever
+    read even if the two disagree.
+    """
+    path = join(folder, MANIFEST_NAME)
     where = f"{storage.url.rstrip('/')}/{path}"
     try:
+        _check_size(storage.size(path), where)  # None (missing, not a regular file): open_read says which
         with storage.open_read(path) as h:
-            if h.size > MAX_MANIFEST_BYTES:
-                raise CorruptCheckpointError(f"manifest is {h.size} bytes, over the {MAX_MANIFEST_BYTES} limit", where)
+            _check_size(h.size, where)
             data = h.read(0, h.size)
         with paused_gc():
-            return mf.decode(data, where)
+            return decode(data, where)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
     except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt
         raise CheckpointError(f"out of memory while reading the manifest {where}") from None
 
 
-def check_files(storage: Storage, folder: str, m: mf.Manifest) -> None:
+def _check_size(size: int | None, where: str) -> None:
+    if size is not None and size > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(
+            f"manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit; refused without reading it", where
+        )
+
+
+def check_files(storage: Storage, folder: str, m: Manifest) -> None:
     for f in m.files:
         size = storage.size(join(folder, f.path))
         where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"
@@ -117,19 +128,19 @@ def scan(storage: Storage, *, deep: bool = False) -> list[StepInfo]:
     except OSError as e:
         raise StorageError(f"cannot list {storage.url}: {e}") from e
     infos: list[StepInfo] = []
-    committed_names = set()
-    for e in entries:
-        step = layout.parse_step(e.name)
-        if step is not None and e.is_dir:
-            infos.append(check_step(storage, e.name, step, deep=deep))
-            committed_names.add(e.name)
-    for e in entries:
-        m = layout.TMP_RE.match(e.name)
-        if m and m.group(2) == "tmp" and e.is_dir:
+    committed_names: set[str] = set()
+    for ent in entries:
+        step = layout.parse_step(ent.name)
+        if step is not None and ent.is_dir:
+            infos.append(check_step(storage, ent.name, step, deep=deep))
+            committed_names.add(ent.name)
+    for ent in entries:
+        m = layout.TMP_RE.match(ent.name)
+        if m and m.group(2) == "tmp" and ent.is_dir:
             step = layout.parse_step(m.group(1))
             if step is not None and m.group(1) not in committed_names:
                 infos.append(
-                    StepInfo(step, "incomplete", reason="save in progress, or crashed before its commit", path=e.name)
+                    StepInfo(step, "incomplete", reason="save in progress, or crashed before its commit", path=ent.name)
                 )
     infos.sort(key=lambda i: (i.step, i.status == "committed"), reverse=True)
     return infos
