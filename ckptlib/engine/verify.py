@@ -16,7 +16,7 @@ from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format.checksum import Hasher
 from ckptlib.format.codec import check_frame
 from ckptlib.format.dtypes import ITEMSIZE
-from ckptlib.format.schema import Manifest
+from ckptlib.format.schema import Manifest, volume
 
 PIECE = 8 << 20
 
@@ -38,11 +38,8 @@ def verify_chunks(
     for name, t in m.tensors.items():
         itemsize = ITEMSIZE[t.dtype]
         for i, c in enumerate(t.chunks):
-            raw = itemsize
-            for s in c.shape:
-                raw *= s
             label = f"chunk {i} of tensor {name!r}"
-            ranges.setdefault(c.file, []).append((c.start, c.length, c.checksum, c.codec, raw, label))
+            ranges.setdefault(c.file, []).append((c.start, c.length, c.checksum, c.codec, volume(c.shape) * itemsize, label))
     for i, p in enumerate(m.packs):
         ranges.setdefault(p.file, []).append((p.start, p.length, p.checksum, p.codec, p.raw_length, f"pack {i}"))
     for fidx, items in sorted(ranges.items()):

@@ -81,40 +81,15 @@ def chunk_row(
     return [file, start, length, digest, list(offset), list(shape), codec]
 
 
-def _body(
-    *,
-    step: int | None,
-    save_id: str,
-    created: float,
-    world_size: int,
-    commit: str,
-    checksum_algorithm: str,
-    library: str,
-    files: list[list[Any]],
-    packs: list[list[Any]],
-    tensors: dict[str, dict[str, Any]],
-    table: PackedTable,
-    tree: Any,
-    metadata: Any,
-    extra: dict[str, Any],
-) -> dict[str, Any]:
-    """The body's keys, in their order: the one place that spells them."""
-    return {
-        "step": step,
-        "save_id": save_id,
-        "created": created,
-        "world_size": world_size,
-        "commit": commit,
-        "checksum_algorithm": checksum_algorithm,
-        "library": library,
-        "files": files,
-        "packs": packs,
-        "tensors": tensors,
-        TABLE_KEY: table.json(),
-        "tree": tree,
-        "metadata": metadata,
-        "extra": extra,
-    }
+_BODY_KEYS = ("step", "save_id", "created", "world_size", "commit", "checksum_algorithm", "library", "files",
+              "packs", "tensors", TABLE_KEY, "tree", "metadata", "extra")  # fmt: skip
+
+
+def _body(**fields: Any) -> dict[str, Any]:
+    """The body, keys in their order: the one place that spells them (all are required)."""
+    body = {k: fields.pop(k) for k in _BODY_KEYS}
+    assert not fields, f"unknown manifest body keys {sorted(fields)}"
+    return body
 
 
 def build_body(
@@ -178,7 +153,7 @@ def build_body(
     return _body(
         step=step, save_id=save_id, created=created, world_size=len(results), commit=mode,
         checksum_algorithm=DEFAULT_ALGORITHM, library=f"ckptlib {__version__}", files=files, packs=packs,
-        tensors=tensors, table=table, tree=tree, metadata=metadata, extra={},
+        tensors=tensors, packed_tensors=table.json(), tree=tree, metadata=metadata, extra={},
     )  # fmt: skip
 
 
@@ -206,7 +181,7 @@ def to_body(m: Manifest) -> dict[str, Any]:
         files=[[f.path, f.size] for f in m.files],
         packs=[[p.file, p.start, p.length, p.checksum, p.codec, p.raw_length] for p in m.packs],
         tensors={name: _tensor_json(t) for name, t in m.tensors.items() if not is_whole_packed(t)},
-        table=table, tree=m.tree, metadata=m.metadata, extra=m.extra,
+        packed_tensors=table.json(), tree=m.tree, metadata=m.metadata, extra=m.extra,
     )  # fmt: skip
 
 

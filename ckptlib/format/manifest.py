@@ -27,23 +27,7 @@ from ckptlib.format.schema import (
 from ckptlib.format.validate import MAX_NDIM
 
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "MAX_NDIM",
-    "TABLE_COLUMNS",
-    "TABLE_KEY",
-    "Chunk",
-    "FileEntry",
-    "Manifest",
-    "Pack",
-    "PackedTable",
-    "Piece",
-    "TensorEntry",
-    "build_body",
-    "check_path",
-    "decode",
-    "encode",
-    "encode_body",
-    "to_body",
+    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "MAX_NDIM", "TABLE_COLUMNS", "TABLE_KEY", "Chunk", "FileEntry",
+    "Manifest", "Pack", "PackedTable", "Piece", "TensorEntry", "build_body", "check_path", "decode", "encode",
+    "encode_body", "to_body",
 ]
