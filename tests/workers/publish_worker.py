@@ -36,8 +36,12 @@ def sc_publish(rank: int, world: int, root: str, args: dict) -> dict:
     try:
         save_flow.persist(storage, "ck", flat, step=None, coordinator=coord)
     except ckptlib.CommitError as e:
-        return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0,
-                "time": time.time()}
+        return {
+            "error": type(e).__name__,
+            "message": str(e),
+            "elapsed": time.monotonic() - t0,
+            "time": time.time(),
+        }
     storage.injector.verify()
     return {"error": None, "elapsed": time.monotonic() - t0, "time": time.time()}
 
