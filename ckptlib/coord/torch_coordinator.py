@@ -1,7 +1,7 @@
 """Coordination over torch.distributed: a dedicated gloo group for data, the job's store for
 liveness. Used by the save flow on every rank when a default process group is initialized.
 
-Why two channels: gloo collectives carry the data (save id, write results, outcome), but a
+Why two channels: gloo collectives carry the data (save id, write plan and results), but a
 collective cannot tell a slow writer from a dead or frozen one. So while ranks write -- which
 can legitimately take minutes -- they only talk through the store (``torch.distributed``'s
 own key-value store, namespaced by save id):
@@ -16,9 +16,16 @@ own key-value store, namespaced by save id):
 
 Only when every rank is done do the ranks meet in a gloo collective to gather the write results
 (fast, everyone alive); its group timeout is ``dead_after``, so a rank that dies right then also
-fails the save in bounded time. Survivors of a failed save raise :class:`CommitError` naming the failed ranks. Keys carry
-the save id, so a rank that wakes up after its save was abandoned reads the failed outcome and
-cannot commit (only the coordinator publishes, and only for the save id everyone agreed on).
+fails the save in bounded time. Survivors of a failed save raise :class:`CommitError` naming
+the failed ranks. Keys carry the save id, so a rank that wakes up after its save was abandoned
+reads the failed verdict and cannot commit (only the coordinator publishes, and only for the
+save id everyone agreed on). One gap remains: a coordinator frozen mid-publish for longer than
+``dead_after`` and then woken finishes its commit although the others already raised; the
+step it commits is complete (every rank's bytes were durable before it published).
+
+Threads: every method runs on the thread driving the save (the persist thread); the
+heartbeat thread only bumps ``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a
+throwaway daemon thread.
 """
 
 from __future__ import annotations

@@ -83,12 +83,13 @@ def test_slow_publish_by_live_coordinator_commits_everywhere(tmp_path, monkeypat
     assert all(r["bad"] == [] for r in out), out
 
 
-def test_sigstop_coordinator_during_publish_fails_others_in_time(tmp_path, monkeypatch):
-    """The coordinator freezes (SIGSTOP) right after writing its manifest: the other rank
-    raises CommitError within about the coordination timeout of the freeze."""
+@pytest.mark.parametrize("sig", ["STOP", "KILL"])
+def test_coordinator_frozen_or_killed_during_publish_fails_others_in_time(tmp_path, monkeypatch, sig):
+    """The coordinator freezes (SIGSTOP) or dies (SIGKILL) right after writing its manifest:
+    the other rank raises CommitError within about the coordination timeout of the signal."""
     monkeypatch.setattr(launch, "WORKER", PUBLISH_WORKER)
     log = tmp_path / "kills.jsonl"
-    procs = start("publish", 2, tmp_path, {"stop": True}, {**ENV, "CKPTLIB_TEST_KILL_LOG": str(log)})
+    procs = start("publish", 2, tmp_path, {"signal": sig}, {**ENV, "CKPTLIB_TEST_KILL_LOG": str(log)})
     try:
         end = time.monotonic() + 120
         while results("publish", 2, tmp_path)[1] is None and procs[1].poll() is None:
@@ -98,8 +99,10 @@ def test_sigstop_coordinator_during_publish_fails_others_in_time(tmp_path, monke
         assert r1 is not None, procs[1].communicate(timeout=10)[0].decode(errors="replace")
         assert r1.get("error") == "CommitError", r1
         assert "rank 0" in r1["message"], r1
-        frozen_at = json.loads(log.read_text().splitlines()[0])["time"]
-        assert r1["time"] - frozen_at < DEAD_AFTER + 5, (r1, frozen_at)
+        signalled_at = json.loads(log.read_text().splitlines()[0])["time"]
+        assert r1["time"] - signalled_at < DEAD_AFTER + 5, (r1, signalled_at)
+        assert results("publish", 2, tmp_path)[0] is None  # the coordinator never got past it
+        assert not (tmp_path / "ck").exists()
     finally:
         for p in procs:
             p.kill()

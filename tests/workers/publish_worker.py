@@ -21,10 +21,10 @@ from ckptlib.testing.faults import Fault, FaultyStorage
 
 
 def sc_publish(rank: int, world: int, root: str, args: dict) -> dict:
-    """One save; ``args["delay"]``: seconds rank 0's manifest put sleeps; ``args["stop"]``:
-    rank 0 freezes itself right after writing the manifest."""
-    if args.get("stop") and rank == 0:
-        os.environ["CKPTLIB_TEST_KILL_AT"] = "manifest:0:STOP"
+    """One save; ``args["delay"]``: seconds rank 0's manifest put sleeps; ``args["signal"]``
+    (``STOP`` or ``KILL``): rank 0 sends it to itself right after writing the manifest."""
+    if args.get("signal") and rank == 0:
+        os.environ["CKPTLIB_TEST_KILL_AT"] = f"manifest:0:{args['signal']}"
         from ckptlib import crashpoints
 
         crashpoints.configure()
