@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: venv demo test chaos lint bench clean
+.PHONY: venv demo check test chaos lint bench clean
 
 $(VENV)/.installed: pyproject.toml requirements/constraints.txt
 	$(PY) -m venv $(VENV)
@@ -17,8 +17,13 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VPY) examples/train_gpt_resume.py --out runs/demo
 
-test: venv
+# Static checks first (style, layering, types): CI fails on any of them.
+check: venv
 	$(VPY) -m ruff check ckptlib tests bench examples
+	$(VENV)/bin/lint-imports
+	$(VPY) -m mypy ckptlib
+
+test: check
 	$(VPY) -m pytest -q
 
 # The full chaos matrix (seeded: CKPTLIB_TEST_SEED, default 1234). Every case appends a record
@@ -31,8 +36,7 @@ chaos: venv
 	$(VPY) -m tests.chaos.report runs/chaos/results.jsonl docs/reliability.md || status=1; \
 	exit $$status
 
-lint: venv
-	$(VPY) -m ruff check ckptlib tests bench examples
+lint: check
 	$(VPY) -m ruff format --check ckptlib tests bench examples
 
 bench: venv

@@ -275,13 +275,14 @@ async def call_async(
         log.info("ckptlib: %s: attempt %d failed (%r); retrying", what, rs.attempt_number, exc)
 
     stop = _Stop(policy, end)
+    extra: dict[str, Any] = {"sleep": policy.sleep} if policy.sleep is not None else {}
     retrying = tenacity.AsyncRetrying(
         stop=stop,
         wait=_wait(policy),
         retry=tenacity.retry_if_exception(transient),
         reraise=True,
         before_sleep=before_sleep,
-        **({"sleep": policy.sleep} if policy.sleep is not None else {}),
+        **extra,
     )
     try:
         return await retrying(attempt)

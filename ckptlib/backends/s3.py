@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import errno
+import functools
 import io
 import logging
 from collections import Counter, deque
@@ -576,7 +577,7 @@ class S3Storage(Storage):
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
             resp = self._run(
-                self._call(lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete=b), path),
+                self._call(functools.partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch), path),
                 f"delete {path}/",
             )
             errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]

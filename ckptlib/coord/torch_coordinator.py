@@ -1,7 +1,7 @@
 """Coordination over torch.distributed: a dedicated gloo group for data, the job's store for
 liveness. Used by the save flow on every rank when a default process group is initialized.
 
-Why two channels: gloo collectives carry the data (save id, write results, outcome), but a
+Why two channels: gloo collectives carry the data (save id, write plan and results), but a
 collective cannot tell a slow writer from a dead or frozen one. So while ranks write -- which
 can legitimately take minutes -- they only talk through the store (``torch.distributed``'s
 own key-value store, namespaced by save id):
@@ -9,13 +9,23 @@ own key-value store, namespaced by save id):
 - each rank bumps ``hb/<rank>`` about every ``heartbeat`` seconds while the save runs;
 - each rank posts ``done/<rank>`` (``ok`` or its error) when its files are durable;
 - the coordinator waits until every rank is done, judging a rank whose heartbeat has not moved
-  for ``dead_after`` seconds as failed (SIGKILLed or SIGSTOPped), and posts ``outcome``.
+  for ``dead_after`` seconds as failed (SIGKILLed or SIGSTOPped), and posts ``release``;
+- after publishing (which can take long: a big manifest, a slow fsync) the coordinator posts
+  ``outcome``; the others wait for it while the coordinator's heartbeat moves, then post
+  ``read/<rank>`` so the coordinator knows it may go on (and exit: the store is in its process).
 
-Only when every rank is done do the ranks meet in a gloo collective (fast, everyone alive); its
-group timeout is ``dead_after``, so a rank that dies right then also fails the save in bounded
-time. Survivors of a failed save raise :class:`CommitError` naming the failed ranks. Keys carry
-the save id, so a rank that wakes up after its save was abandoned reads the failed outcome and
-cannot commit (only the coordinator publishes, and only for the save id everyone agreed on).
+Only when every rank is done do the ranks meet in a gloo collective to gather the write results
+(fast, everyone alive); its group timeout is ``dead_after``, so a rank that dies right then also
+fails the save in bounded time. Survivors of a failed save raise :class:`CommitError` naming
+the failed ranks. Keys carry the save id, so a rank that wakes up after its save was abandoned
+reads the failed verdict and cannot commit (only the coordinator publishes, and only for the
+save id everyone agreed on). One gap remains: a coordinator frozen mid-publish for longer than
+``dead_after`` and then woken finishes its commit although the others already raised; the
+step it commits is complete (every rank's bytes were durable before it published).
+
+Threads: every method runs on the thread driving the save (the persist thread); the
+heartbeat thread only bumps ``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a
+throwaway daemon thread.
 """
 
 from __future__ import annotations
@@ -151,6 +161,18 @@ class TorchCoordinator(Coordinator):
         assert self._session is not None
         return self._session.wait_release(deadline)
 
+    def share_outcome(self, outcome: Any, deadline: float) -> Any:
+        """Over the store, not gloo: the coordinator's publish may take longer than
+        ``dead_after`` while it is alive (see :meth:`_Session.share_outcome`)."""
+        if self._session is None:
+            return super().share_outcome(outcome, deadline)
+        try:
+            return self._session.share_outcome(outcome, deadline)
+        except CommitError:
+            raise
+        except Exception as e:  # the coordinator's own store calls (in-process) failed
+            raise CommitError(f"store failure while sharing the outcome: {e}", {0: str(e)}) from e
+
 
 class _Session:
     """Store keys of one save; a heartbeat thread keeps ``hb/<rank>`` moving."""
@@ -195,7 +217,7 @@ class _Session:
         node) a store call from another rank never returns -- the store's own timeout does
         not cover ``set``/``add``/``check``. Non-coordinators therefore make their calls
         through here and treat a call past the deadline as an unreachable coordinator
-        (``TimeoutError``). The abandoned helper thread is a daemon blocked on the socket.
+        (:class:`_Unreachable`, a ``TimeoutError``). The abandoned helper thread is a daemon blocked on the socket.
         """
         if self.rank == 0:
             return fn(*args)  # the store is in this process
@@ -211,7 +233,7 @@ class _Session:
         t.start()
         t.join(self.dead_after)
         if t.is_alive():
-            raise TimeoutError(f"store call unanswered for {self.dead_after:.0f}s")
+            raise _Unreachable(f"store call unanswered for {self.dead_after:.0f}s")
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -265,27 +287,87 @@ class _Session:
                     self._failed.update({int(k): v for k, v in raw.items()})
                     return {int(k): v for k, v in raw.items()}
             except Exception:
-                return {0: "coordinator (rank 0) unreachable: it died or its store is gone"}
+                return {0: _UNREACHABLE}
             if time.monotonic() > end:
                 return None
             time.sleep(0.05)
 
     def wait_release(self, deadline: float) -> dict[int, str]:
         """Non-coordinators: wait for the verdict while watching the coordinator's heartbeat."""
-        last: tuple[int, float] | None = None
+        watch = _Watch(self)
         while True:
             verdict = self.read_release(0.0)
             if verdict is not None:
                 return verdict
-            now = time.monotonic()
-            try:
-                beat = self.bounded(self.store.add, self.k("hb/0"), 0)
-            except Exception:
-                return {0: "coordinator (rank 0) unreachable: it died or its store is gone"}
-            if last is None or last[0] != beat:
-                last = (beat, now)
-            elif now - last[1] > self.dead_after:
-                return {0: f"coordinator (rank 0) silent for {self.dead_after:.0f}s (died, hung or stopped)"}
-            if now > deadline:
+            silent = watch.silent()
+            if silent:
+                return {0: silent}
+            if time.monotonic() > deadline:
                 raise CommitTimeoutError("the coordinator did not finish the save before the deadline")
             time.sleep(0.1)
+
+    def share_outcome(self, outcome: Any, deadline: float) -> Any:
+        """The coordinator posts ``outcome`` (JSON) and waits, at most ``dead_after``, until
+        every other rank has read it; the others wait for it while the coordinator's heartbeat
+        moves (its heartbeat thread runs until ``end_session``, through the whole publish).
+
+        A coordinator silent or unreachable for ``dead_after`` yields a failed outcome. The
+        coordinator's publish is itself bounded by ``deadline``, so the others wait at most
+        ``dead_after`` past it for the outcome it then posts. Every rank returns the same
+        decoded JSON (rank keys as strings).
+        """
+        key = self.k("outcome")
+        readers = [self.k(f"read/{r}") for r in range(1, self.world)]
+        if self.rank == 0:
+            text = json.dumps(outcome)
+            self.set("outcome", text)
+            # The others read it within a poll; one that died since gather is not waited for.
+            end = time.monotonic() + self.dead_after
+            while not self.store.check(readers) and time.monotonic() < end:
+                time.sleep(0.01)
+            return json.loads(text)
+        watch = _Watch(self)
+        while True:
+            try:
+                self.bounded(self.store.wait, [key], timedelta(seconds=self.every))
+                value = json.loads(self.bounded(self.store.get, key).decode())
+                self.bounded(self.set, f"read/{self.rank}", "1")
+                return value
+            except _Unreachable:
+                return {"failures": {"0": _UNREACHABLE}}
+            except Exception:  # store.wait timed out (or the store is gone: the watch says so)
+                pass
+            silent = watch.silent()
+            if silent:
+                return {"failures": {"0": silent}}
+            if time.monotonic() > deadline + self.dead_after:
+                raise CommitTimeoutError("the coordinator did not publish the save before the deadline")
+
+
+_UNREACHABLE = "coordinator (rank 0) unreachable: it died or its store is gone"
+
+
+class _Unreachable(TimeoutError):
+    """A store call from a non-coordinator went unanswered for ``dead_after``."""
+
+
+class _Watch:
+    """Non-coordinators: is the coordinator's heartbeat (``hb/0``) still moving?"""
+
+    def __init__(self, session: _Session) -> None:
+        self.session = session
+        self.last: tuple[int, float] | None = None
+
+    def silent(self) -> str | None:
+        """None while the coordinator is alive; else why it is judged dead."""
+        s = self.session
+        try:
+            beat = s.bounded(s.store.add, s.k("hb/0"), 0)
+        except Exception:
+            return _UNREACHABLE
+        now = time.monotonic()
+        if self.last is None or self.last[0] != beat:
+            self.last = (beat, now)
+        elif now - self.last[1] > s.dead_after:
+            return f"coordinator (rank 0) silent for {s.dead_after:.0f}s (died, hung or stopped)"
+        return None

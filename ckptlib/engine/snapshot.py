@@ -30,6 +30,7 @@ torch's intra-op threads). CUDA sources go through :mod:`ckptlib.engine.staging_
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -282,9 +283,7 @@ class Snapshot:
         plan = self._plan
         for k in range(self._staged, min(upto, self.nrounds)):
             if self.streaming and k >= 2:
-                self._wait_for(
-                    lambda k=k: self._written >= k - 1, deadline, "the writer to free a region", True
-                )
+                self._wait_for(functools.partial(self._round_written, k - 1), deadline, "the writer to free a region", True)
             elif self._error is not None:
                 raise SnapshotAborted(f"snapshot abandoned: {self._error}")
             assert self._srcs is not None
@@ -330,7 +329,7 @@ class Snapshot:
         """
         try:
             for k in range(self.nrounds):
-                self._wait_for(lambda k=k: self._staged > k or self._error is not None, deadline, "the snapshot")
+                self._wait_for(functools.partial(self._round_staged, k), deadline, "the snapshot")
                 if self._staged <= k:
                     raise SnapshotAborted(f"snapshot abandoned: {self._error}")
                 yield self._plan.staged[k]
@@ -349,6 +348,12 @@ class Snapshot:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ helpers
+    def _round_written(self, k: int) -> bool:
+        return self._written >= k
+
+    def _round_staged(self, k: int) -> bool:
+        return self._staged > k or self._error is not None
+
     def _wait_for(
         self, ready: Callable[[], bool], deadline: float, what: str, abort: bool = False
     ) -> None:

@@ -164,7 +164,7 @@ class _Flattener:
         return encode_scalar(x, path)
 
     def mapping(self, x: dict[Any, Any], path: str, depth: int) -> Any:
-        items = []
+        items: list[list[Any]] = []
         add, encode, tensor = items.append, self.encode, self.tensor
         if x and depth >= MAX_DEPTH:  # a child would be nested too deep (checked once here)
             raise UnsupportedValueError(f"state nested deeper than {MAX_DEPTH} levels at {path}")
@@ -202,6 +202,7 @@ class _Flattener:
             global_offset = _ZEROS[len(global_shape)]
         elif len(global_shape) > MAX_NDIM:
             raise UnsupportedValueError(f"tensor at {path} has more than {MAX_NDIM} dimensions")
+        assert global_offset is not None  # callers pass a shape and its offset together
         self.items.append(TensorItem(name, t, global_shape, global_offset, replicated and not self.in_per_rank))
         return {"t": "tensor", "ref": name}
 

@@ -3,6 +3,7 @@ the previous checkpoint stays intact and a fresh job restores it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ import pytest
 
 from ckptlib.crashpoints import PHASES
 
+from . import launch
 from .launch import results, run, start
 
 DEAD_AFTER = 5.0  # coordination deadline for these tests (the default is 30 s)
@@ -65,3 +67,43 @@ def test_sigstop_one_rank_mid_save_cannot_commit_later(tmp_path):
         assert r1.get("error") is not None, r1
     out = run("load", 2, tmp_path, {"name": "good", "dims": {}})
     assert all(r["bad"] == [] for r in out)
+
+
+PUBLISH_WORKER = launch.WORKER.with_name("publish_worker.py")
+
+
+def test_slow_publish_by_live_coordinator_commits_everywhere(tmp_path, monkeypatch):
+    """The coordinator's manifest put takes 3x the coordination timeout while it is alive: the
+    others wait for it (its heartbeat moves) and every rank reports the committed save."""
+    monkeypatch.setattr(launch, "WORKER", PUBLISH_WORKER)
+    res = run("publish", 2, tmp_path, {"delay": 3 * DEAD_AFTER}, env=ENV)
+    assert [r["error"] for r in res] == [None, None], res
+    assert all(r["elapsed"] > 3 * DEAD_AFTER for r in res), res  # they really waited for it
+    out = run("load", 2, tmp_path, {"name": "ck", "dims": {}}, env=ENV)  # launch.WORKER: patched
+    assert all(r["bad"] == [] for r in out), out
+
+
+@pytest.mark.parametrize("sig", ["STOP", "KILL"])
+def test_coordinator_frozen_or_killed_during_publish_fails_others_in_time(tmp_path, monkeypatch, sig):
+    """The coordinator freezes (SIGSTOP) or dies (SIGKILL) right after writing its manifest:
+    the other rank raises CommitError within about the coordination timeout of the signal."""
+    monkeypatch.setattr(launch, "WORKER", PUBLISH_WORKER)
+    log = tmp_path / "kills.jsonl"
+    procs = start("publish", 2, tmp_path, {"signal": sig}, {**ENV, "CKPTLIB_TEST_KILL_LOG": str(log)})
+    try:
+        end = time.monotonic() + 120
+        while results("publish", 2, tmp_path)[1] is None and procs[1].poll() is None:
+            assert time.monotonic() < end, "rank 1 did not finish while the coordinator was frozen"
+            time.sleep(0.2)
+        r1 = results("publish", 2, tmp_path)[1]
+        assert r1 is not None, procs[1].communicate(timeout=10)[0].decode(errors="replace")
+        assert r1.get("error") == "CommitError", r1
+        assert "rank 0" in r1["message"], r1
+        signalled_at = json.loads(log.read_text().splitlines()[0])["time"]
+        assert r1["time"] - signalled_at < DEAD_AFTER + 5, (r1, signalled_at)
+        assert results("publish", 2, tmp_path)[0] is None  # the coordinator never got past it
+        assert not (tmp_path / "ck").exists()
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=30)
