@@ -330,13 +330,7 @@ class CheckpointManager:
         try:
             crashpoints.point("cleanup")
             retire.clean_debris(self.storage, self._active_ids | {save_id})
-            if self.keep_last is not None:
-                committed = [i.step for i in scan(self.storage) if i.status == "committed"]
-                for d in retention.decide(committed, self.keep_last, self.keep_every):
-                    if not d.keep:
-                        log.info("ckptlib: deleting step %d (%s)", d.step, d.why)
-                        crashpoints.point("retention")
-                        retire.delete_step(self.storage, layout.step_dir(d.step))
+            retire.apply_retention(self.storage, self.keep_last, self.keep_every)
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)
 

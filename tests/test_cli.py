@@ -20,7 +20,9 @@ import torch
 
 import ckptlib
 from ckptlib.backends import open_storage
-from ckptlib.cli import commands, output
+from ckptlib.cli import inspect as cli_inspect
+from ckptlib.cli import output
+from ckptlib.cli import target as cli_target
 from ckptlib.cli.main import main, parse_storage_option
 from ckptlib.engine.scan import read_manifest
 from ckptlib.format import layout
@@ -287,7 +289,7 @@ def test_tensor_row_reports_sharding_across_ranks() -> None:
     ])
     m = mf.Manifest(step=5, save_id="ab12cd34", created=0.0, world_size=2, commit="rename",
                     files=files, tensors={"/w": t}, tree=None)
-    row = commands.tensor_row("/w", t, m)
+    row = cli_inspect.tensor_row("/w", t, m)
     assert row["sharded"] is True
     assert row["chunks"] == 2
     assert row["ranks"] == 2
@@ -296,7 +298,7 @@ def test_tensor_row_reports_sharding_across_ranks() -> None:
 
     # One rank, but the tensor's only chunk starts away from the origin: still sharded.
     one = mf.TensorEntry("float32", (8, 4), [mf.Chunk(0, 0, 64, "0" * 16, (4, 0), (4, 4))])
-    assert commands.tensor_row("/x", one, m)["sharded"] is True
+    assert cli_inspect.tensor_row("/x", one, m)["sharded"] is True
 
 
 # --------------------------------------------------------------------------- verify
@@ -584,13 +586,13 @@ def test_storage_options_reach_the_backend(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[Any] = []
-    real = commands.open_storage
+    real = cli_target.open_storage
 
     def spy(url: str, storage_options: Any = None) -> Any:
         seen.append(storage_options)
         return real(url)  # what a backend makes of the options is not this test's business
 
-    monkeypatch.setattr(commands, "open_storage", spy)
+    monkeypatch.setattr(cli_target, "open_storage", spy)
     (tmp_path / "r").mkdir()
     code, _, _ = run(capsys, "--storage-option", "anon=true", "ls", str(tmp_path / "r"),
                      "--storage-option", "retries=3", "--storage-option", "endpoint_url=http://h:1")
