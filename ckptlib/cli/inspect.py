@@ -7,6 +7,7 @@ Called by :func:`ckptlib.cli.main.main` on the caller's thread.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import time
 from typing import Any
@@ -54,7 +55,7 @@ def tensor_row(name: str, t: TensorEntry, m: Manifest) -> dict[str, Any]:
     """
     packs = list(getattr(m, "packs", ()))
     pieces = list(getattr(t, "pieces", ()))
-    itemsize = t.nbytes // max(1, _volume(t.shape)) if t.nbytes else 0
+    itemsize = t.nbytes // max(1, math.prod(t.shape)) if t.nbytes else 0
     files = {c.file for c in t.chunks} | {packs[p.pack].file for p in pieces}
     ranks = _ranks_of(m, files)
     parts = len(t.chunks) + len(pieces)
@@ -63,7 +64,7 @@ def tensor_row(name: str, t: TensorEntry, m: Manifest) -> dict[str, Any]:
     codecs = {c.codec for c in t.chunks}
     for p in pieces:
         pack = packs[p.pack]
-        raw = _volume(p.shape) * itemsize
+        raw = math.prod(p.shape) * itemsize
         stored += round(raw * pack.length / pack.raw_length) if pack.raw_length else 0
         codecs.add(pack.codec)
     compressed = any(c != "raw" for c in codecs)
@@ -92,13 +93,6 @@ def tensor_row(name: str, t: TensorEntry, m: Manifest) -> dict[str, Any]:
         "codecs": sorted(codecs),
         "ratio": round(t.nbytes / stored, 3) if compressed and stored else None,
     }
-
-
-def _volume(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _metadata(m: Manifest, where: str) -> tuple[Any, str]:

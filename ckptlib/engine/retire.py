@@ -149,11 +149,7 @@ def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
 
 
 def clean_debris(
-    storage: Storage,
-    active_ids: Collection[str] = (),
-    *,
-    grace: float = DEFAULT_GRACE,
-    now: float | None = None,
+    storage: Storage, active_ids: Collection[str] = (), *, grace: float = DEFAULT_GRACE, now: float | None = None
 ) -> list[str]:
     """Remove leftovers of crashed saves and deletions (the manager, after each commit, on its
     save thread): :func:`remove_debris` of :func:`find_debris`. Returns what was removed."""
@@ -168,14 +164,14 @@ def _judge_folder(
     if not m or (layout.parse_step(m.group(1)) is None and m.group(2) == "tmp"):
         return None
     kind, save_id = m.group(2), m.group(3)
+    if active_ids is not None and save_id in active_ids:
+        return Debris(name, save_id, kind, None, False, "a save in flight in this job")
     created = _marker_created(storage, name)
     age = None if created is None else now - created
 
     def verdict(removable: bool, why: str) -> Debris:
         return Debris(name, save_id, kind, age, removable, why)
 
-    if active_ids is not None and save_id in active_ids:
-        return verdict(False, "a save in flight in this job")
     if storage.size(join(name, layout.MARKER)) is None:
         if active_ids is None or not _only_ours(storage, name):
             return verdict(False, f"no {layout.MARKER} marker: not provably ours, left alone")
