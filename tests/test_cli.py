@@ -618,6 +618,25 @@ def test_memory_root(memory_url: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert [r["step"] for r in doc["steps"]] == [3]
 
 
+def test_prune_lists_object_store_debris_with_its_verdict(
+    memory_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On an object store, a save id's payloads beside the committed one are debris: listed by
+    ``--dry-run`` (nothing removed), removed by a real run; the committed step stays whole."""
+    make_root(memory_url, steps=(1,))
+    storage = open_storage(memory_url)
+    lost = f"{layout.step_dir(1)}/{'d4' * 16}"
+    storage.put_atomic(f"{lost}/r00000-0.bin", b"payload of a save that lost")
+    code, doc = run_json(capsys, "prune", memory_url, "--keep-last", "1", "--dry-run")
+    assert code == 0
+    assert [(d["path"], d["kind"], d["removable"]) for d in doc["debris"]] == [(lost, "prefix", True)]
+    assert doc["debris_removed"] == [] and storage.size(f"{lost}/r00000-0.bin") is not None
+    code, doc = run_json(capsys, "prune", memory_url, "--keep-last", "1")
+    assert (code, doc["debris_removed"]) == (0, [lost])
+    assert storage.size(f"{lost}/r00000-0.bin") is None
+    assert run(capsys, "verify", memory_url)[0] == 0
+
+
 # --------------------------------------------------------------------------- real process
 
 def test_real_subprocess(tmp_path: Path) -> None:

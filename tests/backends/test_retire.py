@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 from pathlib import Path
 
@@ -94,3 +96,26 @@ def test_debris_cleanup_removes_marker_last(tmp_path, monkeypatch):
     assert retire.clean_debris(s) == [crashed]
     _assert_marker_removed_alone_and_last(calls)
     assert s.listdir("") == []
+
+
+def test_one_rule_set_judged_from_inside_and_outside_the_job(tmp_path):
+    """The manager (knows its saves in flight) and ``ckptlib prune`` (does not) share
+    ``find_debris``; from outside, only a marked ``.tmp-`` folder older than ``min_age`` goes."""
+    s = open_storage(tmp_path / "root")
+    now = time.time()
+    folders = {}
+    for step, created in ((1, now - 7200), (2, now), (3, None)):
+        sid = uuid.uuid4().hex
+        name = layout.tmp_dir(layout.step_dir(step), sid)
+        s.put_atomic(f"{name}/{sid}/r00000-0.bin", b"payload")
+        if created is not None:
+            s.put_atomic(f"{name}/{layout.MARKER}", json.dumps({"created": created}).encode())
+        folders[step] = (name, sid)
+    old, young, unmarked = (folders[i][0] for i in (1, 2, 3))
+    outside = {d.path: d.removable for d in retire.find_debris(s, None, min_age=3600, now=now)}
+    assert outside == {old: True, young: False, unmarked: False}
+    inside = retire.find_debris(s, {folders[2][1]}, now=now)
+    assert {d.path: d.removable for d in inside} == {old: True, young: False, unmarked: True}
+    assert [d.why for d in inside if d.path == young] == ["a save in flight in this job"]
+    assert retire.remove_debris(s, inside) == [old, unmarked]
+    assert [e.name for e in s.listdir("")] == [young]
