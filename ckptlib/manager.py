@@ -1,4 +1,5 @@
-"""CheckpointManager: schedule saves, restore the newest consistent step, apply retention.
+"""CheckpointManager: the scheduling façade. It orders saves, restores and retention; the
+work is in the engine (save, resume, overlap, preemption, retire).
 
 Threads (details in docs/async.md):
 
@@ -7,7 +8,10 @@ Threads (details in docs/async.md):
   budget), starts the persist thread (``ckptlib-save-<step>``: write + commit + retention)
   and copies the state into the staging arena. It returns a :class:`SaveHandle` once the copy
   is safe. In overlap mode the copy of parameters and optimizer state continues on a snapshot
-  thread (``ckptlib-snapshot-<step>``) and the next optimizer step waits for it.
+  thread (``ckptlib-snapshot-<step>``) and the next optimizer step waits for it
+  (:mod:`ckptlib.engine.overlap`).
+- After a commit the coordinator's persist thread cleans debris and applies retention
+  (:func:`ckptlib.engine.retire.clean_debris`, :func:`~ckptlib.engine.retire.apply_retention`).
 - Only one save is in flight at a time: a new ``save()`` first waits for the previous one
   (``in_flight="wait"``) or skips itself with a warning (``"skip"``). The staging arena is
   therefore never overwritten while a writer still reads it.
@@ -31,24 +35,16 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
-
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, open_storage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import resume, retire
 from ckptlib.engine import save as save_flow
-from ckptlib.engine.preemption import PreemptionWatcher
+from ckptlib.engine.overlap import SnapshotGate, deferred_mask
+from ckptlib.engine.preemption import FinalCheckpoint, PreemptionWatcher
 from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager
-from ckptlib.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CommitTimeoutError,
-    StepExistsError,
-)
+from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
 from ckptlib.format import layout
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
@@ -161,24 +157,15 @@ class CheckpointManager:
         self.snapshot_timeout = snapshot_timeout
         self.overlap = overlap
         self.persist_nice = persist_nice
-        self.snapshot_wait_seconds = 0.0
-        """Seconds the training thread spent waiting for overlap-mode snapshots (all saves)."""
         self.coordinator = coordinator or default_coordinator()
         self._stager = Stager(staging_budget)
         self._handles: list[SaveHandle] = []
         self._thread: threading.Thread | None = None
-        self._snap_thread: threading.Thread | None = None
-        self._snap: Snapshot | None = None
-        self._hooks: list[RemovableHandle] = []
+        self._overlap = SnapshotGate(snapshot_timeout)
         self._active_ids: set[str] = set()
         self._closed = False
         self._root_ready = False
-        self._watcher: PreemptionWatcher | None = None
-        self._preempt_state_fn: Callable[[], tuple[int, Any]] | None = None
-        self._preempt_exit_code = 0
-        self._busy = False
-        self._deferred_final = False
-        self._was_preempted = False
+        self._final: FinalCheckpoint | None = None
         # Runs at garbage collection or, at the latest, at interpreter exit (finalize objects
         # have atexit=True): an in-flight save gets its bounded chance to commit.
         self._finalizer = weakref.finalize(self, _drain, self._handles)
@@ -196,19 +183,19 @@ class CheckpointManager:
             raise CheckpointError("CheckpointManager is closed")
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        self._busy = True
+        final = self._final
+        if final is None:
+            return self._save(step, state, metadata)
+        final.busy = True  # a save_in_handler signal now waits until this call returns
         try:
             handle = self._save(step, state, metadata)
         finally:
-            self._busy = False
-        if self._deferred_final:  # a save_in_handler signal arrived inside this call
-            self._deferred_final = False
-            assert self._preempt_state_fn is not None
-            self._final_save(*self._preempt_state_fn())
+            final.busy = False
+        final.after_save(self)
         return handle
 
     def _save(self, step: int, state: Any, metadata: Any) -> SaveHandle:
-        self._finish_snapshot()
+        self._overlap.finish()
         self._raise_pending()
         handle = SaveHandle(step, self.save_timeout)
         if self._thread is not None and self._thread.is_alive():
@@ -235,7 +222,7 @@ class CheckpointManager:
             return handle
 
         deadline = time.monotonic() + self.snapshot_timeout
-        deferred = _deferred_mask(state, flat) if self.overlap else None
+        deferred = deferred_mask(state, flat) if self.overlap else None
         snap = self._stager.begin(flat, deferred)
         handle._snapshot = snap
         self._handles.append(handle)
@@ -260,13 +247,7 @@ class CheckpointManager:
             self._handles.remove(handle)
             raise
         if not snap.staged_done():
-            self._snap = snap
-            self._snap_thread = threading.Thread(
-                target=_stage_rest, args=(snap, deadline), name=f"ckptlib-snapshot-{step}",
-                daemon=True,
-            )
-            self._snap_thread.start()
-            self._install_hooks()
+            self._overlap.start(snap, deadline, step)
         return handle
 
     def _ensure_root(self) -> None:
@@ -330,13 +311,7 @@ class CheckpointManager:
         try:
             crashpoints.point("cleanup")
             retire.clean_debris(self.storage, self._active_ids | {save_id})
-            if self.keep_last is not None:
-                committed = [i.step for i in scan(self.storage) if i.status == "committed"]
-                for d in retention.decide(committed, self.keep_last, self.keep_every):
-                    if not d.keep:
-                        log.info("ckptlib: deleting step %d (%s)", d.step, d.why)
-                        crashpoints.point("retention")
-                        retire.delete_step(self.storage, layout.step_dir(d.step))
+            retire.apply_retention(self.storage, self.keep_last, self.keep_every)
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)
 
@@ -352,56 +327,12 @@ class CheckpointManager:
         snapshot deadline) abandons its save -- which then fails -- so training never waits
         longer than that.
         """
-        self._wait_snapshot(timeout)
-        self._remove_hooks()
+        self._overlap.release(timeout)
 
-    def _wait_snapshot(self, timeout: float | None = None) -> None:
-        snap = self._snap
-        if snap is None:
-            return
-        limit = self.snapshot_timeout if timeout is None else timeout
-        t0 = time.perf_counter()
-        try:
-            snap.wait_staged(time.monotonic() + limit)
-        except CommitTimeoutError as e:
-            log.warning("ckptlib: snapshot still copying after %.1fs; abandoning that save", limit)
-            snap.fail(e)
-        self.snapshot_wait_seconds += time.perf_counter() - t0
-        self._snap = None
-
-    def _install_hooks(self) -> None:
-        """Step pre-hooks on every optimizer (global) while a snapshot copies. Training thread.
-
-        Hooks are disarmed once the snapshot is done (they then return at once) and removed on
-        the training thread by the next ``save()``, ``wait()``, ``close()`` or
-        ``wait_for_snapshot()`` -- never from inside a hook, because torch iterates the hook
-        dict while calling them.
-        """
-        if self._hooks:
-            return
-        ref = weakref.ref(self)
-
-        def pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            mgr = ref()
-            if mgr is not None and mgr._snap is not None:
-                mgr._wait_snapshot()
-
-        self._hooks.append(register_optimizer_step_pre_hook(pre_hook))
-
-    def _remove_hooks(self) -> None:
-        hooks, self._hooks = self._hooks, []
-        for h in hooks:
-            h.remove()
-
-    def _finish_snapshot(self) -> None:
-        """Training thread: wait for a running snapshot, join its thread, drop the hooks."""
-        self._wait_snapshot()
-        t = self._snap_thread
-        if t is not None:
-            t.join(self.snapshot_timeout)
-            if not t.is_alive():
-                self._snap_thread = None
-        self._remove_hooks()
+    @property
+    def snapshot_wait_seconds(self) -> float:
+        """Seconds the training thread spent waiting for overlap-mode snapshots (all saves)."""
+        return self._overlap.wait_seconds
 
     # ------------------------------------------------------------------ waiting
     def _join_thread(self, timeout: float | None = None) -> None:
@@ -423,7 +354,7 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for all pending saves; raise the first failure not yet raised."""
-        self._finish_snapshot()
+        self._overlap.finish()
         self._join_thread(timeout)
         self._raise_pending()
 
@@ -439,10 +370,8 @@ class CheckpointManager:
             if self._thread is None or not self._thread.is_alive():
                 self._stager.release()  # never free memory a stuck writer still reads
             self._finalizer.detach()
-            if self._watcher is not None:
-                self._watcher.uninstall()
-                self._was_preempted = self._watcher.requested
-                self._watcher = None
+            if self._final is not None:
+                self._final.watcher.uninstall()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -475,23 +404,21 @@ class CheckpointManager:
         ``failure_exit_code`` (default 1) if it failed. If the process is still alive
         ``deadline`` seconds after the signal, a watchdog ends it with ``failure_exit_code``.
         """
-        if self._watcher is not None:
-            self._watcher.uninstall()
-        self._preempt_state_fn = state_fn
-        self._preempt_exit_code = exit_code
         if save_in_handler and state_fn is None:
             raise ValueError("save_in_handler=True needs a state_fn returning (step, state)")
-        watcher = PreemptionWatcher(
-            signals, deadline, failure_exit_code=failure_exit_code,
-            on_signal=self._on_signal if save_in_handler else None,
-        )
+        if self._final is not None:
+            self._final.watcher.uninstall()
+        watcher = PreemptionWatcher(signals, deadline, failure_exit_code=failure_exit_code)
+        final = FinalCheckpoint(watcher, state_fn, exit_code)
+        if save_in_handler:
+            watcher.on_signal = lambda signum: final.on_signal(self)
         watcher.install()
-        self._watcher = watcher
+        self._final = final
 
     @property
     def preempted(self) -> bool:
         """True once a signal registered with :meth:`save_on_signal` arrived."""
-        return self._was_preempted or (self._watcher is not None and self._watcher.requested)
+        return self._final is not None and self._final.watcher.requested
 
     def maybe_save_on_preemption(self, step: int | None = None, state: Any = None) -> bool:
         """Training thread, once per step: if preempted, save a final checkpoint and exit.
@@ -501,42 +428,7 @@ class CheckpointManager:
         of the deadline, closes the manager and raises ``SystemExit`` (see
         :meth:`save_on_signal` for the codes). Never returns True.
         """
-        if not self.preempted:
-            return False
-        if step is None or state is None:
-            if self._preempt_state_fn is None:
-                raise ValueError("pass step and state, or give save_on_signal a state_fn")
-            step, state = self._preempt_state_fn()
-        self._final_save(step, state)
-        return True  # pragma: no cover  (_final_save always exits)
-
-    def _on_signal(self, signum: int) -> None:
-        if self._busy:  # never re-enter save(): it runs the final save when it returns
-            self._deferred_final = True
-            return
-        assert self._preempt_state_fn is not None
-        self._final_save(*self._preempt_state_fn())
-
-    def _final_save(self, step: int, state: Any) -> None:
-        watcher = self._watcher
-        assert watcher is not None
-        code = watcher.failure_exit_code
-        try:
-            try:
-                self.wait(max(0.1, watcher.time_left()))
-            except CheckpointError as e:  # an earlier save failed: the final one may still work
-                log.warning("ckptlib: an earlier save failed: %s", e)
-            try:
-                self.save(step, state).wait(max(0.1, watcher.time_left()))
-            except StepExistsError:
-                pass  # this step is already committed
-            self.close(max(0.1, watcher.time_left()))
-            code = self._preempt_exit_code
-            log.warning("ckptlib: final checkpoint of step %d committed; exiting", step)
-        except Exception as e:
-            log.error("ckptlib: final checkpoint of step %d failed: %s", step, e)
-        watcher.disarm()
-        raise SystemExit(code)
+        return self._final is not None and self._final.poll(self, step, state)
 
     # ------------------------------------------------------------------ inspecting
     def steps(self, *, deep: bool = False) -> list[StepInfo]:
@@ -591,51 +483,7 @@ def _lower_priority(nice: int | None) -> None:
         pass
 
 
-def _stage_rest(snap: Snapshot, deadline: float) -> None:
-    """Snapshot thread (overlap mode): copy the deferred rounds; failures go to the save."""
-    try:
-        snap.stage(snap.nrounds, deadline)
-    except SnapshotAborted:
-        pass
-    except Exception as e:
-        snap.fail(e)
-
-
 def _failed_rounds(error: BaseException) -> Iterator[list[TensorItem]]:
     """Rounds of a save whose snapshot failed: raising inside ``persist`` fails the commit."""
     raise SnapshotAborted(f"snapshot failed: {type(error).__name__}: {error}") from error
     yield []  # pragma: no cover  (makes this a generator)
-
-
-def _deferred_mask(state: Any, flat: FlatState) -> list[bool]:
-    """Overlap mode: which items only an optimizer step mutates (copied after ``save()``).
-
-    Those whose storage belongs to a parameter of a module, or to a parameter or state tensor
-    of an optimizer, found anywhere in ``state``. Everything else (buffers, plain tensors) is
-    copied before ``save()`` returns.
-    """
-    owned: set[int] = set()
-    stack: list[tuple[Any, int]] = [(state, 0)]
-    while stack:
-        x, depth = stack.pop()
-        if depth > 100:
-            continue
-        if isinstance(x, torch.nn.Module):
-            owned.update(p.untyped_storage().data_ptr() for p in x.parameters())
-        elif isinstance(x, torch.optim.Optimizer):
-            for g in x.param_groups:
-                owned.update(p.untyped_storage().data_ptr() for p in g["params"])
-            for st in x.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor):
-                        owned.add(v.untyped_storage().data_ptr())
-        elif isinstance(x, dict):
-            stack.extend((v, depth + 1) for v in x.values())
-        elif isinstance(x, list | tuple):
-            stack.extend((v, depth + 1) for v in x)
-    if not owned:
-        log.info("ckptlib: overlap mode found no module or optimizer in the state; copying all")
-    return [
-        it.tensor.numel() > 0 and it.tensor.untyped_storage().data_ptr() in owned
-        for it in flat.items
-    ]

@@ -20,7 +20,9 @@ import torch
 
 import ckptlib
 from ckptlib.backends import open_storage
-from ckptlib.cli import commands, output
+from ckptlib.cli import inspect as cli_inspect
+from ckptlib.cli import output
+from ckptlib.cli import target as cli_target
 from ckptlib.cli.main import main, parse_storage_option
 from ckptlib.engine.scan import read_manifest
 from ckptlib.format import layout
@@ -287,7 +289,7 @@ def test_tensor_row_reports_sharding_across_ranks() -> None:
     ])
     m = mf.Manifest(step=5, save_id="ab12cd34", created=0.0, world_size=2, commit="rename",
                     files=files, tensors={"/w": t}, tree=None)
-    row = commands.tensor_row("/w", t, m)
+    row = cli_inspect.tensor_row("/w", t, m)
     assert row["sharded"] is True
     assert row["chunks"] == 2
     assert row["ranks"] == 2
@@ -296,7 +298,7 @@ def test_tensor_row_reports_sharding_across_ranks() -> None:
 
     # One rank, but the tensor's only chunk starts away from the origin: still sharded.
     one = mf.TensorEntry("float32", (8, 4), [mf.Chunk(0, 0, 64, "0" * 16, (4, 0), (4, 4))])
-    assert commands.tensor_row("/x", one, m)["sharded"] is True
+    assert cli_inspect.tensor_row("/x", one, m)["sharded"] is True
 
 
 # --------------------------------------------------------------------------- verify
@@ -584,13 +586,13 @@ def test_storage_options_reach_the_backend(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[Any] = []
-    real = commands.open_storage
+    real = cli_target.open_storage
 
     def spy(url: str, storage_options: Any = None) -> Any:
         seen.append(storage_options)
         return real(url)  # what a backend makes of the options is not this test's business
 
-    monkeypatch.setattr(commands, "open_storage", spy)
+    monkeypatch.setattr(cli_target, "open_storage", spy)
     (tmp_path / "r").mkdir()
     code, _, _ = run(capsys, "--storage-option", "anon=true", "ls", str(tmp_path / "r"),
                      "--storage-option", "retries=3", "--storage-option", "endpoint_url=http://h:1")
@@ -614,6 +616,25 @@ def test_memory_root(memory_url: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert (code, doc["deleted"]) == (0, [1, 2])
     _, doc = run_json(capsys, "ls", memory_url)
     assert [r["step"] for r in doc["steps"]] == [3]
+
+
+def test_prune_lists_object_store_debris_with_its_verdict(
+    memory_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On an object store, a save id's payloads beside the committed one are debris: listed by
+    ``--dry-run`` (nothing removed), removed by a real run; the committed step stays whole."""
+    make_root(memory_url, steps=(1,))
+    storage = open_storage(memory_url)
+    lost = f"{layout.step_dir(1)}/{'d4' * 16}"
+    storage.put_atomic(f"{lost}/r00000-0.bin", b"payload of a save that lost")
+    code, doc = run_json(capsys, "prune", memory_url, "--keep-last", "1", "--dry-run")
+    assert code == 0
+    assert [(d["path"], d["kind"], d["removable"]) for d in doc["debris"]] == [(lost, "prefix", True)]
+    assert doc["debris_removed"] == [] and storage.size(f"{lost}/r00000-0.bin") is not None
+    code, doc = run_json(capsys, "prune", memory_url, "--keep-last", "1")
+    assert (code, doc["debris_removed"]) == (0, [lost])
+    assert storage.size(f"{lost}/r00000-0.bin") is None
+    assert run(capsys, "verify", memory_url)[0] == 0
 
 
 # --------------------------------------------------------------------------- real process

@@ -8,7 +8,12 @@ as the caller's thread):
   :meth:`rename` where ``supports_atomic_rename``, else :meth:`put_if_absent` where
   ``supports_conditional_put``, else :meth:`put_atomic` followed by a read-back;
 - the scanner and reader call :meth:`read`, :meth:`read_into`, :meth:`size`, :meth:`listdir`;
-- retention and cleanup call :meth:`delete_tree` and :meth:`delete`.
+- retention and cleanup call :meth:`delete_tree` and :meth:`delete`, and judge debris with
+  :meth:`tree_modified`, :meth:`list_uploads` and :meth:`abort_upload`;
+- a save bounds all its operations with ``with storage.deadline(seconds):``.
+
+The last four have defaults (nothing to report, nothing to bound), so callers call them
+directly, never probing with ``getattr``; a backend overrides what it can do.
 
 Paths are ``/``-separated and relative to the storage root. Backends raise
 :class:`FileNotFoundError` for missing paths, :class:`FileExistsError` for a create-only
@@ -17,8 +22,10 @@ operation that lost, and :class:`ckptlib.errors.StorageError` for other I/O fail
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +134,27 @@ class Storage(ABC):
     @abstractmethod
     def delete_tree(self, path: str) -> None:
         """Delete a folder and everything under it; missing is fine."""
+
+    # -- optional extras, with defaults
+    def tree_modified(self, path: str) -> float | None:
+        """Unix time of the newest write under folder ``path``; None when it is empty or missing,
+        or when the backend cannot tell (the default). Cleanup never counts None as old."""
+        return None
+
+    def list_uploads(self, path: str = "") -> list[tuple[str, str, float]]:
+        """Incomplete multipart uploads under folder ``path``: ``(path, upload id, started)``,
+        paths relative to the root, ``started`` in Unix seconds. Default: none."""
+        return []
+
+    def abort_upload(self, path: str, upload_id: str) -> None:  # noqa: B027 - default no-op
+        """Abort one upload from :meth:`list_uploads` (one already gone is fine). Default:
+        nothing to abort."""
+
+    def deadline(self, seconds: float) -> contextlib.AbstractContextManager[Any]:
+        """``with storage.deadline(seconds):`` every operation started inside the block (by any
+        thread) must finish within ``seconds``. Default: a null context (each operation keeps
+        its own bounds); S3 overrides it with its ``DeadlineScope``."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release resources (connections, thread pools)."""

@@ -190,10 +190,7 @@ class DeadlineScope:
 def deadline_scope(storage: Any, seconds: float) -> contextlib.AbstractContextManager[Any]:
     """``with deadline_scope(storage, seconds):`` bounds every operation of ``storage`` inside
     the block (a no-op context for backends without deadlines)."""
-    scope = getattr(storage, "deadline", None)
-    if isinstance(scope, DeadlineScope):
-        return scope(seconds)
-    return contextlib.nullcontext()
+    return storage.deadline(seconds)  # Storage.deadline: a null context unless overridden
 
 
 def _end(policy: RetryPolicy, scope: DeadlineScope | None, now: float) -> tuple[float, bool]:

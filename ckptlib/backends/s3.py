@@ -10,7 +10,7 @@ pool thread, or the manager's background save thread) and blocks it; the request
 run as coroutines on fsspec's I/O event-loop thread, each wrapped by
 :func:`ckptlib.backends.retry.call_async` (exponential backoff with jitter for transient
 errors, none for fatal ones, a timeout per attempt, a deadline per operation, and the
-storage's :attr:`S3Storage.deadline` scope for whole saves). Nothing runs on the loop thread
+storage's :meth:`S3Storage.deadline` scope for whole saves). Nothing runs on the loop thread
 that could block it.
 
 Writes: :meth:`S3Storage.open_write` returns a stream that buffers ``part_size`` bytes and
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import errno
 import functools
 import io
@@ -273,7 +274,7 @@ class S3Storage(Storage):
         self.parts_in_flight = max(1, int(opts.pop("ckptlib_parts_in_flight", 4)))
         self.read_split = max(1 << 20, int(opts.pop("ckptlib_read_split", DEFAULT_PART)))
         self.policy = RetryPolicy.from_options(opts.pop("ckptlib_retry", None))
-        self.deadline = DeadlineScope()
+        self._deadline = DeadlineScope()
         """``with storage.deadline(seconds):`` bounds every operation inside (a whole save)."""
         self.stats: Counter[str] = Counter()
         """Counts of retries (``retries``) and requests by kind, for tests and benchmarks."""
@@ -314,7 +315,7 @@ class S3Storage(Storage):
             )
         self.stats[what.split(" ", 1)[0]] += 1
         coro = call_async(
-            fn, f"{what} ({self.url})", policy, scope=None if cleanup else self.deadline, stats=self.stats
+            fn, f"{what} ({self.url})", policy, scope=None if cleanup else self._deadline, stats=self.stats
         )
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -622,6 +623,9 @@ class S3Storage(Storage):
             )
         except FileNotFoundError:
             pass
+
+    def deadline(self, seconds: float) -> contextlib.AbstractContextManager[Any]:
+        return self._deadline(seconds)
 
     def close(self) -> None:
         """Nothing to release eagerly: s3fs closes its client when the storage is collected."""

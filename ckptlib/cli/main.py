@@ -144,8 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ckptlib.errors import CheckpointError
 
-    from .commands import cmd_inspect, cmd_ls, cmd_prune, cmd_verify
+    from .inspect import cmd_inspect
+    from .ls import cmd_ls
     from .output import CliError, Output
+    from .prune import cmd_prune
+    from .verify import cmd_verify
 
     commands = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune}
     out = Output(args.json)

@@ -12,9 +12,11 @@ import json
 import math
 import os
 import sys
+from collections.abc import Collection, Sized
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 PIPE_WIDTH = 200
@@ -86,6 +88,27 @@ class Output:
         if self.json_mode:
             sys.stdout.write(json.dumps(jsonable(document), indent=2, allow_nan=False) + "\n")
             sys.stdout.flush()
+
+
+def has_rows(out: Output, rows: Sized, empty: str) -> bool:
+    """Whether a listing goes on to print its rows for humans. Not in ``--json`` mode (its
+    document is already out), nor when there are none: then ``empty`` is printed instead."""
+    if out.json_mode:
+        return False
+    if not rows:
+        out.print(empty)
+        return False
+    return True
+
+
+def table(*columns: str, right: Collection[str] = (), fold: Collection[str] = ()) -> Table:
+    """A borderless table with a bold header; ``right`` columns right-justified, ``fold``
+    columns wrapped when long."""
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    for c in columns:
+        t.add_column(c, justify="right" if c in right else "left",
+                     overflow="fold" if c in fold else "ellipsis")
+    return t
 
 
 def status_text(status: str) -> Text:

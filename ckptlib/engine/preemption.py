@@ -1,6 +1,7 @@
 """Preemption: turn SIGTERM (or any signal) into a final checkpoint and a clean exit.
 
-Used by ``CheckpointManager.save_on_signal``. Threads:
+``CheckpointManager.save_on_signal`` builds a :class:`FinalCheckpoint` (what to save, how to
+exit) around a :class:`PreemptionWatcher` (signals and deadline). Threads:
 
 - :meth:`PreemptionWatcher.install` / :meth:`uninstall` run on the main thread (Python only
   lets the main thread set signal handlers).
@@ -25,7 +26,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn, Protocol
+
+from ckptlib.errors import CheckpointError, StepExistsError
 
 log = logging.getLogger("ckptlib")
 
@@ -109,3 +112,76 @@ class PreemptionWatcher:
             except Exception:
                 pass
         self._exit_fn(self.failure_exit_code)
+
+
+class _Manager(Protocol):
+    def wait(self, timeout: float | None = None) -> None: ...
+    def save(self, step: int, state: Any, *, metadata: Any = None) -> Any: ...
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+class FinalCheckpoint:
+    """The manager's final save on preemption. Main/training thread; every method takes the
+    manager (``wait``/``save``/``close``) so that this object holds no reference to it.
+
+    ``busy`` is set by the manager while ``save()`` runs: a signal landing then is remembered
+    (``deferred``) and handled by :meth:`after_save` once that call returns, so the handler
+    never re-enters the manager.
+    """
+
+    def __init__(
+        self, watcher: PreemptionWatcher, state_fn: Callable[[], tuple[int, Any]] | None, exit_code: int
+    ) -> None:
+        self.watcher = watcher
+        self.state_fn = state_fn
+        self.exit_code = exit_code
+        self.busy = False
+        self.deferred = False
+
+    def poll(self, mgr: _Manager, step: int | None, state: Any) -> bool:
+        """``maybe_save_on_preemption``: False without a signal, else save and exit."""
+        if not self.watcher.requested:
+            return False
+        if step is None or state is None:
+            if self.state_fn is None:
+                raise ValueError("pass step and state, or give save_on_signal a state_fn")
+            step, state = self.state_fn()
+        self.save_and_exit(mgr, step, state)
+
+    def on_signal(self, mgr: _Manager) -> None:
+        """The signal handler's callback (``save_in_handler=True``)."""
+        if self.busy:
+            self.deferred = True
+            return
+        assert self.state_fn is not None
+        self.save_and_exit(mgr, *self.state_fn())
+
+    def after_save(self, mgr: _Manager) -> None:
+        """The manager's ``save()`` returned: run a final save deferred during it."""
+        if self.deferred:
+            self.deferred = False
+            assert self.state_fn is not None
+            self.save_and_exit(mgr, *self.state_fn())
+
+    def save_and_exit(self, mgr: _Manager, step: int, state: Any) -> NoReturn:
+        """Wait for earlier saves, save ``(step, state)``, close, and raise ``SystemExit``:
+        ``exit_code`` once committed, ``failure_exit_code`` if anything failed. Every wait
+        gets what is left of the watcher's deadline."""
+        watcher = self.watcher
+        code = watcher.failure_exit_code
+        try:
+            try:
+                mgr.wait(max(0.1, watcher.time_left()))
+            except CheckpointError as e:  # an earlier save failed: the final one may still work
+                log.warning("ckptlib: an earlier save failed: %s", e)
+            try:
+                mgr.save(step, state).wait(max(0.1, watcher.time_left()))
+            except StepExistsError:
+                pass  # this step is already committed
+            mgr.close(max(0.1, watcher.time_left()))
+            code = self.exit_code
+            log.warning("ckptlib: final checkpoint of step %d committed; exiting", step)
+        except Exception as e:
+            log.error("ckptlib: final checkpoint of step %d failed: %s", step, e)
+        watcher.disarm()
+        raise SystemExit(code)

@@ -1,7 +1,9 @@
 """Deleting steps (retention, prune) and cleaning the debris of crashed saves.
 
-Called by the manager after a successful commit (on its save thread, coordinator only), and
-by the CLI's ``prune``. Deletion makes a step invisible first, then removes its bytes, so a
+This module owns the debris rules: :func:`find_debris` lists every leftover with a verdict
+(removable or not, why, age), :func:`remove_debris` removes the removable ones. The manager
+calls :func:`clean_debris` (both) and :func:`apply_retention` after a successful commit, on
+its save thread, coordinator only; ``ckptlib prune`` lists, prints, then removes. Deletion makes a step invisible first, then removes its bytes, so a
 crash half-way never leaves something that looks like a valid checkpoint:
 - rename-capable storage: rename ``step-N`` to ``step-N.del-<id>`` (atomic), then delete it;
 - object stores: delete ``manifest.json`` first, then the payload prefix. A crash in between
@@ -9,9 +11,11 @@ crash half-way never leaves something that looks like a valid checkpoint:
 
 Debris is only ever deleted when it is provably ours or provably dead:
 - ``*.tmp-<id>``/``*.del-<id>`` folders holding the ``.ckptlib`` marker (rename-capable storage),
-  or, when a crash mid-deletion already took the marker, holding nothing but what ckptlib
-  writes there (manifest, manifest partials, ``<save_id>/r<rank>...bin`` payloads). ckptlib's
-  own deletions remove the marker last, so they never create marker-less debris;
+  or, inside the job that owns the root (it knows its saves in flight), holding nothing but
+  what ckptlib writes there (manifest, manifest partials, ``<save_id>/r<rank>...bin``
+  payloads): a crash before the marker was written. ckptlib's own deletions remove the
+  marker last, so they never create marker-less debris. Outside the job (the CLI) a
+  ``.tmp-`` folder must also be older than ``min_age`` by its marker's time;
 - object stores, inside a step folder whose manifest is valid: every ``<save_id>/`` payload
   prefix other than the manifest's (a save that lost the commit race, or crashed after a
   newer save of the same step committed), unless that save id is active in this process;
@@ -26,17 +30,21 @@ of a new save of that step deals with it.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
-from ckptlib.backends import Storage, join
-from ckptlib.engine.scan import read_manifest
-from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib import crashpoints
+from ckptlib.backends import Entry, Storage, join
+from ckptlib.engine.scan import read_manifest, scan
+from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
+from ckptlib.plan import retention
 
 log = logging.getLogger("ckptlib")
 
@@ -44,9 +52,11 @@ DEFAULT_GRACE = 3600.0
 """Seconds without a write before a manifest-less step or an upload counts as dead."""
 
 SAVE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
+MAX_MARKER_BYTES = 1 << 16
 
 
 def delete_step(storage: Storage, folder: str) -> None:
+    """Delete one step folder, invisible first (retention and ``ckptlib prune``)."""
     if storage.supports_atomic_rename:
         gone = layout.del_dir(folder, uuid.uuid4().hex)
         storage.rename(folder, gone)
@@ -56,41 +66,137 @@ def delete_step(storage: Storage, folder: str) -> None:
         storage.delete_tree(folder)
 
 
-def clean_debris(
+def apply_retention(storage: Storage, keep_last: int | None, keep_every: int | None) -> list[int]:
+    """Delete the committed steps that :func:`ckptlib.plan.retention.decide` does not keep
+    (manager, after a commit, on the coordinator's save thread); returns them, newest first."""
+    if keep_last is None:
+        return []
+    committed = [i.step for i in scan(storage) if i.status == "committed"]
+    deleted: list[int] = []
+    for d in retention.decide(committed, keep_last, keep_every):
+        if not d.keep:
+            log.info("ckptlib: deleting step %d (%s)", d.step, d.why)
+            crashpoints.point("retention")
+            delete_step(storage, layout.step_dir(d.step))
+            deleted.append(d.step)
+    return deleted
+
+
+@dataclass(frozen=True, slots=True)
+class Debris:
+    """One leftover and its verdict. ``kind``: ``tmp`` (a save's folder), ``del`` (a deletion's
+    folder), and on object stores ``step`` (a step folder without manifest), ``prefix`` (a
+    save id's payloads in a step another save committed), ``upload`` (a multipart upload)."""
+
+    path: str
+    save_id: str
+    kind: str
+    age_seconds: float | None
+    removable: bool
+    why: str
+    upload_id: str = ""
+
+    @property
+    def name(self) -> str:
+        """What :func:`remove_debris` reports for it."""
+        return f"{self.path} (upload {self.upload_id})" if self.upload_id else self.path
+
+
+def find_debris(
     storage: Storage,
-    active_ids: Collection[str] = (),
+    active_ids: Collection[str] | None = (),
     *,
+    min_age: float = 0.0,
     grace: float = DEFAULT_GRACE,
     now: float | None = None,
-) -> list[str]:
-    """Remove leftovers of crashed saves and deletions; returns what was removed.
+) -> list[Debris]:
+    """Every leftover under the root with its verdict, sorted by name; deletes nothing.
 
-    ``active_ids``: save ids in flight in this process (never touched). ``now``: Unix time
-    (injectable for tests); ages are measured against the storage's own timestamps.
+    ``active_ids``: save ids in flight in the calling job (the manager; never removable, and a
+    marker-less folder holding only ckptlib's files counts as ours). ``None``: the caller is
+    outside any job (``ckptlib prune``) and cannot know, so only the marker proves a folder
+    ours. ``min_age``: a ``.tmp-`` folder whose marker is younger (or has no time) may be a
+    save still running elsewhere, so it is kept. ``now``: Unix time (injectable for tests).
+    Object stores list their ``step``/``prefix``/``upload`` debris only once removable.
     """
     now = time.time() if now is None else now
-    removed: list[str] = []
     try:
-        entries = storage.listdir("")
+        entries = sorted(storage.listdir(""), key=lambda e: e.name)
     except FileNotFoundError:
-        return removed
-    for e in entries:
-        m = layout.TMP_RE.match(e.name)
-        if not (m and e.is_dir) or m.group(3) in active_ids:
-            continue
-        if layout.parse_step(m.group(1)) is None and m.group(2) == "tmp":
-            continue
-        if storage.size(join(e.name, layout.MARKER)) is None and not _only_ours(storage, e.name):
-            continue  # not provably ours: leave it alone
-        _delete_marker_last(storage, e.name)
-        removed.append(e.name)
+        return []
+    found = [d for e in entries if e.is_dir and (d := _judge_folder(storage, e.name, active_ids, min_age, now))]
     if not storage.supports_atomic_rename:
-        removed += _clean_object_store(storage, entries, set(active_ids), grace, now)
+        found += _object_store_debris(storage, entries, set(active_ids or ()), grace, now)
+    return found
+
+
+def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
+    """Remove the removable entries of :func:`find_debris`; returns their names, in order."""
+    removed: list[str] = []
+    for d in debris:
+        if not d.removable:
+            continue
+        if d.kind == "upload":
+            storage.abort_upload(d.path, d.upload_id)
+        elif d.kind in ("tmp", "del"):
+            _delete_marker_last(storage, d.path)
+        else:
+            log.info("ckptlib: removing %s: %s", d.path, d.why)
+            storage.delete_tree(d.path)
+        removed.append(d.name)
     return removed
 
 
-def _clean_object_store(storage: Storage, entries, active: set[str], grace: float, now: float) -> list[str]:
-    removed: list[str] = []
+def clean_debris(
+    storage: Storage, active_ids: Collection[str] = (), *, grace: float = DEFAULT_GRACE, now: float | None = None
+) -> list[str]:
+    """Remove leftovers of crashed saves and deletions (the manager, after each commit, on its
+    save thread): :func:`remove_debris` of :func:`find_debris`. Returns what was removed."""
+    return remove_debris(storage, find_debris(storage, active_ids, grace=grace, now=now))
+
+
+def _judge_folder(
+    storage: Storage, name: str, active_ids: Collection[str] | None, min_age: float, now: float
+) -> Debris | None:
+    """The verdict on a ``*.tmp-<id>``/``*.del-<id>`` folder; None for any other folder."""
+    m = layout.TMP_RE.match(name)
+    if not m or (layout.parse_step(m.group(1)) is None and m.group(2) == "tmp"):
+        return None
+    kind, save_id = m.group(2), m.group(3)
+    if active_ids is not None and save_id in active_ids:
+        return Debris(name, save_id, kind, None, False, "a save in flight in this job")
+    created = _marker_created(storage, name)
+    age = None if created is None else now - created
+
+    def verdict(removable: bool, why: str) -> Debris:
+        return Debris(name, save_id, kind, age, removable, why)
+
+    if storage.size(join(name, layout.MARKER)) is None:
+        if active_ids is None or not _only_ours(storage, name):
+            return verdict(False, f"no {layout.MARKER} marker: not provably ours, left alone")
+    elif kind == "tmp" and min_age > 0 and (age is None or age < min_age):
+        when = "of unknown age" if age is None else f"started {age:.0f}s ago"
+        return verdict(False, f"save {when}: may still be running (younger than {min_age:.0f}s)")
+    return verdict(True, "crashed save" if kind == "tmp" else "interrupted deletion")
+
+
+def _marker_created(storage: Storage, folder: str) -> float | None:
+    """The ``created`` time in a folder's marker (None: no marker, too big, or unreadable)."""
+    path = join(folder, layout.MARKER)
+    try:
+        size = storage.size(path)
+        if size is None or size > MAX_MARKER_BYTES:
+            return None
+        created = json.loads(storage.read(path)).get("created")
+    except (OSError, CheckpointError, ValueError, AttributeError):
+        return None
+    return float(created) if isinstance(created, int | float) else None
+
+
+def _object_store_debris(
+    storage: Storage, entries: list[Entry], active: set[str], grace: float, now: float
+) -> list[Debris]:
+    found: list[Debris] = []
     committed_ids: dict[str, str] = {}  # step folder -> save id of its manifest
     for e in entries:
         if not e.is_dir or layout.parse_step(e.name) is None:
@@ -99,32 +205,25 @@ def _clean_object_store(storage: Storage, entries, active: set[str], grace: floa
             committed_ids[e.name] = read_manifest(storage, e.name).save_id
         except CheckpointNotFoundError:
             age = _age(storage, e.name, now)
-            ids = _prefix_ids(storage, e.name)
-            if age is not None and age > grace and not (ids & active):
-                log.info("ckptlib: removing %s: no manifest and no write for %.0fs", e.name, age)
-                storage.delete_tree(e.name)
-                removed.append(e.name)
+            if age is not None and age > grace and not (_prefix_ids(storage, e.name) & active):
+                found.append(Debris(e.name, "", "step", age, True, f"no manifest and no write for {age:.0f}s"))
             continue
         except CorruptCheckpointError:
             continue  # evidence; never deleted by cleanup
-        for sid in _prefix_ids(storage, e.name):
+        for sid in sorted(_prefix_ids(storage, e.name)):
             if sid != committed_ids[e.name] and sid not in active:
-                storage.delete_tree(join(e.name, sid))
-                removed.append(join(e.name, sid))
-    list_uploads = getattr(storage, "list_uploads", None)
-    abort_upload = getattr(storage, "abort_upload", None)
-    if list_uploads is None or abort_upload is None:
-        return removed
-    for path, upload_id, started in list_uploads(""):
+                found.append(Debris(join(e.name, sid), sid, "prefix", None, True,
+                                    f"payloads of a save that did not commit {e.name}"))
+    for path, upload_id, started in storage.list_uploads(""):
         parts = path.split("/")
         sid = parts[1] if len(parts) > 2 else ""
         if sid in active:
             continue
         dead_prefix = parts[0] in committed_ids and sid != committed_ids[parts[0]]
         if dead_prefix or now - started > grace:
-            abort_upload(path, upload_id)
-            removed.append(f"{path} (upload {upload_id})")
-    return removed
+            why = "upload of a save that did not commit" if dead_prefix else "upload abandoned"
+            found.append(Debris(path, sid, "upload", now - started, True, why, upload_id))
+    return found
 
 
 def _delete_marker_last(storage: Storage, folder: str) -> None:
@@ -175,8 +274,5 @@ def _prefix_ids(storage: Storage, folder: str) -> set[str]:
 
 def _age(storage: Storage, folder: str, now: float) -> float | None:
     """Seconds since the newest write under ``folder`` (None: the backend cannot tell)."""
-    tree_modified = getattr(storage, "tree_modified", None)
-    if tree_modified is None:
-        return None
-    t = tree_modified(folder)
+    t = storage.tree_modified(folder)
     return None if t is None else now - t

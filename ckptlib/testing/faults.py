@@ -25,6 +25,7 @@ Thread-safe: the save and load paths call storage from several threads.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import threading
@@ -341,8 +342,21 @@ class FaultyStorage(_VerifyOnExit, Storage):
         self.injector = FaultInjector(faults, **kw)
 
 
-    def __getattr__(self, name: str) -> Any:  # optional extras: tree_modified, list_uploads...
+    def __getattr__(self, name: str) -> Any:  # backend-specific attributes (stats, fs, ...)
         return getattr(self.inner, name)
+
+    # Storage's optional extras have defaults, so they must be forwarded by name.
+    def tree_modified(self, path: str) -> float | None:
+        return self.inner.tree_modified(path)
+
+    def list_uploads(self, path: str = "") -> list[tuple[str, str, float]]:
+        return self.inner.list_uploads(path)
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        self.inner.abort_upload(path, upload_id)
+
+    def deadline(self, seconds: float) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.deadline(seconds)
 
     def _miss(self, path: str) -> None:
         if self.injector.hidden(path):

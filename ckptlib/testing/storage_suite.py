@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -107,9 +108,7 @@ class StorageSuite:
         w.write(os.urandom(1 << 20) * 11)
         w.abort()
         assert storage.size("big/aborted.bin") is None
-        uploads = getattr(storage, "list_uploads", None)
-        if uploads is not None:
-            assert uploads("") == []
+        assert storage.list_uploads("") == []
 
     def test_empty_file(self, storage: Storage) -> None:
         w = storage.open_write("e/empty.bin")
@@ -174,3 +173,14 @@ class StorageSuite:
         assert len(wins) == 1 and len(losses) == n - 1, (wins, losses)
         where = "race/manifest.json" if storage.supports_conditional_put else "race/step/manifest.json"
         assert storage.read(where) == f"writer {wins[0]}".encode()
+
+    def test_optional_extras(self, storage: Storage) -> None:
+        """The declared extras answer (a default or the backend's own), never AttributeError."""
+        storage.put_atomic("ex/a", b"1")
+        t = storage.tree_modified("ex")
+        assert t is None or abs(t - time.time()) < 3600
+        assert storage.tree_modified("missing-folder") is None
+        assert storage.list_uploads("ex") == []
+        storage.abort_upload("ex/never-started", "no-such-upload")
+        with storage.deadline(60.0):
+            assert storage.read("ex/a") == b"1"

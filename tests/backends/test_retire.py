@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
+from pathlib import Path
 
 from ckptlib.backends import open_storage
 from ckptlib.engine import retire
@@ -34,17 +37,85 @@ def test_marker_less_debris_of_ours_is_removed_foreign_is_kept(tmp_path):
     assert [e.name for e in s.listdir("")] == [foreign]
 
 
+def _record_deletions(storage, root: Path, monkeypatch) -> list[set[str]]:
+    """Spy on ``delete``/``delete_tree``: for each outermost call, the files it removed.
+    Listings put the marker first, so a rule that does not single it out fails."""
+    calls: list[set[str]] = []
+    depth = [0]
+
+    def files() -> set[str]:
+        return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+    def spying(real):
+        def spy(path: str) -> None:
+            before = files()
+            depth[0] += 1
+            try:
+                real(path)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                calls.append(before - files())
+        return spy
+
+    real_listdir = storage.listdir
+
+    def marker_first(path: str = ""):  # the rule must hold whatever order a listing has
+        return sorted(real_listdir(path), key=lambda e: e.name != layout.MARKER)
+
+    monkeypatch.setattr(storage, "listdir", marker_first)
+    monkeypatch.setattr(storage, "delete", spying(storage.delete))
+    monkeypatch.setattr(storage, "delete_tree", spying(storage.delete_tree))
+    return calls
+
+
+def _assert_marker_removed_alone_and_last(calls: list[set[str]]) -> None:
+    removed = [c for c in calls if c]
+    assert len(removed) >= 2, removed  # payloads and manifest went before the marker
+    last = removed[-1]
+    assert len(last) == 1 and next(iter(last)).endswith("/" + layout.MARKER), removed
+    assert not any(f.endswith("/" + layout.MARKER) for c in removed[:-1] for f in c), removed
+
+
 def test_delete_step_removes_marker_last(tmp_path, monkeypatch):
-    s = open_storage(tmp_path / "root")
+    root = tmp_path / "root"
+    s = open_storage(root)
     _fake(s, "step-000000000005", marker=True)
-    seen = []
-    real_delete = s.delete
-
-    def spy(path: str) -> None:
-        seen.append(path.rsplit("/", 1)[-1])
-        real_delete(path)
-
-    monkeypatch.setattr(s, "delete", spy)
+    calls = _record_deletions(s, root, monkeypatch)
     retire.delete_step(s, "step-000000000005")
-    assert layout.MARKER not in seen  # never deleted on its own before the rest
+    _assert_marker_removed_alone_and_last(calls)
     assert s.listdir("") == []
+
+
+def test_debris_cleanup_removes_marker_last(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    s = open_storage(root)
+    crashed = layout.tmp_dir("step-000000000006", uuid.uuid4().hex)
+    _fake(s, crashed, marker=True)
+    calls = _record_deletions(s, root, monkeypatch)
+    assert retire.clean_debris(s) == [crashed]
+    _assert_marker_removed_alone_and_last(calls)
+    assert s.listdir("") == []
+
+
+def test_one_rule_set_judged_from_inside_and_outside_the_job(tmp_path):
+    """The manager (knows its saves in flight) and ``ckptlib prune`` (does not) share
+    ``find_debris``; from outside, only a marked ``.tmp-`` folder older than ``min_age`` goes."""
+    s = open_storage(tmp_path / "root")
+    now = time.time()
+    folders = {}
+    for step, created in ((1, now - 7200), (2, now), (3, None)):
+        sid = uuid.uuid4().hex
+        name = layout.tmp_dir(layout.step_dir(step), sid)
+        s.put_atomic(f"{name}/{sid}/r00000-0.bin", b"payload")
+        if created is not None:
+            s.put_atomic(f"{name}/{layout.MARKER}", json.dumps({"created": created}).encode())
+        folders[step] = (name, sid)
+    old, young, unmarked = (folders[i][0] for i in (1, 2, 3))
+    outside = {d.path: d.removable for d in retire.find_debris(s, None, min_age=3600, now=now)}
+    assert outside == {old: True, young: False, unmarked: False}
+    inside = retire.find_debris(s, {folders[2][1]}, now=now)
+    assert {d.path: d.removable for d in inside} == {old: True, young: False, unmarked: True}
+    assert [d.why for d in inside if d.path == young] == ["a save in flight in this job"]
+    assert retire.remove_debris(s, inside) == [old, unmarked]
+    assert [e.name for e in s.listdir("")] == [young]
