@@ -1,39 +1,26 @@
-"""The save flow: one save session, every rank driving it in the same order.
+"""The save flow: :class:`SaveSession`, the one implementation of a save, and its users.
 
-:class:`SaveSession` is the one implementation of a save's protocol; its users are
-:func:`persist` (``CheckpointManager`` and ``ckptlib.save``) and the DCP writer
-(``ckptlib.integrations.dcp.writer``). Every rank calls, in this order, on one thread (the
-caller's thread for synchronous saves, the manager's persist thread or DCP's upload thread
-for asynchronous ones):
-
-1. :meth:`SaveSession.begin` (collective): the coordinator's save id is agreed, liveness
-   (heartbeats) starts, the coordinator prepares the staging area with
-   :func:`ckptlib.engine.commit.begin` and every rank learns the payload prefix;
-2. :meth:`SaveSession.write` (local, any number of times): this rank's payload chunks through
-   the one writer pipeline (:func:`ckptlib.engine.writer.write_files`), each call into new files;
-3. :meth:`SaveSession.finish` (collective): report done, wait for every rank under liveness,
-   gather the results, the coordinator builds the manifest and publishes it through
-   :func:`ckptlib.engine.commit.publish` (the commit point), and the outcome reaches every
-   rank through :meth:`Coordinator.share_outcome`. Every rank returns a :class:`SaveResult`
-   or raises the same :class:`CommitError`; the staging area is gone after a failure.
-
-``finish`` is :meth:`~SaveSession.collect` (every rank) + :meth:`~SaveSession.publish`
-(coordinator) + the shared outcome. A framework that carries the outcome itself (DCP: its
-``finish`` runs on the coordinator only and its collectives report the result) calls
-``collect`` on every rank, ``publish`` on the coordinator, then :meth:`~SaveSession.close`.
-:meth:`SaveSession.abort` (any rank, any time before the commit) ends the session and, on the
-coordinator, removes the staging area.
-
-Also here: :func:`prepare` (caller's thread) flattens ``state`` and fails fast on values that
-cannot be saved without pickle, before any I/O.
+Users: :func:`persist` (``CheckpointManager``, ``ckptlib.save``) and the DCP writer. Every
+rank calls, in this order, on one thread (the caller's, the manager's persist thread or DCP's
+upload thread): :meth:`~SaveSession.begin` (collective: save id agreed, liveness started, the
+coordinator opens the staging area with :func:`ckptlib.engine.commit.begin`, every rank learns
+the payload prefix) -> :meth:`~SaveSession.write` (local, any number of times: payload chunks
+through :func:`ckptlib.engine.writer.write_files`) -> :meth:`~SaveSession.finish` (collective:
+:meth:`~SaveSession.collect` -- done reported, every rank waited for under liveness, results
+gathered -- then :meth:`~SaveSession.publish` on the coordinator -- manifest built, committed by
+:func:`ckptlib.engine.commit.publish` -- and the outcome shared by
+:meth:`Coordinator.share_outcome`). Every rank returns a :class:`SaveResult` or raises the same
+:class:`CommitError`, the staging area removed. A framework that carries the outcome itself
+(DCP) calls ``collect`` on every rank, ``publish`` on the coordinator, then ``close``.
+:meth:`~SaveSession.abort` gives a save up before its commit.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,25 +116,13 @@ class SaveSession:
     """One save of the checkpoint folder ``final`` under ``storage`` (module docstring: who
     calls what, in which order). Not thread-safe: one thread per rank drives it."""
 
-    def __init__(
-        self,
-        storage: Storage,
-        final: str,
-        coord: Coordinator,
-        options: SaveOptions,
-        save_id: str,
-        step: int | None,
-        created: float,
-        deadline: float,
-        prefix: str,
-        staging: commit.Staging | None,
-    ) -> None:
+    def __init__(self, storage: Storage, final: str, coord: Coordinator, options: SaveOptions, save_id: str,
+                 step: int | None, created: float, deadline: float, prefix: str, staging: commit.Staging | None) -> None:
         """Use :meth:`begin`."""
         self.storage, self.final, self.coord, self.options = storage, final, coord, options
         self.save_id, self.step, self.created, self.deadline = save_id, step, created, deadline
         self.prefix = prefix
         """Where this rank's payload files go (relative to the storage root)."""
-        self.mode = staging.mode if staging else commit.commit_mode(storage)
         self._staging = staging  # the coordinator's only
         self._files: list[tuple[str, int]] = []
         self._chunks: list[Any] = []
@@ -157,26 +132,17 @@ class SaveSession:
         """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
 
     @classmethod
-    def begin(
-        cls,
-        storage: Storage,
-        final: str,
-        *,
-        step: int | None = None,
-        options: SaveOptions | None = None,
-        coordinator: Coordinator | None = None,
-        save_id: str | None = None,
-        created: float | None = None,
-    ) -> SaveSession:
+    def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
+              coordinator: Coordinator | None = None, save_id: str | None = None, created: float | None = None,
+              ) -> SaveSession:
         """Every rank (collective): start a save of ``final``. ``save_id`` and ``created`` are
         proposals; the coordinator's win. One deadline, ``options.timeout``, bounds the whole
         session. Raises :class:`CommitError` on every rank when the staging area cannot be made."""
         opts = options or SaveOptions()
         coord = coordinator or LocalCoordinator()
         deadline = time.monotonic() + opts.timeout
-        save_id, created = coord.agree(
-            [save_id or new_save_id(), time.time() if created is None else created], opts.timeout
-        )
+        save_id, created = coord.agree([save_id or new_save_id(), time.time() if created is None else created],
+                                       opts.timeout)
         coord.begin_session(save_id)
         try:
             staging: commit.Staging | None = None
@@ -188,9 +154,8 @@ class SaveSession:
                         staging = commit.begin(storage, final, save_id)
                 except (CheckpointError, OSError) as e:
                     error = f"{type(e).__name__}: {e}"
-            prefix, error = coord.agree(
-                (staging.payload_prefix if staging else None, error), max(0.1, deadline - time.monotonic())
-            )
+            prefix, error = coord.agree((staging.payload_prefix if staging else None, error),
+                                        max(0.1, deadline - time.monotonic()))
             if error:
                 raise _fail(storage, final, {0: error})
         except BaseException:
@@ -202,11 +167,9 @@ class SaveSession:
         """Seconds left before the session's deadline (at least 0.1)."""
         return max(0.1, self.deadline - time.monotonic())
 
-    @contextmanager
-    def bounded(self) -> Iterator[None]:
-        """``with session.bounded():`` -- storage operations inside end by the session's deadline."""
-        with deadline_scope(self.storage, self.left()):
-            yield
+    def bounded(self) -> AbstractContextManager[Any]:
+        """``with session.bounded():`` storage operations inside end by the session's deadline."""
+        return deadline_scope(self.storage, self.left())
 
     def split(self, name: str, tensor: torch.Tensor, offset: tuple[int, ...]) -> list[ChunkJob]:
         """The write jobs for ``tensor`` (a piece of tensor ``name`` at ``offset`` in it),
@@ -227,14 +190,8 @@ class SaveSession:
         self._files += files
         self._chunks += written
 
-    def collect(
-        self,
-        *,
-        tree: Any = None,
-        per_rank: Any = None,
-        shapes: dict[str, tuple[int, ...]] | None = None,
-        error: BaseException | None = None,
-    ) -> list[dict[str, Any]] | None:
+    def collect(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
+                error: BaseException | None = None) -> list[dict[str, Any]] | None:
         """Every rank (collective), after its writes: report done (``error``: this rank failed),
         wait for every rank under liveness, gather each rank's files, chunks, value ``tree``,
         ``per_rank`` values and global ``shapes`` of the tensors it wrote. Returns the list on
@@ -257,14 +214,8 @@ class SaveSession:
                 "shapes": shapes or {}}
         return coord.gather(mine, self.left())
 
-    def publish(
-        self,
-        results: list[dict[str, Any]],
-        *,
-        metadata: Any = None,
-        tree: Any = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
+    def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
+                extra: dict[str, Any] | None = None) -> None:
         """Coordinator, with :meth:`collect`'s results: build the manifest and commit it (the
         commit point). ``metadata``: the user metadata node (:func:`encode_metadata`);
         ``tree``: the value tree to record instead of merging the ranks' trees (an adapter that
@@ -296,16 +247,9 @@ class SaveSession:
         self._staging = None
         self.payload_bytes = sum(size for _, size in body["files"])
 
-    def finish(
-        self,
-        *,
-        tree: Any = None,
-        per_rank: Any = None,
-        shapes: dict[str, tuple[int, ...]] | None = None,
-        error: BaseException | None = None,
-        metadata: Any = None,
-        extra: dict[str, Any] | None = None,
-    ) -> SaveResult:
+    def finish(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
+               error: BaseException | None = None, metadata: Any = None, extra: dict[str, Any] | None = None,
+               ) -> SaveResult:
         """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
         outcome shared with every rank; the session is closed. Returns on every rank or raises
         the same :class:`CommitError` on every rank."""
