@@ -40,7 +40,6 @@ def save(
     """
     parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
-    storage.makedirs("")
     coordinator = default_coordinator()
     flat = save_flow.prepare(state, coordinator.rank)
     opts = save_flow.SaveOptions(compression=compression, overwrite=overwrite)

@@ -1,12 +1,18 @@
-"""The save flow: flatten -> (snapshot) -> write payloads -> gather -> commit.
+"""The save flow: :class:`SaveSession`, the one implementation of a save, and its users.
 
-Entry points, all called on every rank:
-- :func:`prepare` (caller's thread): flatten ``state`` into a tree and tensor items; fails
-  fast on values that cannot be saved without pickle, before any I/O.
-- :func:`persist` (caller's thread for synchronous saves, the manager's background thread
-  for async ones): writes this rank's payloads and runs the two-phase commit through the
-  :class:`~ckptlib.coord.coordinator.Coordinator`. Returns a :class:`SaveResult`, or raises
-  :class:`CommitError` on every rank, after removing the staging area.
+Users: :func:`persist` (``CheckpointManager``, ``ckptlib.save``) and the DCP writer. Every
+rank calls, in this order, on one thread (the caller's, the manager's persist thread or DCP's
+upload thread): :meth:`~SaveSession.begin` (collective: save id agreed, liveness started, the
+coordinator opens the staging area with :func:`ckptlib.engine.commit.begin`, every rank learns
+the payload prefix) -> :meth:`~SaveSession.write` (local, any number of times: payload chunks
+through :func:`ckptlib.engine.writer.write_files`) -> :meth:`~SaveSession.finish` (collective:
+:meth:`~SaveSession.collect` -- done reported, every rank waited for under liveness, results
+gathered -- then :meth:`~SaveSession.publish` on the coordinator -- manifest built, committed by
+:func:`ckptlib.engine.commit.publish` -- and the outcome shared by
+:meth:`Coordinator.share_outcome`). Every rank returns a :class:`SaveResult` or raises the same
+:class:`CommitError`, the staging area removed. A framework that carries the outcome itself
+(DCP) calls ``collect`` on every rank, ``publish`` on the coordinator, then ``close``.
+:meth:`~SaveSession.abort` gives a save up before its commit.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,7 @@ from ckptlib.errors import (
     StepExistsError,
     UnsupportedValueError,
 )
+from ckptlib.format import manifest as mf
 from ckptlib.format.build import build_body, encode_body
 from ckptlib.format.codec import codec_for
 from ckptlib.format.dtypes import dtype_name
@@ -97,6 +105,189 @@ def new_save_id() -> str:
     return uuid.uuid4().hex
 
 
+def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool = False) -> CommitError:
+    detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
+    timed_out = any(msg.startswith(("StorageTimeoutError", "CommitTimeoutError")) for msg in failures.values())
+    cls = StepExistsError if exists else CommitTimeoutError if timed_out else CommitError
+    return cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
+
+
+class SaveSession:
+    """One save of the checkpoint folder ``final`` under ``storage`` (module docstring: who
+    calls what, in which order). Not thread-safe: one thread per rank drives it."""
+
+    def __init__(self, storage: Storage, final: str, coord: Coordinator, options: SaveOptions, save_id: str,
+                 step: int | None, created: float, deadline: float, prefix: str, staging: commit.Staging | None) -> None:
+        """Use :meth:`begin`."""
+        self.storage, self.final, self.coord, self.options = storage, final, coord, options
+        self.save_id, self.step, self.created, self.deadline = save_id, step, created, deadline
+        self.prefix = prefix
+        """Where this rank's payload files go (relative to the storage root)."""
+        self._staging = staging  # the coordinator's only
+        self._files: list[tuple[str, int]] = []
+        self._chunks: list[Any] = []
+        self._writes = 0
+        self._open = True
+        self.payload_bytes = 0
+        """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
+
+    @classmethod
+    def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
+              coordinator: Coordinator | None = None, save_id: str | None = None, created: float | None = None,
+              ) -> SaveSession:
+        """Every rank (collective): start a save of ``final``. ``save_id`` and ``created`` are
+        proposals; the coordinator's win. One deadline, ``options.timeout``, bounds the whole
+        session. Raises :class:`CommitError` on every rank when the staging area cannot be made."""
+        opts = options or SaveOptions()
+        coord = coordinator or LocalCoordinator()
+        deadline = time.monotonic() + opts.timeout
+        save_id, created = coord.agree([save_id or new_save_id(), time.time() if created is None else created],
+                                       opts.timeout)
+        coord.begin_session(save_id)
+        try:
+            staging: commit.Staging | None = None
+            error = None
+            if coord.is_coordinator:
+                try:
+                    with deadline_scope(storage, opts.timeout):
+                        storage.makedirs("")
+                        staging = commit.begin(storage, final, save_id)
+                except (CheckpointError, OSError) as e:
+                    error = f"{type(e).__name__}: {e}"
+            prefix, error = coord.agree((staging.payload_prefix if staging else None, error),
+                                        max(0.1, deadline - time.monotonic()))
+            if error:
+                raise _fail(storage, final, {0: error})
+        except BaseException:
+            coord.end_session()
+            raise
+        return cls(storage, final, coord, opts, save_id, step, created, deadline, prefix, staging)
+
+    def left(self) -> float:
+        """Seconds left before the session's deadline (at least 0.1)."""
+        return max(0.1, self.deadline - time.monotonic())
+
+    def bounded(self) -> AbstractContextManager[Any]:
+        """``with session.bounded():`` storage operations inside end by the session's deadline."""
+        return deadline_scope(self.storage, self.left())
+
+    def split(self, name: str, tensor: torch.Tensor, offset: tuple[int, ...]) -> list[ChunkJob]:
+        """The write jobs for ``tensor`` (a piece of tensor ``name`` at ``offset`` in it),
+        chunked by ``options.chunk_bytes``; copied to CPU only when needed."""
+        return split_chunks(name, cpu_contiguous(tensor), offset, self.options.chunk_bytes)
+
+    def write(self, jobs: list[ChunkJob]) -> None:
+        """This rank: write ``jobs`` into new payload files (checksummed, compressed per
+        ``options``) and remember them for :meth:`collect`. Raises on failure; the caller then
+        passes the error to :meth:`finish`/:meth:`collect`, which fails the save on every rank."""
+        tag = f"p{self._writes}" if self._writes else ""
+        self._writes += 1
+        with self.bounded():
+            files, written = write_files(
+                self.storage, self.prefix, self.coord.rank, jobs, compression=self.options.compression,
+                num_files=self.options.num_files, tag=tag, timeout=self.left(),
+            )
+        self._files += files
+        self._chunks += written
+
+    def collect(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
+                error: BaseException | None = None) -> list[dict[str, Any]] | None:
+        """Every rank (collective), after its writes: report done (``error``: this rank failed),
+        wait for every rank under liveness, gather each rank's files, chunks, value ``tree``,
+        ``per_rank`` values and global ``shapes`` of the tensors it wrote. Returns the list on
+        the coordinator, None elsewhere. Raises :class:`CommitError` on every rank (the staging
+        area removed, the session closed) when a rank failed or died."""
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        if msg is None:
+            crashpoints.point("before_commit", self.coord.rank)
+        coord = self.coord
+        coord.report_done(msg)
+        if coord.is_coordinator:
+            failures = coord.wait_all_done(self.deadline)
+            coord.release(failures)
+        else:
+            failures = coord.wait_release(self.deadline)
+        if failures:
+            self.abort()
+            raise _fail(self.storage, self.final, failures)
+        mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
+                "shapes": shapes or {}}
+        return coord.gather(mine, self.left())
+
+    def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
+                extra: dict[str, Any] | None = None) -> None:
+        """Coordinator, with :meth:`collect`'s results: build the manifest and commit it (the
+        commit point). ``metadata``: the user metadata node (:func:`encode_metadata`);
+        ``tree``: the value tree to record instead of merging the ranks' trees (an adapter that
+        maps its own items to tensors); ``extra``: the manifest's ``extra`` (adapter data, JSON).
+        On failure the staging area is removed and :class:`CommitError` (or
+        :class:`StepExistsError`) raised."""
+        staging = self._staging
+        if staging is None:
+            raise CommitError("publish() runs on the coordinator of an open session")
+        try:
+            with paused_gc():
+                if tree is None:
+                    one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
+                    tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
+                body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
+                                  staging.payload_prefix, tree=tree)
+                body["extra"] = extra or {}
+                data = encode_body(body)
+            if extra:  # adapter data: never publish what a reader would refuse
+                mf.decode(data, f"{self.storage.url}/{staging.final}/{mf.MANIFEST_NAME}")
+            with self.bounded():
+                commit.publish(self.storage, staging, data, overwrite=self.options.overwrite)
+        except TreeMismatch as e:
+            self.abort()
+            raise _fail(self.storage, self.final, {0: str(e)}) from e
+        except Exception as e:
+            self.abort()
+            raise _fail(self.storage, self.final, {0: f"{type(e).__name__}: {e}"},
+                        isinstance(e, FileExistsError)) from e
+        self._staging = None
+        self.payload_bytes = sum(size for _, size in body["files"])
+
+    def finish(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
+               error: BaseException | None = None, metadata: Any = None, extra: dict[str, Any] | None = None,
+               ) -> SaveResult:
+        """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
+        outcome shared with every rank; the session is closed. Returns on every rank or raises
+        the same :class:`CommitError` on every rank."""
+        try:
+            results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
+            outcome: dict[str, Any] | None = None
+            if self.coord.is_coordinator:
+                assert results is not None
+                outcome = {"failures": {}}
+                try:
+                    self.publish(results, metadata=metadata, extra=extra)
+                except CommitError as e:
+                    outcome = {"failures": e.failures or {0: str(e)}, "exists": isinstance(e, StepExistsError)}
+            outcome = self.coord.share_outcome(outcome, self.deadline)
+            if outcome["failures"]:
+                failures = {int(k): v for k, v in outcome["failures"].items()}
+                raise _fail(self.storage, self.final, failures, bool(outcome.get("exists")))
+            return SaveResult(self.save_id, self.payload_bytes)
+        finally:
+            self.close()
+
+    def abort(self) -> None:
+        """Any rank, before the commit: give the save up. The coordinator removes the staging
+        area (best effort); every rank stops liveness. Idempotent."""
+        if self._staging is not None:
+            with self.bounded():
+                commit.abort(self.storage, self._staging)
+            self._staging = None
+        self.close()
+
+    def close(self) -> None:
+        """End the session on this rank (liveness stops). Idempotent."""
+        if self._open:
+            self._open = False
+            self.coord.end_session()
+
+
 def persist(
     storage: Storage,
     final: str,
@@ -110,26 +301,35 @@ def persist(
     created: float | None = None,
     rounds: Iterable[list[TensorItem]] | None = None,
 ) -> SaveResult:
-    """Write this rank's share of ``flat`` and take part in the commit (every rank calls it).
+    """Save ``flat`` through a :class:`SaveSession` (every rank calls it): begin, plan who
+    writes what, write, finish. Returns a :class:`SaveResult` or raises :class:`CommitError`
+    on every rank, after removing the staging area.
 
     ``rounds`` (async saves streamed through a staging budget, see engine/snapshot.py):
     the tensors to write, handed out one round at a time; each round is written to its own
     files before the next is requested, and ``flat.items`` then only supplies names and
     shapes. A round that raises fails this rank's part of the save.
     """
-    opts = options or SaveOptions()
-    coord = coordinator or LocalCoordinator()
-    deadline = time.monotonic() + opts.timeout
-    created = time.time() if created is None else created
     meta_tree = encode_metadata(metadata)
-    save_id = coord.agree(save_id or new_save_id(), opts.timeout)
-    coord.begin_session(save_id)
+    session = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator,
+                                save_id=save_id, created=created)
     try:
-        # One deadline for the whole save: every storage operation inside is bounded by it.
-        with deadline_scope(storage, opts.timeout):
-            return _persist(storage, final, flat, step, meta_tree, opts, coord, save_id, created, deadline, rounds)
+        items = _plan(session, flat.items)
+        mine = {it.name for it in items}
+        error: BaseException | None = None
+        try:
+            for rnd in [items] if rounds is None else rounds:
+                with paused_gc():
+                    jobs = [j for it in rnd if it.name in mine
+                            for j in session.split(it.name, it.tensor, it.global_offset)]
+                session.write(jobs)
+        except Exception as e:  # any failure must still reach the commit protocol and abort
+            error = e
+        shapes = {it.name: it.global_shape for it in flat.items}
+        return session.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
+                              metadata=meta_tree)
     finally:
-        coord.end_session()
+        session.abort()  # a no-op after finish
 
 
 def _describe(it: TensorItem) -> PieceDesc:
@@ -138,146 +338,26 @@ def _describe(it: TensorItem) -> PieceDesc:
                      dtype_name(t.dtype), it.global_shape)
 
 
-def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool = False) -> CommitError:
-    detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
-    timed_out = any(msg.startswith(("StorageTimeoutError", "CommitTimeoutError")) for msg in failures.values())
-    cls = StepExistsError if exists else CommitTimeoutError if timed_out else CommitError
-    return cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
-
-
-def _persist(
-    storage: Storage,
-    final: str,
-    flat: FlatState,
-    step: int | None,
-    meta_tree: Any,
-    opts: SaveOptions,
-    coord: Coordinator,
-    save_id: str,
-    created: float,
-    deadline: float,
-    rounds: Iterable[list[TensorItem]] | None = None,
-) -> SaveResult:
-    # 1. The coordinator prepares the staging area; everyone learns where to write.
-    staging: commit.Staging | None = None
-    begin_error = None
+def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
+    """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
+    (the coordinator plans). Raises :class:`CommitError` on every rank when planning fails."""
+    coord = session.coord
+    if coord.world_size <= 1:
+        return items
+    rep = [it for it in items if it.replicated]
+    shd = [it for it in items if not it.replicated]
+    rep_desc = [_describe(it) for it in rep]
+    mine_in = (digest(rep_desc), rep_desc if coord.is_coordinator else None, [_describe(it) for it in shd])
+    everyone = coord.gather(mine_in, session.left())
+    plans: list[Any] | None = None
     if coord.is_coordinator:
+        assert everyone is not None
         try:
-            staging = commit.begin(storage, final, save_id)
-        except (CheckpointError, OSError) as e:
-            begin_error = f"{type(e).__name__}: {e}"
-    prefix, begin_error = coord.agree((staging.payload_prefix if staging else None, begin_error), _left(deadline))
-    if begin_error:
-        raise _fail(storage, final, {0: begin_error})
-
-    # 2. Who writes what: replicas deduplicated, bytes balanced (coordinator plans).
-    items = flat.items
-    if coord.world_size > 1:
-        rep = [it for it in items if it.replicated]
-        shd = [it for it in items if not it.replicated]
-        rep_desc = [_describe(it) for it in rep]
-        mine_in = (digest(rep_desc), rep_desc if coord.is_coordinator else None, [_describe(it) for it in shd])
-        everyone = coord.gather(mine_in, _left(deadline))
-        plans: list[Any] | None = None
-        if coord.is_coordinator:
-            assert everyone is not None
-            try:
-                plans = [("ok", p) for p in assign(everyone[0][1], [e[0] for e in everyone], [e[2] for e in everyone])]
-            except PlanError as e:
-                plans = [("error", str(e))] * coord.world_size
-        status, plan = coord.scatter(plans, _left(deadline))
-        if status == "error":
-            if staging is not None:
-                commit.abort(storage, staging)
-            raise _fail(storage, final, {0: plan})
-        items = [rep[i] for i in plan.replicated] + [shd[i] for i in plan.sharded]
-
-    # 3. Write; report; the coordinator waits for every rank (or judges it dead).
-    result: dict[str, Any]
-    error: str | None = None
-    try:
-        if rounds is None:
-            jobs: list[ChunkJob] = []
-            with paused_gc():
-                for it in items:
-                    jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
-            files, written = write_files(
-                storage, prefix, coord.rank, jobs, compression=opts.compression, num_files=opts.num_files,
-                timeout=_left(deadline),
-            )
-        else:
-            files, written = _write_rounds(storage, prefix, coord.rank, rounds, items, opts)
-        crashpoints.point("before_commit", coord.rank)
-        result = {"files": files, "chunks": written, "tree": flat.tree, "per_rank": flat.per_rank,
-                  "shapes": {it.name: it.global_shape for it in flat.items}}
-    except Exception as e:  # any failure must still reach the commit protocol and abort
-        error = f"{type(e).__name__}: {e}"
-        result = {"error": error}
-    coord.report_done(error)
-    if coord.is_coordinator:
-        failures = coord.wait_all_done(deadline)
-        coord.release(failures)
-    else:
-        failures = coord.wait_release(deadline)
-    if failures:
-        if staging is not None:
-            commit.abort(storage, staging)
-        raise _fail(storage, final, failures)
-
-    # 4. Everyone is alive and wrote: gather results, publish, agree on the outcome.
-    results = coord.gather(result, _left(deadline))
-    outcome: dict[str, Any] = {"failures": {}}
-    body: dict[str, Any] | None = None
-    if coord.is_coordinator:
-        assert results is not None and staging is not None
-        failures = {r: res["error"] for r, res in enumerate(results) if "error" in res}
-        try:
-            if failures:
-                raise CommitError("some ranks failed")
-            with paused_gc():
-                one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
-                tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
-                body = build_body(results, step, save_id, created, staging.mode, meta_tree, staging.payload_prefix,
-                                  tree=tree)
-                data = encode_body(body)
-            commit.publish(storage, staging, data, overwrite=opts.overwrite)
-        except TreeMismatch as e:
-            outcome = {"failures": {0: str(e)}}
-        except Exception as e:
-            outcome = {"failures": failures or {0: f"{type(e).__name__}: {e}"}, "exists": isinstance(e, FileExistsError)}
-        if outcome["failures"]:
-            commit.abort(storage, staging)
-    outcome = coord.share_outcome(outcome if coord.is_coordinator else None, deadline)
-    if outcome["failures"]:
-        raise _fail(storage, final, {int(k): v for k, v in outcome["failures"].items()}, bool(outcome.get("exists")))
-    return SaveResult(save_id, sum(size for _, size in body["files"]) if body else 0)
-
-
-def _write_rounds(
-    storage: Storage,
-    prefix: str,
-    rank: int,
-    rounds: Iterable[list[TensorItem]],
-    items: list[TensorItem],
-    opts: SaveOptions,
-) -> tuple[list[tuple[str, int]], list[Any]]:
-    """Write streamed rounds, each into its own files; only this rank's assigned items."""
-    mine = {it.name for it in items}
-    files: list[tuple[str, int]] = []
-    written: list[Any] = []
-    for k, rnd in enumerate(rounds):
-        jobs: list[ChunkJob] = []
-        for it in rnd:
-            if it.name in mine:
-                jobs.extend(split_chunks(it.name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes))
-        f, w = write_files(
-            storage, prefix, rank, jobs, compression=opts.compression, num_files=opts.num_files,
-            tag=f"p{k}" if k else "", timeout=opts.timeout,
-        )
-        files += f
-        written += w
-    return files, written
-
-
-def _left(deadline: float) -> float:
-    return max(0.1, deadline - time.monotonic())
+            plans = [("ok", p) for p in assign(everyone[0][1], [e[0] for e in everyone], [e[2] for e in everyone])]
+        except PlanError as e:
+            plans = [("error", str(e))] * coord.world_size
+    status, plan = coord.scatter(plans, session.left())
+    if status == "error":
+        session.abort()
+        raise _fail(session.storage, session.final, {0: plan})
+    return [rep[i] for i in plan.replicated] + [shd[i] for i in plan.sharded]

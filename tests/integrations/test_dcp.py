@@ -1,11 +1,12 @@
-"""torch.distributed.checkpoint through ckptlib (ckptlib/integrations/dcp.py).
+"""torch.distributed.checkpoint through ckptlib (the package ckptlib/integrations/dcp/).
 
 In-process tests (no process group: DCP runs single-process) cover the format, the backends,
 the bytes policy and corruption handling. The multi-process tests run real gloo jobs of
 tests/workers/dcp_worker.py: FSDP2 training on 2 ranks and plain training on 1 rank, a real
 SIGKILL of a rank in the middle of writing a save, resume with ``load_latest``, and bitwise
 comparison of parameters and optimizer state with uninterrupted runs; the 2-rank checkpoint is
-also loaded into an unsharded model in this process (2 -> 1 ranks, DCP resharding).
+also loaded into an unsharded model in this process (2 -> 1 ranks, DCP resharding). A rank
+frozen with SIGSTOP inside ``load_latest`` fails the other within the coordinator's deadline.
 """
 
 from __future__ import annotations
@@ -270,17 +271,20 @@ def test_writer_pickles_for_process_based_async(tmp_path):
 STEPS, KILL_AT = 4, 3
 
 
-def _launch(root: Path, world: int, args: dict) -> list[subprocess.Popen]:
+def _launch(
+    root: Path, world: int, args: dict, scenario: str = "train", extra_env: dict | None = None
+) -> list[subprocess.Popen]:
     root.mkdir(parents=True, exist_ok=True)
     port = dcp_worker_port()
     env = dict(os.environ)
     env.pop("CKPTLIB_TEST_KILL_AT", None)
+    env.update(extra_env or {})
     return [
         subprocess.Popen(
             [
                 sys.executable,
                 str(WORKER),
-                "train",
+                scenario,
                 str(r),
                 str(world),
                 str(port),
@@ -318,8 +322,8 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]
     return out
 
 
-def _result(root: Path, tag: str, rank: int) -> dict:
-    p = root / f"result-train-{tag}-{rank}.json"
+def _result(root: Path, tag: str, rank: int, scenario: str = "train") -> dict:
+    p = root / f"result-{scenario}-{tag}-{rank}.json"
     return json.loads(p.read_text()) if p.exists() else {"crash": "no result"}
 
 
@@ -334,7 +338,8 @@ def _npz_equal(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Phase 1: uninterrupted 2-rank run, 2-rank run whose rank 1 is SIGKILLed while writing
-    step 3 (async saves), 1-rank run SIGKILLed the same way. Phase 2: both resumed."""
+    step 3 (async saves; rank 0 then fails that save), 1-rank run SIGKILLed the same way.
+    Phase 2: both resumed."""
     base = tmp_path_factory.mktemp("dcpjobs")
     ref2, k2, k1 = base / "ref2", base / "k2", base / "k1"
     p_ref = _launch(ref2, 2, {"steps": STEPS, "tag": "ref"})
@@ -378,7 +383,11 @@ def test_sigkill_mid_save_then_resume_is_bitwise_equal(jobs, world):
     assert logs[victim][0] == -9, (logs, _result(root, "kill", victim), listing)  # a real SIGKILL
     assert latest is not None and latest.step == KILL_AT - 1, listing
     assert "step-000000000003" not in listing  # never visible...
-    assert any(n.startswith("step-000000000003.tmp-") for n in listing), listing  # ...though begun
+    if world == 1:  # ...though begun: the killed coordinator leaves its staging folder
+        assert any(n.startswith("step-000000000003.tmp-") for n in listing), listing
+    else:  # the surviving coordinator failed the save (no hang) and removed its staging folder
+        assert "crash" in _result(root, "kill", 0) and logs[0][0] == 3, logs[0]
+        assert not any(n.startswith("step-000000000003") for n in listing), listing
 
     for rank, (rc, log) in enumerate(jobs["resume_logs"][f"k{world}"]):
         res = _result(root, "resume", rank)
@@ -399,3 +408,46 @@ def test_two_rank_fsdp_checkpoint_loads_on_one_rank(jobs):
     assert dcp_worker.reshard(base / "ref2", base / "reshard.npz") == STEPS
     _npz_equal(base / "reshard.npz", base / "ref2" / "final-ref.npz")
     shutil.rmtree(base / "ref2" / "ckpt", ignore_errors=True)
+
+
+COORD_TIMEOUT = 5.0
+
+
+def test_frozen_rank_during_load_latest_fails_the_others_within_the_deadline(tmp_path):
+    """load_latest agrees through ckptlib's coordinator: a rank frozen (SIGSTOP) inside the
+    resume loop makes the other rank raise a ckptlib error within the coordinator's deadline,
+    instead of waiting in DCP's collectives on the training group (20 s here) or forever."""
+    dcp.save({"w": torch.arange(8.0), "step": 1}, storage_writer=CkptlibWriter(tmp_path / "ckpt", step=1))
+    env = {"CKPTLIB_COORD_TIMEOUT": str(COORD_TIMEOUT)}
+
+    # Control: nobody frozen, both ranks load the step.
+    for rc, log in _wait(_launch(tmp_path, 2, {"tag": "ok"}, "load", env), 240):
+        assert rc == 0, log
+    for rank in range(2):
+        res = _result(tmp_path, "ok", rank, "load")
+        assert res.get("step") == 1 and res["state_step"] == 1, res
+        assert res["w"] == list(map(float, range(8)))
+
+    kill_log = tmp_path / "kill.log"
+    env.update(CKPTLIB_TEST_KILL_AT="restore:1:STOP", CKPTLIB_TEST_KILL_LOG=str(kill_log))
+    procs = _launch(tmp_path, 2, {"tag": "stop"}, "load", env)
+    try:
+        try:
+            log0, _ = procs[0].communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 hung although rank 1 was frozen")
+        frozen = procs[1].poll() is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # SIGKILL ends a stopped process too; only the processes started here
+            p.communicate(timeout=30)
+    assert procs[0].returncode == 0, log0.decode(errors="replace")
+    fired = [json.loads(line) for line in kill_log.read_text().splitlines()]
+    assert [(f["phase"], f["rank"]) for f in fired] == [("restore", 1)], fired
+    assert frozen, "rank 1 should still be frozen when rank 0 gave up"
+    res = _result(tmp_path, "stop", 0, "load")
+    assert res.get("ckptlib") is True, res  # a typed ckptlib error, not a hang or a raw gloo error
+    elapsed = res["t_error"] - fired[0]["time"]
+    assert 0 < elapsed < 3 * COORD_TIMEOUT + 5, (elapsed, res)
+    assert not (tmp_path / "result-load-stop-1.json").exists()

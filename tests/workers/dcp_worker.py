@@ -12,6 +12,10 @@ Scenarios:
   ``kill_at``: SIGKILL rank ``victim`` while it writes the payload of that step's save (a
   real kill, from ckptlib's named crash point ``write``). At the end rank 0 writes the full
   (unsharded) model and optimizer state to ``ROOT/final-<tag>.npz``.
+- ``load``: every rank calls ``load_latest`` on ``ROOT/ckpt`` (a checkpoint of ``{"w", "step"}``
+  made by the test) and records the step and values, or the error it raised with the wall
+  time (``t_error``); the test freezes a rank with ``CKPTLIB_TEST_KILL_AT=restore:<rank>:STOP``.
+  The process then exits at once (a peer may be frozen: no barrier, no teardown).
 With world size 1 the model is not sharded. The test process imports :func:`reference` (an
 uninterrupted single-process run) and :func:`reshard` (load into a plain model, any saved
 world size) from this module.
@@ -25,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptlib import crashpoints as hooks
+from ckptlib.errors import CheckpointError
 from ckptlib.integrations.dcp import CkptlibWriter, load_latest
 
 IN, HID, OUT = 24, 40, 6
@@ -152,15 +158,30 @@ def reshard(root: Path, out: Path) -> int | None:
     return loaded
 
 
+def load_once(root: Path) -> dict:
+    """Scenario ``load``: one ``load_latest``; the outcome, or the error and when it came."""
+    state = {"w": torch.zeros(8), "step": -1}
+    try:
+        step = load_latest(state, root / "ckpt")
+    except Exception as e:
+        return {"error_type": type(e).__name__, "ckptlib": isinstance(e, CheckpointError),
+                "error": str(e)[:2000], "t_error": time.time()}
+    return {"step": step, "state_step": state["step"], "w": state["w"].tolist()}
+
+
 def main() -> None:
     scenario, rank, world, port, root, args = sys.argv[1:7]
     rank, world, root, args = int(rank), int(world), Path(root), json.loads(args)
     out = root / f"result-{scenario}-{args['tag']}-{rank}.json"
     try:
-        if scenario != "train":
+        if scenario not in ("train", "load"):
             raise ValueError(f"unknown scenario {scenario!r}")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+        if scenario == "load":
+            out.write_text(json.dumps(load_once(root)))
+            sys.stdout.flush()
+            os._exit(0)
         res = train(rank, world, root, args)
         dist.barrier()
         dist.destroy_process_group()

@@ -1,0 +1,326 @@
+"""``CkptlibWriter``: a DCP ``StorageWriter`` that saves through ckptlib's save session.
+
+Who calls what (DCP drives; every method runs on the thread that called ``dcp.save`` -- for
+``dcp.async_save`` that is DCP's upload thread -- on every rank unless noted). The writer maps
+DCP's calls onto :class:`ckptlib.engine.save.SaveSession`, over ckptlib's coordinator
+(``default_coordinator()``: the whole job, its own gloo group, every wait with a deadline):
+
+``reset`` (only if a ``checkpoint_id`` is given) -> ``storage_meta`` -> ``set_up_storage_writer``
+-> ``prepare_local_plan`` (every rank: :meth:`SaveSession.begin` -- save id agreed, liveness
+started, staging area opened, payload prefix known) -> ``prepare_global_plan`` (coordinator:
+stamps the save id into every plan, to refuse cached plans) -> ``write_data`` (every rank: its
+items through :meth:`SaveSession.write`, then :meth:`SaveSession.collect`: every rank done and
+alive, or :class:`CommitError` on every rank) -> ``finish`` (coordinator: the value tree and
+DCP's metadata as JSON in the manifest's ``extra["dcp"]``, committed by
+:meth:`SaveSession.publish` -- the commit point). DCP's own collectives carry the outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptlib.coord.coordinator import default_coordinator
+from ckptlib.engine.save import DEFAULT_CHUNK_BYTES, SaveOptions, SaveSession
+from ckptlib.engine.writer import ChunkJob
+from ckptlib.errors import CheckpointError, CommitError, UnsupportedValueError
+from ckptlib.format.dtypes import NAMES
+from ckptlib.integrations.dcp.location import Located
+from ckptlib.integrations.dcp.metadata import (
+    DCP_VERSION,
+    EXTRA_KEY,
+    KINDS,
+    NOT_PLAIN,
+    StoredItem,
+    metadata_to_json,
+    plain_node,
+)
+
+log = logging.getLogger("ckptlib")
+
+ROUND_BYTES = 1 << 30
+"""``write_data`` resolves (copies to CPU) and writes at most about this many bytes at a time."""
+
+
+@dataclass(frozen=True, slots=True)
+class _WritePlan:
+    """``SavePlan.storage_data`` set by the coordinator: the save this plan was made for."""
+
+    save_id: str
+
+
+class CkptlibWriter(Located, StorageWriter):
+    """A DCP ``StorageWriter`` that saves one ckptlib checkpoint folder.
+
+    ``url`` is the checkpoint folder (any ckptlib URL: a local path, ``memory://...``,
+    ``s3://bucket/...``); with ``step`` it is the root and the folder is ``step-<step>``
+    under it (the layout :func:`load_latest` scans). ``dcp.save(checkpoint_id=...)`` replaces
+    ``url`` (a folder URL). One instance may be reused for several saves, one at a time.
+
+    ``allow_pickled_objects``: store non-plain values as DCP's ``torch.save`` bytes (see the
+    package docstring); off by default, such values raise ``UnsupportedValueError``.
+    ``overwrite``: replace a committed checkpoint already at the folder (else
+    ``StepExistsError``). ``clean_debris``: after a commit, remove the leftovers of crashed
+    saves under the root (as ``CheckpointManager`` does). ``timeout``: deadline of the whole
+    save, from ``prepare_local_plan`` to the commit.
+
+    The save's coordination runs over the whole job (ckptlib's coordinator): ``dcp.save``'s
+    ``process_group`` must span every rank, with DCP's coordinator on rank 0 (the defaults).
+    Instances are picklable before a save starts (``AsyncCheckpointerType.PROCESS``).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | None = None,
+        *,
+        step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        compression: str | None = None,
+        overwrite: bool = False,
+        allow_pickled_objects: bool = False,
+        num_files: int = 2,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float = 600.0,
+        clean_debris: bool = True,
+    ) -> None:
+        super().__init__()
+        SaveOptions(compression=compression)  # ValueError for an unknown codec, now
+        self.compression = compression
+        self.overwrite = overwrite
+        self.num_files = num_files
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self.url = None if url is None else os.fspath(url)
+        self.step = step
+        self.storage_options = storage_options
+        self.allow_pickled_objects = allow_pickled_objects
+        self.clean_debris = clean_debris
+        self._storage = None
+        self._storage_url = None
+        self._session: SaveSession | None = None
+        self._results: list[dict[str, Any]] | None = None
+        self.last_save_id: str | None = None
+        """Save id of the last checkpoint this writer committed."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_storage=None, _storage_url=None, _session=None, _results=None)
+        return state
+
+    # -- StorageWriter
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """DCP: a new save; ``checkpoint_id`` (if given) is the checkpoint folder URL."""
+        if checkpoint_id:
+            self.url = os.fspath(checkpoint_id)
+            self.step = None
+        self._abort()
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise CheckpointError(
+                "dcp.save(use_collectives=False) is not supported by ckptlib: its commit needs the "
+                "coordinator to see every rank's results"
+            )
+        self._abort()  # a previous save of this instance that never reached finish()
+        if is_coordinator != default_coordinator().is_coordinator:
+            raise CheckpointError(
+                "ckptlib's DCP writer needs DCP's coordinator to be rank 0 of the job "
+                "(dcp.save with the default coordinator_rank and a process group spanning every rank)"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Every rank (collective over ckptlib's coordinator): begin the save session."""
+        storage, name, step = self.open_target()
+        opts = SaveOptions(compression=self.compression, chunk_bytes=self.chunk_bytes, num_files=self.num_files,
+                           timeout=self.timeout, overwrite=self.overwrite)
+        self._session = SaveSession.begin(storage, name, step=step, options=opts, coordinator=default_coordinator())
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: stamp the save id into every plan (``write_data`` refuses stale plans)."""
+        if self._session is None:
+            raise CommitError("prepare_global_plan() without prepare_local_plan() on this writer")
+        wp = _WritePlan(self._session.save_id)
+        return [dataclasses.replace(p, storage_data=wp) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: write this rank's items, then wait until every rank wrote (collective).
+
+        A failure on any rank fails this call on every rank (this rank's own error, or a
+        :class:`CommitError` naming the failed ranks); the staging area is then removed."""
+        session = self._session
+        if session is None:
+            raise CommitError("write_data() without prepare_local_plan() on this writer")
+        error: BaseException | None = None
+        shapes: dict[str, tuple[int, ...]] = {}
+        results: list[WriteResult] = []
+        try:
+            wp = plan.storage_data
+            if getattr(planner, "_enable_plan_caching", False) or not isinstance(wp, _WritePlan):
+                raise CheckpointError(
+                    "ckptlib's DCP writer needs a fresh plan for every save: DCP plan caching "
+                    "(enable_plan_caching=True) is not supported"
+                )
+            if wp.save_id != session.save_id:
+                raise CommitError(f"a plan for save {wp.save_id}, not {session.save_id} (stale plan)")
+            results = self._write(session, plan.items, planner, shapes)
+        except Exception as e:  # every rank must reach collect(), which fails the save everywhere
+            error = e
+        try:
+            self._results = session.collect(shapes=shapes, error=error)
+        except CommitError:
+            self._session = None
+            if error is not None:
+                raise error from None  # this rank's own error says more
+            raise
+        if not session.coord.is_coordinator:
+            session.close()  # the outcome reaches this rank through DCP's collectives
+            self._session = None
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write(
+        self, session: SaveSession, items: list[WriteItem], planner: SavePlanner,
+        shapes: dict[str, tuple[int, ...]],
+    ) -> list[WriteResult]:
+        stored: list[tuple[WriteItem, StoredItem, int]] = []
+        pending: list[WriteItem] = []
+        pending_bytes = 0
+
+        def flush() -> None:
+            nonlocal pending, pending_bytes
+            jobs: list[ChunkJob] = []
+            for item in pending:
+                jobs.extend(self._jobs(session, item, planner, shapes, stored))
+            session.write(jobs)
+            pending, pending_bytes = [], 0
+
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                value = planner.lookup_object(item.index) if hasattr(planner, "lookup_object") else NOT_PLAIN
+                node = NOT_PLAIN if value is NOT_PLAIN else plain_node(value)
+                if node is not NOT_PLAIN:
+                    stored.append((item, StoredItem("json", node), 0))
+                    continue
+                if not self.allow_pickled_objects:
+                    raise UnsupportedValueError(
+                        f"{item.index.fqn}: a {type(value).__name__} value would be stored as pickle; "
+                        "convert it to a plain value (None, bool, int, float, str, bytes, list, tuple, "
+                        "dict) or pass allow_pickled_objects=True to the writer and the reader"
+                    )
+            size = item.tensor_storage_size() or 0
+            if pending and pending_bytes + size > ROUND_BYTES:
+                flush()
+            pending.append(item)
+            pending_bytes += size
+        if pending:
+            flush()
+        return [WriteResult(index=item.index, size_in_bytes=n, storage_data=s) for item, s, n in stored]
+
+    @staticmethod
+    def _jobs(
+        session: SaveSession,
+        item: WriteItem,
+        planner: SavePlanner,
+        shapes: dict[str, tuple[int, ...]],
+        stored: list[tuple[WriteItem, StoredItem, int]],
+    ) -> list[ChunkJob]:
+        fqn = item.index.fqn
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            shapes[fqn] = (t.numel(),)
+            stored.append((item, StoredItem("pickle"), t.numel()))
+            return session.split(fqn, t, (0,))
+        td = item.tensor_data
+        if not isinstance(data, torch.Tensor) or td is None:
+            raise UnsupportedValueError(f"{fqn}: the planner resolved a tensor item to {type(data).__name__}")
+        if data.dtype not in NAMES:
+            raise UnsupportedValueError(f"{fqn}: ckptlib cannot store dtype {data.dtype}")
+        if tuple(data.shape) != tuple(td.chunk.sizes):
+            raise CommitError(f"{fqn}: resolved shape {list(data.shape)} != planned chunk {list(td.chunk.sizes)}")
+        shapes[fqn] = tuple(int(s) for s in td.size)
+        stored.append((item, StoredItem("tensor"), data.numel() * data.element_size()))
+        return session.split(fqn, data, tuple(int(o) for o in td.chunk.offsets))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator, after every rank wrote: record DCP's items and commit atomically."""
+        session, gathered = self._session, self._results
+        if session is None or gathered is None:
+            raise CommitError("finish() without write_data() on this writer")
+        self._session = self._results = None
+        try:
+            tree, extra = self._describe(metadata, results, session)
+            session.publish(gathered, tree=tree, extra={EXTRA_KEY: extra})
+        except BaseException as e:
+            session.abort()
+            if isinstance(e, CommitError | KeyboardInterrupt | SystemExit):
+                raise
+            raise CommitError(f"{session.storage.url}/{session.final} was not committed: {type(e).__name__}: {e}") from e
+        session.close()
+        self.last_save_id = session.save_id
+        if self.clean_debris:
+            try:
+                from ckptlib.engine import retire
+
+                retire.clean_debris(session.storage, {session.save_id})
+            except Exception as e:  # never fails a committed save
+                log.warning("ckptlib: cleaning debris after the DCP save failed: %s", e)
+
+    def _describe(
+        self, metadata: Metadata, results: list[list[WriteResult]], session: SaveSession
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The manifest's value tree (DCP keys -> tensor refs and plain values) and DCP's
+        metadata as JSON, from every rank's write results."""
+        stored: dict[MetadataIndex, StoredItem] = {}
+        items: list[list[Any]] = []
+        seen: set[str] = set()
+        for res in results:
+            for wr in res:
+                s: StoredItem = wr.storage_data
+                if s.kind not in KINDS:
+                    raise CommitError(f"unknown storage record {s.kind!r}")
+                stored[wr.index] = StoredItem(s.kind)
+                fqn = wr.index.fqn
+                if fqn in seen:
+                    if s.kind != "tensor":
+                        raise CommitError(f"{fqn}: non-tensor value written by two ranks")
+                    continue
+                seen.add(fqn)
+                node = {"tensor": {"t": "tensor", "ref": fqn}, "pickle": {"t": "bytes", "ref": fqn}}.get(s.kind, s.node)
+                items.append([fqn, node])
+        missing = [k for k in metadata.state_dict_metadata if k not in seen]
+        if missing:
+            raise CommitError(f"no rank wrote {missing[:5]}")
+        metadata.version = metadata.version or DCP_VERSION
+        metadata.storage_data = stored
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id)
+        metadata.storage_meta.save_id = session.save_id
+        order = {k: i for i, k in enumerate(metadata.state_dict_metadata)}
+        items.sort(key=lambda kv: order.get(kv[0], len(order)))
+        return {"t": "dict", "items": items}, metadata_to_json(metadata, stored)
+
+    def _abort(self) -> None:
+        if self._session is not None:
+            self._session.abort()
+        self._session = self._results = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike)
