@@ -52,10 +52,7 @@ def engine_class() -> type:
         _engine_cls = type(
             "CkptlibCheckpointEngine",
             (EngineMixin, CheckpointEngine),
-            {
-                "__doc__": EngineMixin.__doc__,
-                "__module__": __name__,
-            },
+            {"__doc__": EngineMixin.__doc__, "__module__": __name__},
         )
     return _engine_cls
 

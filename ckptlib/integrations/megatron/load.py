@@ -9,12 +9,12 @@ after checking it against the manifest. :func:`register` makes them Megatron's d
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
 from megatron.core.dist_checkpointing.mapping import (
     CheckpointingException,
     ShardedObject,
@@ -105,9 +105,9 @@ class LoadStrategy(mbase.LoadShardedStrategy):
                 return _Holder(plan.fresh(objects[x.unique_key]))
             return x
 
-        out = map_leaves(one, sharded_state_dict)
+        out = dict_list_map_outplace(one, sharded_state_dict)
         run_plan(plan, storage, FOLDER, m, verify=self.verify, threads=self.threads)
-        return map_leaves(lambda x: resolve_lazy(x.value) if isinstance(x, _Holder) else x, out)
+        return dict_list_map_outplace(lambda x: resolve_lazy(x.value) if isinstance(x, _Holder) else x, out)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, ShardedTensor]:
         _, m, saved, _ = _open(os.fspath(checkpoint_dir))
@@ -152,15 +152,6 @@ def _objects(saved: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class _Holder:
     value: Any
-
-
-def map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
-    """A copy of the dicts and lists of ``x`` with ``fn`` applied to every other value."""
-    if isinstance(x, dict):
-        return {k: map_leaves(fn, v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [map_leaves(fn, v) for v in x]
-    return fn(x)
 
 
 class LoadCommonStrategy(mbase.LoadCommonStrategy):

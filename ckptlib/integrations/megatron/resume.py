@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
 from ckptlib.backends import open_storage
@@ -24,7 +25,7 @@ from ckptlib.engine.resume import Candidate, resume_newest
 from ckptlib.engine.scan import check_step
 from ckptlib.errors import CheckpointError
 from ckptlib.integrations.megatron.layout import BACKEND, FOLDER, ITER_RE, check_common, metadata
-from ckptlib.integrations.megatron.load import LoadCommonStrategy, LoadStrategy, map_leaves
+from ckptlib.integrations.megatron.load import LoadCommonStrategy, LoadStrategy
 
 
 def iteration_dir(save_dir: str | os.PathLike[str], iteration: int) -> str:
@@ -122,7 +123,7 @@ def load_latest(
         return [Candidate(i.iteration, i.path, i.status, i.reason) for i in iterations(save_dir)]
 
     def attempt(c: Candidate) -> Any:
-        sd = sharded_state_dict() if callable(sharded_state_dict) else map_leaves(lambda x: x, sharded_state_dict)
+        sd = sharded_state_dict() if callable(sharded_state_dict) else dict_list_map_outplace(lambda x: x, sharded_state_dict)
         return mdc.load(
             sd, c.folder, sharded_strategy=LoadStrategy(), common_strategy=LoadCommonStrategy(), **kwargs
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedStateDict,
@@ -41,20 +42,6 @@ from ckptlib.integrations.megatron.layout import (
 from ckptlib.plan.flatten import FlatState, TensorItem, escape, flatten
 
 
-def _leaves(sd: Any) -> list[Any]:
-    out: list[Any] = []
-    stack = [sd]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            stack.extend(reversed(list(x.values())))
-        elif isinstance(x, list | tuple):
-            stack.extend(reversed(x))
-        else:
-            out.append(x)
-    return out
-
-
 def _tensor_name(key: str) -> str:
     return f"/tensors/{escape(key)}"
 
@@ -69,7 +56,7 @@ def _build(
     pieces: list[tuple[ShardedTensor, torch.Tensor]] = []
     objects: dict[str, Any] = {}
     keys: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for leaf in _leaves(sd):
+    for leaf in nested_values(sd):  # dicts and lists, as Megatron's own walks
         if isinstance(leaf, ShardedTensor):
             t = piece(leaf)
             keys[leaf.key] = (dtype_name(leaf.dtype), tuple(leaf.global_shape))
