@@ -1,10 +1,19 @@
 """The DeepSpeed ``CheckpointEngine`` that stores through ckptlib (built by :func:`.install`).
 
-DeepSpeed calls it on the training thread, every rank: ``create(info)`` once per tag,
-``makedirs``/``save(state_dict, path)`` for the files this rank writes, ``commit(info)``
-(collective: one ckptlib save of every rank's files, values converted by :mod:`.codec`), and
-``load(path)`` per file when loading (tags found by :mod:`.tags`). ``deepspeed`` is imported
-only by :func:`engine_class`, the first time :func:`.install` runs.
+- One DeepSpeed tag is one ckptlib step (``step-N`` under the root, ``N`` the engine's
+  ``global_steps`` unless ``step_fn`` says otherwise). The tag is in the manifest metadata.
+- Every file DeepSpeed asks to write under ``<save_dir>/<tag>/`` (``mp_rank_00_model_states.pt``,
+  ``zero_pp_rank_R_mp_rank_00_optim_states.pt``, ...) becomes one entry of the step's state:
+  ``{"files": PerRank({file name: state dict})}``; each rank writes the files it was given.
+- Nothing is written before ``commit(tag)``: DeepSpeed calls ``create`` -> ``save`` (per file)
+  -> ``commit`` on every rank (training thread), all inside one ``save_checkpoint`` call, and
+  the state dicts are held by reference until then (DeepSpeed does not mutate them in between).
+  ``commit`` (collective) converts values (:mod:`.codec`) and runs ckptlib's one save/commit
+  protocol, so the tag becomes visible all at once or not at all, and only *after* that does
+  DeepSpeed write its own ``latest`` file.
+- ``load(path)`` (per rank, per file) reads only that file's tensors, checksummed while
+  reading; a mismatch raises :class:`~ckptlib.errors.CorruptCheckpointError`. Tags are found
+  by :mod:`.tags`. ``deepspeed`` is imported by :func:`engine_class`, on the first install.
 """
 
 from __future__ import annotations

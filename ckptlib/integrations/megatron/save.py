@@ -2,8 +2,18 @@
 
 Called by ``dist_checkpointing.save`` on the training thread of every rank, after Megatron
 wrote ``common.pt`` (rank 0): :meth:`SaveStrategy.save` (synchronous) or ``async_save``, which
-snapshots this rank's pieces and returns an ``AsyncRequest`` whose ``async_fn`` writes and
-commits (ckptlib's save flow); run it with :func:`schedule` (a thread) or ``execute_sync()``.
+gathers the tensor keys of all ranks (one collective), copies this rank's main-replica pieces
+to CPU and returns an ``AsyncRequest`` whose ``async_fn`` writes and commits (ckptlib's save
+flow); run it with :func:`schedule` (a thread) or ``execute_sync()``. Megatron then appends
+its own finalize step that writes ``metadata.json``.
+
+Mapping: a ShardedTensor becomes one piece ``(key, global_offset, local box)`` of the global
+tensor ``key``; pieces whose ``replica_id`` is not main are not written; ``prepend_axis_num``
+axes are added as size-1 axes. ShardedObjects (main replicas) are stored in a per-rank node,
+found again by ``unique_key`` on load whatever the world size; their values must be
+JSON-typed (None, bool, int, float, str, bytes, list, tuple, dict with str/int keys) and may
+contain tensors. Anything else raises :class:`ckptlib.errors.UnsupportedValueError` before
+any I/O.
 """
 
 from __future__ import annotations
