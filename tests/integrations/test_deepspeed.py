@@ -12,6 +12,9 @@ recorded and left on disk:
    a different data-parallel size (2 -> 1) for stage 0 (full state) and stage 2 (weights only).
 4. ``resume`` (2 ranks): stages 2 and 3 resume with the helper, bitwise-equal to global_step2
    (stage 0 resumed bitwise in step 3, on one rank).
+
+Then, on its own (``test_frozen_rank_during_resume_fails_within_the_deadline``): ``freeze``
+(2 ranks), one rank SIGSTOPped inside ``ckds.resume``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import pytest
 
 import ckptlib
 from ckptlib.integrations import deepspeed as ckds
+from ckptlib.integrations.deepspeed import codec
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "ds_worker.py"
 STAGES = [0, 2, 3]
@@ -46,8 +50,15 @@ def _free_port() -> int:
 
 
 def _job(
-    scenario: str, world: int, root: Path, args: dict, timeout: float = 150
-) -> tuple[list[int], list[dict]]:
+    scenario: str,
+    world: int,
+    root: Path,
+    args: dict,
+    timeout: float = 150,
+    survivors: list[int] | None = None,
+) -> tuple[list[int | None], list[dict]]:
+    """Run ``scenario`` on ``world`` ranks; wait for the ``survivors`` (default: all), then
+    SIGKILL any rank still there (a frozen one: its code is None)."""
     port = str(_free_port())
     env = {
         **os.environ,
@@ -77,8 +88,11 @@ def _job(
                 )
             )
     end = time.monotonic() + timeout
-    codes = []
-    for p in procs:
+    codes: list[int | None] = []
+    for rank, p in enumerate(procs):
+        if survivors is not None and rank not in survivors:
+            codes.append(p.poll())
+            continue
         try:
             codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
         except subprocess.TimeoutExpired:
@@ -89,6 +103,10 @@ def _job(
             raise AssertionError(
                 f"{scenario} did not finish in {timeout}s; logs in {root}"
             ) from None
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     results = []
     for rank in range(world):
         path = root / f"result-{scenario}-{rank}.json"
@@ -241,6 +259,23 @@ def test_resume_on_other_data_parallel_size(ds_run):
     assert single["z2"]["digest"]["params"] == ds_run["train"][0]["z2"]["2"]["params"]
 
 
+@needs_deepspeed
+def test_frozen_rank_during_resume_fails_within_the_deadline(ds_run):
+    """Rank 1 freezes (SIGSTOP) inside ``ckds.resume``, before its first attempt: rank 0
+    raises a ckptlib error within the coordinator's deadline instead of hanging in a gloo
+    collective; rank 1 was frozen (still alive), not dead, until the test killed it."""
+    root, deadline = ds_run["root"], 6.0  # CKPTLIB_COORD_TIMEOUT in _job
+    codes, res = _job("freeze", 2, root, {}, survivors=[0])
+    assert codes == [0, None], codes  # rank 1 was still there (frozen) when rank 0 was done
+    assert "freeze" not in res[1]
+    got = res[0]["freeze"]
+    assert got["error"] is not None and got["error"].startswith(("CommitError", "CheckpointError")), got
+    sent = [json.loads(line) for line in (root / "freeze-signal.jsonl").read_text().splitlines()]
+    assert [(s["phase"], s["rank"]) for s in sent] == [("restore", 1)], sent
+    waited = got["at"] - sent[0]["time"]
+    assert 0 < waited < deadline + 20.0, f"rank 0 raised {waited:.1f}s after rank 1 froze"
+
+
 # --------------------------------------------------------------------------- in-process units
 
 
@@ -305,4 +340,4 @@ def test_unsupported_and_hostile_values():
         back = ckds.decode_value(ckds.encode_value(o))
         assert type(back) is Opaque and back.n == 3
     finally:
-        ckds._registered.pop(ckds._qualname(Opaque))
+        codec._registered.pop(codec._qualname(Opaque))

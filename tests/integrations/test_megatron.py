@@ -252,6 +252,26 @@ def test_replicas_are_written_once(phase1):
     assert m.world_size == 2 and m.step == 8
 
 
+def test_frozen_rank_during_load_latest_fails_within_the_deadline(phase1, tmp_path):
+    """Rank 1 freezes (SIGSTOP) inside ``load_latest`` before its first attempt: rank 0
+    raises a ckptlib error within the coordinator's deadline instead of hanging in
+    ``dist_checkpointing.load``; rank 1 was frozen (still alive), not dead."""
+    deadline = 5.0
+    ckpt = phase1["base"] / "ref" / "ckpt"
+    job = Job("freeze", 2, tmp_path, {"save_dir": str(ckpt), "tp": 2, "deadline": deadline})
+    rc0 = job.wait_rank(0)
+    frozen = job.procs[1].poll() is None
+    job.sigkill_rest()
+    assert rc0 == 0 and frozen, (rc0, frozen)
+    got = json.loads((tmp_path / "result-freeze-0.json").read_text())
+    assert "crash" not in got, got["crash"]
+    assert got["error"] is not None and got["error"].startswith(("CommitError", "CheckpointError")), got
+    sent = [json.loads(line) for line in (tmp_path / "freeze-signal.jsonl").read_text().splitlines()]
+    assert [(s["phase"], s["rank"]) for s in sent] == [("restore", 1)], sent
+    waited = got["at"] - sent[0]["time"]
+    assert 0 < waited < deadline + 20.0, f"rank 0 raised {waited:.1f}s after rank 1 froze"
+
+
 @pytest.mark.skipif(
     not os.environ.get("CKPTLIB_CHAOS_FULL"), reason="long matrix: CKPTLIB_CHAOS_FULL=1"
 )

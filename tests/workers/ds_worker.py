@@ -15,6 +15,9 @@ killed job still leaves what it got to):
 - ``single`` (1 rank, stage 0 and 2 checkpoints written by 2 ranks): DeepSpeed's own load of a
   bit-flipped torch checkpoint; ckptlib's ``engine.load_checkpoint`` of a bit-flipped step via
   DeepSpeed's ``latest``; the resume helper on a different data-parallel size.
+- ``freeze`` (2 ranks, after ``train``): rank 1 stops itself (SIGSTOP, crash point ``restore``)
+  inside ``ckds.resume`` of the stage 0 checkpoints; rank 0 records the error it raised and
+  when (``time.time()``). The test SIGKILLs the frozen rank.
 
 Nothing may compile: every DeepSpeed op build is made to raise.
 """
@@ -289,6 +292,27 @@ def sc_single(
     out.put("z2", {"tag": res.tag, "digest": digests(engine)})
 
 
+def sc_freeze(
+    ds: Any, rank: int, world: int, root: str, args: dict[str, Any], out: Results
+) -> None:
+    import time
+
+    from ckptlib import crashpoints
+    from ckptlib.errors import CheckpointError
+    from ckptlib.integrations import deepspeed as ckds
+
+    engine = make_engine(ds, 0)
+    ckds.install(engine)  # creates the coordinator (deadline: CKPTLIB_COORD_TIMEOUT)
+    os.environ["CKPTLIB_TEST_KILL_AT"] = "restore:1:STOP"
+    os.environ["CKPTLIB_TEST_KILL_LOG"] = os.path.join(root, "freeze-signal.jsonl")
+    crashpoints.configure()
+    try:
+        res = ckds.resume(engine, os.path.join(root, "z0"))
+        out.put("freeze", {"error": None, "tag": res.tag, "at": time.time()})
+    except CheckpointError as e:
+        out.put("freeze", {"error": f"{type(e).__name__}: {e}", "at": time.time()})
+
+
 def main() -> int:
     scenario, rank, world, port, root = (
         sys.argv[1],
@@ -308,7 +332,7 @@ def main() -> int:
     except Exception:
         out.put("crash", traceback.format_exc())
     sys.stdout.flush()
-    if "crash" in out.data or "killed_save" in out.data:
+    if "crash" in out.data or "killed_save" in out.data or scenario == "freeze":
         os._exit(0)  # the group is broken (a peer died); leave without gloo teardown
     dist.barrier()
     dist.destroy_process_group()

@@ -314,7 +314,27 @@ def sc_torch_dist(rank: int, world: int, root: str, args: dict) -> dict:
     return out
 
 
-SCENARIOS = {"train": sc_train, "load": sc_load, "torch_dist": sc_torch_dist}
+def sc_freeze(rank: int, world: int, root: str, args: dict) -> dict:
+    """Rank 1 stops itself (SIGSTOP, crash point ``restore``) inside ``load_latest``; rank 0
+    returns the error it raised and when (``time.time()``). The test SIGKILLs rank 1."""
+    from ckptlib import crashpoints
+    from ckptlib.errors import CheckpointError
+    from ckptlib.integrations import megatron as ck
+
+    os.environ["CKPTLIB_COORD_TIMEOUT"] = str(args["deadline"])  # read when load_latest creates it
+    m = setup(rank, world, int(args["port"]), int(args.get("tp", world)))
+    sd = m.sharded_state_dict(0, world, rank, with_rng=False)
+    os.environ["CKPTLIB_TEST_KILL_AT"] = "restore:1:STOP"
+    os.environ["CKPTLIB_TEST_KILL_LOG"] = str(Path(root) / "freeze-signal.jsonl")
+    crashpoints.configure()
+    try:
+        it, _ = ck.load_latest(sd, args["save_dir"])
+        return {"error": None, "iteration": it, "at": time.time()}
+    except CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}", "at": time.time()}
+
+
+SCENARIOS = {"train": sc_train, "load": sc_load, "torch_dist": sc_torch_dist, "freeze": sc_freeze}
 
 
 def main() -> None:
@@ -335,6 +355,8 @@ def main() -> None:
         out_path.write_text(json.dumps(res))
         sys.exit(1)
     out_path.write_text(json.dumps(res))
+    if scenario == "freeze":
+        os._exit(0)  # a peer is frozen: leave without gloo teardown
 
 
 if __name__ == "__main__":

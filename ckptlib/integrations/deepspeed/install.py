@@ -1,0 +1,115 @@
+"""Install ckptlib's checkpoint engine into a DeepSpeed engine instance.
+
+:func:`install` runs on the training thread of every rank, once, after
+``deepspeed.initialize`` (collective: it creates the coordinator). It swaps
+``engine.checkpoint_engine`` for :mod:`.engine`'s class and patches two methods of that one
+engine instance (:func:`patch_engine`). :func:`engine_of` is how :mod:`.resume` finds it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ckptlib.coord.coordinator import Coordinator, default_coordinator
+from ckptlib.errors import CheckpointError
+from ckptlib.integrations.deepspeed.engine import EngineMixin, engine_class
+
+
+def install(
+    engine: Any,
+    url: str | os.PathLike[str] | None = None,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    compression: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    save_timeout: float = 600.0,
+    step_fn: Callable[[Any, str], int] | None = None,
+    coordinator: Coordinator | None = None,
+) -> Any:
+    """Make ``engine.save_checkpoint``/``load_checkpoint`` store through ckptlib. Collective:
+    every rank calls it once, after ``deepspeed.initialize``, in the same order.
+
+    ``url``: the ckptlib root for every save (any backend: path, ``file://``, ``s3://``,
+    ``memory://``); None stores each ``save_dir`` passed to ``save_checkpoint`` as its own
+    root (DeepSpeed still writes its ``latest`` hint file there). ``keep_last``/
+    ``keep_every``: ckptlib retention. ``step_fn(engine, tag)``: the ckptlib step number of a
+    save (default: ``engine.global_steps``); steps must grow for :func:`resume` to pick the
+    newest. Returns the new checkpoint engine (also ``engine.checkpoint_engine``); the one it
+    replaced is its ``previous`` attribute.
+    """
+    if url is not None:
+        url = os.fspath(url)
+        if "://" not in url:
+            url = os.path.abspath(url)
+    if step_fn is None:
+
+        def step_of(tag: str) -> int:
+            return int(engine.global_steps)
+    else:
+
+        def step_of(tag: str) -> int:
+            return int(step_fn(engine, tag))
+
+    cls = engine_class()
+    ce = cls(
+        url,
+        coordinator=coordinator or default_coordinator(),
+        step_fn=step_of,
+        previous=getattr(engine, "checkpoint_engine", None),
+        manager_options={
+            "keep_last": keep_last,
+            "keep_every": keep_every,
+            "compression": compression,
+            "save_timeout": save_timeout,
+        },
+        storage_options=storage_options,
+    )
+    engine.checkpoint_engine = ce
+    patch_engine(engine, ce)
+    return ce
+
+
+def patch_engine(engine: Any, ce: Any) -> None:
+    """DeepSpeed finds model-state files with ``glob`` on the local disk; ours live in ckptlib.
+    Replace that one lookup, on this engine instance only, with a match on the tag's files;
+    and wrap this instance's ``load_checkpoint`` so that caches are dropped when it returns."""
+    original = type(engine)._get_all_ckpt_names
+
+    def _get_all_ckpt_names(checkpoints_path: str, tag: str) -> list[str]:
+        if engine.checkpoint_engine is not ce:
+            return original(engine, checkpoints_path, tag)
+        ce.forget_views()  # every load_checkpoint re-reads the manifest
+        universal = engine.load_universal_checkpoint()
+        pattern = engine._get_ckpt_name(
+            checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0" if universal else None
+        )
+        want = os.path.basename(pattern)
+        names = [
+            n for n in ce.list_files(checkpoints_path, str(tag)) if fnmatch.fnmatchcase(n, want)
+        ]
+        return [ce.token(checkpoints_path, str(tag), n) for n in names]
+
+    engine._get_all_ckpt_names = _get_all_ckpt_names
+    load_checkpoint = engine.load_checkpoint
+
+    @functools.wraps(load_checkpoint)
+    def load_checkpoint_then_release(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return load_checkpoint(*args, **kwargs)
+        finally:
+            ce.forget_views()  # never keep a loaded copy of the state alive after the load
+
+    engine.load_checkpoint = load_checkpoint_then_release
+
+
+def engine_of(engine: Any) -> Any:
+    """The ckptlib checkpoint engine installed in ``engine``; ``CheckpointError`` if none."""
+    ce = getattr(engine, "checkpoint_engine", None)
+    if not isinstance(ce, EngineMixin):
+        raise CheckpointError("call ckptlib.integrations.deepspeed.install(engine) first")
+    return ce

@@ -1,0 +1,142 @@
+"""Resume a DeepSpeed engine from the newest consistent tag, on ckptlib's one resume loop.
+
+:func:`resume` (and :func:`newest_consistent`, its first half) run on the training thread of
+every rank, in the same order, after :func:`.install`. They call
+:func:`ckptlib.engine.resume.resume_newest`: the coordinator lists the steps (a candidate's
+``extra`` is its DeepSpeed tag), the ranks meet with the coordinator's deadlines, each rank
+checksums a byte-balanced share of the step's files (the attempt), and a damaged step is
+skipped on every rank together. Only then does :func:`resume` call DeepSpeed's own
+``engine.load_checkpoint`` for the agreed tag.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptlib.backends import Storage, open_storage
+from ckptlib.engine.resume import Candidate, resume_newest
+from ckptlib.engine.scan import check_files, read_manifest, scan
+from ckptlib.engine.verify import verify_chunks
+from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.integrations.deepspeed.install import engine_of
+from ckptlib.integrations.deepspeed.tags import tag_of
+
+log = logging.getLogger("ckptlib")
+
+
+@dataclass
+class ResumeResult:
+    """What :func:`resume` did. ``tag`` is None when there was nothing to resume from."""
+
+    tag: str | None = None
+    step: int | None = None
+    load_path: str | None = None
+    client_state: dict[str, Any] | None = None
+    skipped: list[str] = field(default_factory=list)
+    """One line per newer step that was not used, with the reason."""
+
+
+def share(files: list[tuple[str, int]], world: int) -> list[list[int]]:
+    """File indices per rank, balanced by bytes (largest first). Same answer on every rank."""
+    out: list[list[int]] = [[] for _ in range(world)]
+    heap = [(0, r) for r in range(world)]
+    for i in sorted(range(len(files)), key=lambda i: (-files[i][1], i)):
+        load, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (load + files[i][1], r))
+    return out
+
+
+def candidates(storage: Storage) -> list[Candidate]:
+    """Every step (ckptlib's scan), newest first, ``extra`` = its tag; a committed step
+    without a readable tag is ``corrupt``. Runs on the coordinator only."""
+    try:
+        infos = scan(storage)
+    except CheckpointNotFoundError:
+        return []
+    out = []
+    for i in infos:
+        status, reason, tag = i.status, i.reason, None
+        if status == "committed" and i.manifest is not None:
+            try:
+                tag = tag_of(i.manifest, f"{storage.url}/{i.path}")
+            except CorruptCheckpointError as e:
+                status, reason = "corrupt", str(e)
+            if tag is None and status == "committed":
+                status, reason = "corrupt", "not a DeepSpeed checkpoint (no tag in metadata)"
+        out.append(Candidate(i.step, i.path, status, reason, tag))
+    return out
+
+
+def _damaged(e: BaseException) -> str | None:
+    if isinstance(e, CorruptCheckpointError):
+        return str(e)
+    return f"vanished: {e}" if isinstance(e, CheckpointNotFoundError) else None
+
+
+def newest_consistent(
+    engine: Any,
+    load_dir: str | os.PathLike[str] | None = None,
+    *,
+    verify: bool = True,
+    timeout: float = 600.0,
+) -> tuple[str | None, int | None, list[str]]:
+    """``(tag, step, skipped)``: the newest step whose manifest, file sizes and (``verify``)
+    every checksum are good, checked on all ranks together. Collective. ``tag`` is None when
+    no step exists; raises ``CorruptCheckpointError`` when steps exist but none is usable, and
+    a ckptlib error on every rank when a rank fails otherwise, dies or freezes (within the
+    coordinator's deadline)."""
+    ce = engine_of(engine)
+    if load_dir is None and ce.url is None:
+        raise ValueError("pass load_dir (or install with a url)")
+    root = ce.root_for(os.fspath(load_dir) if load_dir is not None else "")
+    storage = open_storage(root, ce.storage_options)
+    coord = ce.coordinator
+
+    def verify_share(c: Candidate) -> None:
+        if verify:
+            m = read_manifest(storage, c.folder)
+            check_files(storage, c.folder, m)
+            mine = share([(f.path, f.size) for f in m.files], coord.world_size)[coord.rank]
+            verify_chunks(storage, c.folder, m, files=set(mine))
+
+    got = resume_newest(
+        coord, lambda: candidates(storage), verify_share, timeout=timeout, where=root, damaged=_damaged
+    )
+    if got is None:
+        return None, None, []
+    return got.candidate.extra, got.candidate.step, got.skipped
+
+
+def resume(
+    engine: Any,
+    load_dir: str | os.PathLike[str] | None = None,
+    *,
+    verify: bool = True,
+    timeout: float = 600.0,
+    **load_checkpoint_kwargs: Any,
+) -> ResumeResult:
+    """Load the newest consistent tag into ``engine`` (collective; every rank calls it).
+
+    Ignores DeepSpeed's ``latest`` file: the ranks agree on the candidates ckptlib's scan
+    finds, deep-verify the newest (each rank checks a byte-balanced share of its files), skip
+    it on every rank together if anything is wrong, and only then call
+    ``engine.load_checkpoint(load_dir, tag=..., **load_checkpoint_kwargs)``. With
+    ``verify=False`` the checksum pass is skipped (the load still verifies what it reads and
+    raises on a mismatch, but can no longer fall back). Returns a :class:`ResumeResult`
+    (``tag`` None: nothing saved yet, the engine is untouched).
+    """
+    ce = engine_of(engine)
+    tag, step, skipped = newest_consistent(engine, load_dir, verify=verify, timeout=timeout)
+    result = ResumeResult(skipped=skipped)
+    if tag is not None:
+        ds_dir = os.fspath(load_dir) if load_dir is not None else ce.url
+        load_path, client_state = engine.load_checkpoint(ds_dir, tag=tag, **load_checkpoint_kwargs)
+        result = ResumeResult(tag, step, load_path, client_state, skipped)
+        log.info("ckptlib: resumed DeepSpeed tag %s (step %d)", tag, step)
+    ce.last_resume = result
+    return result

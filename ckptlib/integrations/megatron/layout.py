@@ -1,0 +1,93 @@
+"""What a Megatron checkpoint directory written through ckptlib holds, and checks on it.
+
+One directory (e.g. ``save_dir/iter_0000100``)::
+
+    common.pt        written by Megatron (torch.save, rank 0); its xxh3 and size are
+                     recorded in our manifest and checked before it is read
+    ckptlib/         one ckptlib checkpoint (manifest.json + payloads), committed atomically
+    metadata.json    written by Megatron last: {"sharded_backend": "ckptlib", ...}
+
+Nothing is unpickled on load except ``common.pt``, read with ``torch.load(weights_only=True)``
+after its checksum matched. Used on the training thread by :mod:`.save`, :mod:`.load` and
+:mod:`.resume`: names, the ShardedTensor -> box view (:func:`piece`), the ``common.pt`` record.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from ckptlib.backends import open_storage
+from ckptlib.engine.scan import read_manifest
+from ckptlib.errors import CorruptCheckpointError, UnsupportedValueError
+from ckptlib.format import tree as tree_codec
+from ckptlib.format.checksum import checksum
+
+BACKEND = "ckptlib"
+VERSION = 1
+FOLDER = "ckptlib"
+"""Sub-folder of a Megatron checkpoint directory that holds the ckptlib checkpoint."""
+COMMON = "common.pt"
+ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def piece(st: ShardedTensor) -> torch.Tensor:
+    """The local data viewed with the global tensor's rank (prepended axes as size 1)."""
+    if st.flattened_range is not None:
+        raise UnsupportedValueError(
+            f"ShardedTensor {st.key!r} has a flattened_range; ckptlib stores boxes only "
+            "(Megatron-Core 0.16 rejects flattened ranges too): save the unflattened tensor"
+        )
+    if st.data is None:
+        raise UnsupportedValueError(f"ShardedTensor {st.key!r} has no data")
+    t = st.data
+    for _ in range(st.prepend_axis_num):
+        t = t.unsqueeze(0)
+    if tuple(t.shape) != (1,) * st.prepend_axis_num + tuple(st.local_shape):
+        raise UnsupportedValueError(
+            f"ShardedTensor {st.key!r}: data shape {list(st.data.shape)} != local_shape"
+        )
+    return t
+
+
+def common_record(checkpoint_dir: str) -> dict[str, Any] | None:
+    """Size and xxh3 of ``common.pt`` (None if absent), recorded by the save strategy."""
+    p = Path(checkpoint_dir) / COMMON
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        return None
+    return {"file": COMMON, "size": len(data), "xxh3_64": checksum(data)}
+
+
+def iteration_of(checkpoint_dir: str) -> int | None:
+    """The iteration an ``iter_NNNNNNN`` folder names (None for other names)."""
+    m = ITER_RE.match(Path(checkpoint_dir).name)
+    return int(m.group(1)) if m else None
+
+
+def check_common(checkpoint_dir: str, meta: Any) -> None:
+    """``CorruptCheckpointError`` unless ``common.pt`` matches the record in ``meta``."""
+    rec = (meta or {}).get("megatron", {}).get("common") if isinstance(meta, dict) else None
+    where = os.path.join(checkpoint_dir, COMMON)
+    if rec is None:
+        return
+    try:
+        data = Path(where).read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError("common.pt is missing", where) from None
+    if len(data) != rec["size"] or checksum(data) != rec["xxh3_64"]:
+        raise CorruptCheckpointError(
+            "common.pt does not match the checksum recorded in the manifest", where
+        )
+
+
+def metadata(checkpoint_dir: str) -> Any:
+    """The decoded metadata of the ckptlib checkpoint in ``checkpoint_dir``."""
+    m = read_manifest(open_storage(checkpoint_dir), FOLDER)
+    return tree_codec.decode(m.metadata, (), os.path.join(checkpoint_dir, FOLDER, "manifest.json"))
