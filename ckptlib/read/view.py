@@ -28,7 +28,7 @@ from ckptlib.format.dtypes import DTYPES, ITEMSIZE
 from ckptlib.format.manifest import MANIFEST_NAME, Manifest
 from ckptlib.read.index import Index, plan_box
 
-BLOCK_BYTES = 64 << 20
+BLOCK_BYTES = 32 << 20
 """Largest block :meth:`CheckpointView.blocks` reads at once (bounds export/diff memory)."""
 
 
