@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptlib.backends import Storage, join, open_storage
+from ckptlib.engine import hugepages
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import check_files, check_step, read_manifest, scan
@@ -90,7 +91,8 @@ class CheckpointView:
 
     def blocks(self, name: str, max_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, torch.Tensor]]:
         """``(row, block)`` pairs covering the tensor along dimension 0, each block at most
-        ``max_bytes`` (or one row); a 0-d tensor is one block. For streaming exports."""
+        ``max_bytes`` (or one row); a 0-d tensor is one block. For streaming exports: every
+        block lives in one reused buffer, valid only until the next one is produced."""
         info = self.info(name)
         if not info.shape:
             yield 0, self.read(name)
@@ -98,9 +100,15 @@ class CheckpointView:
         row = ITEMSIZE[info.dtype]
         for s in info.shape[1:]:
             row *= s
-        rows = max(1, max_bytes // max(row, 1))
+        rows = min(info.shape[0], max(1, max_bytes // max(row, 1)))
+        buf = torch.empty(rows * row, dtype=torch.uint8)  # reused: fresh pages cost more than the copy
+        hugepages.advise(buf)
         for start in range(0, info.shape[0], rows):
-            yield start, self.read(name, slice(start, start + rows))
+            box = (min(rows, info.shape[0] - start), *info.shape[1:])
+            dest = buf[: box[0] * row].view(DTYPES[info.dtype]).reshape(box)
+            if dest.numel():
+                self._reader.read([Request(name, dest, (start,) + (0,) * (len(box) - 1), box)])
+            yield start, dest
 
     def array(self, name: str) -> Any:
         """A read-only lazy ``tensorstore.TensorStore`` over this tensor (imports tensorstore)."""
