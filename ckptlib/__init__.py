@@ -24,11 +24,14 @@ from ckptlib.errors import (
 )
 from ckptlib.format.leaves import PerRank, Shard
 from ckptlib.manager import CheckpointManager, SaveHandle
+from ckptlib.read.view import CheckpointView, TensorInfo
+from ckptlib.read.view import open_view as open  # API.md: ckptlib.open(url)
 
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointView",
     "CommitError",
     "CommitTimeoutError",
     "CorruptCheckpointError",
@@ -42,9 +45,11 @@ __all__ = [
     "StepInfo",
     "StorageError",
     "StorageTimeoutError",
+    "TensorInfo",
     "UnsupportedValueError",
     "__version__",
     "load",
     "load_metadata",
+    "open",
     "save",
 ]

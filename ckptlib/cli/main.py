@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove a crashed save's .tmp- folder only once its save started this "
                    "long ago; a younger one may be a save still running (default 3600; 0 removes "
                    "all debris)")
+    from . import diff, export
+
+    export.add_parser(sub, common)
+    diff.add_parser(sub, common)
     return parser
 
 
@@ -144,13 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ckptlib.errors import CheckpointError
 
+    from .diff import cmd_diff
+    from .export import cmd_export
     from .inspect import cmd_inspect
     from .ls import cmd_ls
     from .output import CliError, Output
     from .prune import cmd_prune
     from .verify import cmd_verify
 
-    commands = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune}
+    commands = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune,
+                "export": cmd_export, "diff": cmd_diff}
     out = Output(args.json)
 
     def fail(message: str, code: int = EXIT_USAGE) -> int:

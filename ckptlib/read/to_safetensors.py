@@ -1,0 +1,104 @@
+"""Export a subtree of a checkpoint as Hugging Face-style sharded safetensors files.
+
+Called by ``ckptlib export --to safetensors`` (:mod:`ckptlib.cli.export`) or directly, on the
+caller's thread. Tensors under ``select`` get dotted names relative to it (``/model/0.weight``
+with ``select="model"`` -> ``0.weight``), so ``module.load_state_dict(load_file(...))`` works;
+sharded tensors are consolidated. Files ``model-0000i-of-0000n.safetensors`` hold at most
+``max_shard_bytes`` of data each (a bigger tensor gets a file of its own), beside
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``). Each file is
+written in the safetensors layout (8-byte header size, JSON header, data) block by block, so
+memory stays around one block; it appears under its final name only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptlib.errors import UnsupportedValueError
+from ckptlib.read.dtypes import SAFETENSORS
+from ckptlib.read.view import CheckpointView, TensorInfo
+
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 << 30
+
+
+def dotted(name: str, select: str | None) -> str:
+    """``name`` relative to ``select`` with ``/`` -> ``.`` (the last part when they are equal)."""
+    top = "/" + (select or "").strip("/")
+    rel = name[len(top):] if top != "/" else name
+    return (rel.strip("/") or name.rsplit("/", 1)[-1]).replace("/", ".")
+
+
+def _shards(infos: list[TensorInfo], limit: int) -> list[list[TensorInfo]]:
+    shards: list[list[TensorInfo]] = [[]]
+    size = 0
+    for info in infos:
+        if shards[-1] and size + info.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(info)
+        size += info.nbytes
+    return shards
+
+
+def _write_file(view: CheckpointView, path: str, infos: list[TensorInfo], select: str | None,
+                progress: Callable[[int], None] | None) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for info in infos:
+        header[dotted(info.name, select)] = {"dtype": SAFETENSORS[info.dtype], "shape": list(info.shape),
+                                             "data_offsets": [at, at + info.nbytes]}
+        at += info.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for info in infos:
+                for _, block in view.blocks(info.name):
+                    f.write(block.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                    if progress is not None:
+                        progress(block.numel() * block.element_size())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def export_safetensors(
+    view: CheckpointView,
+    out: str,
+    select: str | None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write the tensors under ``select`` into the local folder ``out``; returns a summary.
+    Dtypes safetensors lacks (complex32, complex128, float8_e8m0fnu) raise
+    :class:`UnsupportedValueError` before anything is written."""
+    infos = view.tensors(select)
+    bad = [f"{i.name} ({i.dtype})" for i in infos if i.dtype not in SAFETENSORS]
+    if bad:
+        raise UnsupportedValueError(f"safetensors has no dtype for: {', '.join(bad[:5])}")
+    names = [dotted(i.name, select) for i in infos]
+    if len(set(names)) != len(names):
+        raise UnsupportedValueError(f"tensor names under {select!r} collide once dotted")
+    os.makedirs(out, exist_ok=True)
+    shards = _shards(infos, max_shard_bytes) if infos else []
+    weight_map: dict[str, str] = {}
+    for k, part in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_file(view, os.path.join(out, file), part, select, progress)
+        weight_map.update({dotted(i.name, select): file for i in part})
+    total = sum(i.nbytes for i in infos)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out, INDEX_NAME), "w") as f:
+        json.dump(index, f, indent=2)
+    return {"format": "safetensors", "out": out, "step": view.step, "tensors": len(infos), "bytes": total,
+            "files": sorted(set(weight_map.values())), "index": INDEX_NAME}

@@ -1,0 +1,178 @@
+"""``ckptlib.open``: a read-only view of one committed checkpoint, without a training job.
+
+Who calls what: the user (or ``ckptlib export`` / ``ckptlib diff``) calls :func:`open_view`
+on their own thread, then :meth:`CheckpointView.tensors`, :meth:`~CheckpointView.read`,
+:meth:`~CheckpointView.array` (its tensorstore read callbacks run on tensorstore's threads and
+call :meth:`~CheckpointView.read`) and :meth:`~CheckpointView.load`. Opening reads and
+validates the manifest and checks payload sizes once; every read goes through the engine's
+:class:`~ckptlib.engine.reader.Reader`, which fetches only the chunks overlapping the
+requested box and verifies their checksums (a mismatch is :class:`CorruptCheckpointError`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from ckptlib.backends import Storage, join, open_storage
+from ckptlib.engine import hugepages
+from ckptlib.engine.load import Merge, resolve_lazy, run_plan
+from ckptlib.engine.reader import Reader, Request
+from ckptlib.engine.scan import check_files, check_step, read_manifest, scan
+from ckptlib.errors import CheckpointError, CheckpointNotFoundError
+from ckptlib.format import layout
+from ckptlib.format import tree as tree_codec
+from ckptlib.format.dtypes import DTYPES, ITEMSIZE
+from ckptlib.format.manifest import MANIFEST_NAME, Manifest
+from ckptlib.read.index import Index, plan_box
+
+BLOCK_BYTES = 32 << 20
+"""Largest block :meth:`CheckpointView.blocks` reads at once (bounds export/diff memory)."""
+
+
+class TensorInfo(NamedTuple):
+    name: str
+    """The tensor's path, as ``ckptlib inspect`` prints it (``/model/0.weight``)."""
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class CheckpointView:
+    """A read-only view of one committed checkpoint (see :func:`open_view`). Context manager."""
+
+    def __init__(self, storage: Storage, folder: str, manifest: Manifest, *, verify: bool = True) -> None:
+        self.storage = storage
+        self.folder = folder
+        self.manifest = manifest
+        self.where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
+        check_files(storage, folder, manifest)
+        self._reader = Reader(storage, folder, manifest, verify=verify)
+
+    @property
+    def step(self) -> int | None:
+        """The step number (None for a folder written by ``ckptlib.save``)."""
+        return self.manifest.step
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes fetched from storage so far by :meth:`read` (and what uses it)."""
+        return self._reader.bytes_read
+
+    def tensors(self, select: str | None = None) -> list[TensorInfo]:
+        """Every saved tensor, sorted by name; with ``select``, those at or under that path."""
+        top = "/" + (select or "").strip("/")
+        return [
+            TensorInfo(n, e.dtype, e.shape, e.nbytes) for n, e in sorted(self.manifest.tensors.items())
+            if top == "/" or n == top or n.startswith(top + "/")
+        ]
+
+    def info(self, name: str) -> TensorInfo:
+        e = self.manifest.tensors.get(name)
+        if e is None:
+            raise KeyError(f"no tensor {name!r} in {self.where} (see .tensors() or `ckptlib inspect`)")
+        return TensorInfo(name, e.dtype, e.shape, e.nbytes)
+
+    def read(self, name: str, index: Index = None) -> torch.Tensor:
+        """``tensor[index]`` as a new CPU tensor, reading only the chunks that overlap it.
+
+        ``index`` is numpy-style: an int, a slice (positive steps) or a tuple of them, with at
+        most one ``...``; None reads the whole tensor, consolidated from all its shards.
+        """
+        info = self.info(name)
+        offset, box, post = plan_box(info.shape, index)
+        dest = torch.empty(box, dtype=DTYPES[info.dtype])
+        if dest.numel():
+            self._reader.read([Request(name, dest, offset, box)])
+        return dest[post] if post else dest
+
+    def blocks(self, name: str, max_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(row, block)`` pairs covering the tensor along dimension 0, each block at most
+        ``max_bytes`` (or one row); a 0-d tensor is one block. For streaming exports: every
+        block lives in one reused buffer, valid only until the next one is produced."""
+        info = self.info(name)
+        if not info.shape:
+            yield 0, self.read(name)
+            return
+        row = ITEMSIZE[info.dtype]
+        for s in info.shape[1:]:
+            row *= s
+        rows = min(info.shape[0], max(1, max_bytes // max(row, 1)))
+        buf = torch.empty(rows * row, dtype=torch.uint8)  # reused: fresh pages cost more than the copy
+        hugepages.advise(buf)
+        for start in range(0, info.shape[0], rows):
+            box = (min(rows, info.shape[0] - start), *info.shape[1:])
+            dest = buf[: box[0] * row].view(DTYPES[info.dtype]).reshape(box)
+            if dest.numel():
+                self._reader.read([Request(name, dest, (start,) + (0,) * (len(box) - 1), box)])
+            yield start, dest
+
+    def array(self, name: str) -> Any:
+        """A read-only lazy ``tensorstore.TensorStore`` over this tensor (imports tensorstore)."""
+        from ckptlib.read.lazy_array import lazy_array
+
+        return lazy_array(self, name)
+
+    def load(self, select: str | None = None, *, per_rank: str = "all") -> Any:
+        """The saved value at path ``select`` (``"model"``, ``"/model/layers/0"``; None: the
+        whole state) as ``ckptlib.load`` returns it: CPU tensors, checksums verified."""
+        saved = tree_codec.decode(self.manifest.tree, self.manifest.tensors, self.where)
+        path = ""
+        for key in [k for k in (select or "").split("/") if k]:
+            path += "/" + key
+            if isinstance(saved, dict) and (key in saved or (key.lstrip("-").isdigit() and int(key) in saved)):
+                saved = saved[key] if key in saved else saved[int(key)]
+            elif isinstance(saved, list | tuple) and key.isdigit() and int(key) < len(saved):
+                saved = saved[int(key)]
+            else:
+                raise KeyError(f"{path}: not in the checkpoint {self.where}")
+        plan = Merge(self.manifest, per_rank=per_rank, where=self.where)
+        result = plan.fresh(saved, path)
+        run_plan(plan, self.storage, self.folder, self.manifest, verify=self._reader.verify)
+        return resolve_lazy(result)
+
+    def close(self) -> None:
+        self._reader.close()
+        self.storage.close()
+
+    def __enter__(self) -> CheckpointView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_view(
+    url: str | os.PathLike[str],
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    verify: bool = True,
+) -> CheckpointView:
+    """Open ``url`` read-only: a checkpoint folder, or a CheckpointManager root (its newest
+    committed step, or ``step``). Raises :class:`CheckpointNotFoundError` when there is no
+    such committed step, :class:`CorruptCheckpointError` for a bad manifest or payload size."""
+    storage = open_storage(url, storage_options)
+    try:
+        if storage.size(MANIFEST_NAME) is not None:
+            m = read_manifest(storage, "")
+            if step is not None and m.step != step:
+                raise CheckpointNotFoundError(f"{url} holds step {m.step}, not step {step}")
+            return CheckpointView(storage, "", m, verify=verify)
+        if step is not None:
+            info = check_step(storage, layout.step_dir(step), step)
+            if info.manifest is None:
+                raise CheckpointNotFoundError(f"step {step} under {storage.url} is {info.status}: {info.reason}")
+        else:
+            committed = [i for i in scan(storage) if i.status == "committed" and i.manifest is not None]
+            if not committed:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
+            info = committed[0]
+        assert info.manifest is not None
+        return CheckpointView(storage, info.path, info.manifest, verify=verify)
+    except (CheckpointError, OSError):
+        storage.close()
+        raise
