@@ -113,6 +113,10 @@ def test_corrupt_chunk_raises_only_where_read(big: tuple[Path, dict]) -> None:
             ck.read("/model/w", (slice(50, 51), 0))
         with pytest.raises(ckptlib.CorruptCheckpointError):
             ck.load(select="model")
+        arr = ck.array("/model/w")
+        np.testing.assert_array_equal(arr[:40].read().result(), state["model"]["w"][:40].numpy())
+        with pytest.raises(Exception, match="checksum mismatch"):  # tensorstore wraps our error
+            arr[50:51].read().result()
 
 
 def flip_chunk_bit(path: Path, name: str, row: int) -> None:
@@ -149,3 +153,12 @@ def test_import_does_not_load_tensorstore_zarr_safetensors() -> None:
             "print([m for m in ('tensorstore', 'zarr', 'safetensors') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_fsspec_backend(memory_url: str) -> None:
+    """Any backend: the same reads through fsspec's memory filesystem."""
+    w = random_tensor((100, 30), torch.float16, 7)
+    ckptlib.save({"w": w, "n": 3}, memory_url + "/ck")
+    with ckptlib.open(memory_url + "/ck") as ck:
+        assert_tensor_equal(ck.read("/w", (slice(10, 20), slice(None, None, 2))), w[10:20, ::2])
+        assert ck.load()["n"] == 3

@@ -4,10 +4,13 @@
     ckptlib inspect URL [--step N]       header and tensors: name, dtype, shape, sharding, bytes
     ckptlib verify URL [--step N|--all]  deep check of checksums; exit 0 only if all good
     ckptlib prune URL --keep-last N [--keep-every K] [--dry-run]
+    ckptlib export URL [--step N] --to zarr3|safetensors OUT [--select PREFIX]  (cli/export.py)
+    ckptlib diff URL_A URL_B [--step-a N] [--step-b M]                        (cli/diff.py)
 
 Every command takes ``--json`` (one JSON document on stdout) and ``--storage-option
 KEY=VALUE`` (repeatable; fsspec storage options, values parsed as JSON when they parse).
-Exit status: 0 ok; 1 only from ``verify``, when it found a corrupt or incomplete step;
+Exit status: 0 ok; 1 only from ``verify``, when it found a corrupt or incomplete step, and
+from ``diff``, when the tensors differ;
 2 usage or access error (bad arguments, a missing root, unreadable storage).
 """
 
@@ -71,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptlib",
         description="Inspect, verify and prune ckptlib checkpoints (local paths or fsspec URLs).",
-        epilog="exit status: 0 ok; 1 verify found a corrupt or incomplete step; "
+        epilog="exit status: 0 ok; 1 verify found a corrupt or incomplete step, or diff found "
+        "differences; "
         "2 usage or access error",
         parents=[_common_options("global_", None)],
     )

@@ -4,7 +4,8 @@ Called by ``ckptlib export --to zarr3`` (:mod:`ckptlib.cli.export`) or directly,
 caller's thread. Each tensor becomes the array ``OUT/<its path>`` (zstd-compressed chunks of
 about :data:`CHUNK_BYTES` along dimension 0), with groups above it, written block by block
 from :meth:`CheckpointView.blocks`: memory stays around one block plus the checkpoint chunks
-it overlaps, whatever the state's size. Attributes: ``ckptlib_path`` (the tensor's name),
+it overlaps (one block being read while the previous one is compressed and written),
+whatever the state's size. Attributes: ``ckptlib_path`` (the tensor's name),
 ``ckptlib_dtype`` (its dtype) and ``ckptlib_stored_as`` (``native``, or ``bits``: the raw bits
 as an unsigned int of the same width, for dtypes zarr3 lacks; see :mod:`ckptlib.read.dtypes`).
 """
@@ -73,12 +74,18 @@ def export_zarr3(
             "delete_existing": True,
         }).result()
         step = chunk[0] * row if info.shape else 1
+        pending: Any = None  # the previous block's commit: encoding it overlaps reading the next
         for start, block in view.blocks(info.name, max(step, BLOCK_BYTES // max(step, 1) * step)):
-            data = to_numpy(block, info.dtype)
             target = arr[start : start + block.shape[0]] if info.shape else arr
-            target.write(data).result()
+            written = target.write(to_numpy(block, info.dtype))
+            written.copy.result()  # tensorstore holds its own copy: the block buffer is free again
+            if pending is not None:
+                pending.result()
+            pending = written.commit
             if progress is not None:
                 progress(block.numel() * block.element_size())
+        if pending is not None:
+            pending.result()
         arrays.append({"name": info.name, "path": key, "dtype": info.dtype, "zarr_dtype": zarr3_dtype(info.dtype),
                        "stored_as": stored_as, "shape": list(info.shape), "bytes": info.nbytes})
     return {"format": "zarr3", "out": out, "step": view.step, "tensors": len(arrays),
