@@ -53,13 +53,13 @@ def tensor_row(name: str, t: TensorEntry, m: Manifest) -> dict[str, Any]:
     together); it counts as ``sharded`` when its parts come from several files (ranks) or a
     part does not start at the tensor's origin.
     """
-    packs = list(getattr(m, "packs", ()))
-    pieces = list(getattr(t, "pieces", ()))
+    packs = m.packs
+    pieces = t.pieces
     itemsize = t.nbytes // max(1, math.prod(t.shape)) if t.nbytes else 0
     files = {c.file for c in t.chunks} | {packs[p.pack].file for p in pieces}
     ranks = _ranks_of(m, files)
     parts = len(t.chunks) + len(pieces)
-    sharded = len(files) > 1 or any(any(x.offset) for x in [*t.chunks, *pieces])
+    sharded = len(files) > 1 or any(any(c.offset) for c in t.chunks) or any(any(p.offset) for p in pieces)
     stored = sum(c.length for c in t.chunks)
     codecs = {c.codec for c in t.chunks}
     for p in pieces:

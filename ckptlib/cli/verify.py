@@ -35,7 +35,7 @@ def _stored_bytes(m: Manifest | None) -> int:
     if m is None:
         return 0
     chunks = sum(c.length for t in m.tensors.values() for c in t.chunks)
-    return chunks + sum(p.length for p in getattr(m, "packs", ()))
+    return chunks + sum(p.length for p in m.packs)
 
 
 @dataclass

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn, Protocol
 
@@ -120,6 +121,7 @@ class _Manager(Protocol):
     def close(self, timeout: float | None = None) -> None: ...
 
 
+@dataclass
 class FinalCheckpoint:
     """The manager's final save on preemption. Main/training thread; every method takes the
     manager (``wait``/``save``/``close``) so that this object holds no reference to it.
@@ -129,14 +131,11 @@ class FinalCheckpoint:
     never re-enters the manager.
     """
 
-    def __init__(
-        self, watcher: PreemptionWatcher, state_fn: Callable[[], tuple[int, Any]] | None, exit_code: int
-    ) -> None:
-        self.watcher = watcher
-        self.state_fn = state_fn
-        self.exit_code = exit_code
-        self.busy = False
-        self.deferred = False
+    watcher: PreemptionWatcher
+    state_fn: Callable[[], tuple[int, Any]] | None
+    exit_code: int
+    busy: bool = False
+    deferred: bool = False
 
     def poll(self, mgr: _Manager, step: int | None, state: Any) -> bool:
         """``maybe_save_on_preemption``: False without a signal, else save and exit."""
