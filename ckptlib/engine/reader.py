@@ -32,7 +32,7 @@ from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
-from ckptlib.format.schema import Chunk, Manifest, Pack, Piece
+from ckptlib.format.schema import Chunk, Manifest, Pack, Piece, volume
 
 COALESCE_MAX = 8 << 20  # chunks smaller than this are fetched together with their neighbours
 COALESCE_GAP = 64 << 10
@@ -168,6 +168,7 @@ class Reader:
                         pt = packs[p.pack] = _PackTask(p.pack, self.m.packs[p.pack])
                     pt.whole.append((req.dest.data_ptr(), p.raw_offset, req.dest.nbytes))
                     continue
+                hit: tuple[tuple[int, ...], tuple[int, ...]] | None
                 if full:
                     hit = (p.offset, entry.shape)  # whole-tensor piece (the packed common case)
                     if p.shape != entry.shape:
@@ -183,13 +184,13 @@ class Reader:
             for i, c in enumerate(entry.chunks):
                 if not c.length and not all(c.shape):
                     continue
-                hit = _intersect(c, req) if c.shape else ((), ())
-                if hit is None:
+                box = _intersect(c, req) if c.shape else ((), ())
+                if box is None:
                     continue
                 task = tasks.get((req.name, i))
                 if task is None:
                     task = tasks[(req.name, i)] = _ChunkTask(req.name, c, entry.dtype)
-                task.targets.append(_Target(req, *hit))
+                task.targets.append(_Target(req, *box))
         out = list(tasks.values())
         for t in out:
             t.direct = _direct_view(t)
@@ -216,14 +217,13 @@ class Reader:
         if cur:
             groups.append(cur)
         groups.sort(key=lambda g: -(g[-1].chunk.start + g[-1].chunk.length - g[0].chunk.start))
-        work = [(self._run, g) for g in groups] + [(self._run_pack, p) for p in packs]
-        run_all([partial(fn, arg) for fn, arg in work], threads=self.threads, name="ckptlib-read",
-                timeout=self.timeout)
+        work = [partial(self._run, g) for g in groups] + [partial(self._run_pack, p) for p in packs]
+        run_all(work, threads=self.threads, name="ckptlib-read", timeout=self.timeout)
 
     def _run_pack(self, task: _PackTask) -> None:
         p = task.pack
         stored = np.empty(p.length, dtype=np.uint8)
-        self._handle(p.file).read_into(p.start, memoryview(stored))
+        self._handle(p.file).read_into(p.start, stored.data)
         self.bytes_read += p.length
         if self.verify and checksum(stored, self.m.checksum_algorithm) != p.checksum:
             raise CorruptCheckpointError(
@@ -240,9 +240,7 @@ class Reader:
         for dest, raw_offset, n in task.whole:  # bounds: validated with the manifest
             memmove(dest, base + raw_offset, n)
         for piece, dtype, tg in task.members:
-            n = ITEMSIZE[dtype]
-            for s in piece.shape:
-                n *= s
+            n = volume(piece.shape) * ITEMSIZE[dtype]
             req = tg.req
             src = raw[piece.raw_offset : piece.raw_offset + n]
             view = torch.from_numpy(src).view(DTYPES[dtype]).reshape(piece.shape)
@@ -253,16 +251,16 @@ class Reader:
     def _run(self, group: list[_ChunkTask]) -> None:
         first = group[0].chunk
         h = self._handle(first.file)
-        if len(group) == 1 and group[0].direct is not None:
-            t = group[0]
-            h.read_into(first.start, memoryview(t.direct))
+        direct = group[0].direct
+        if len(group) == 1 and direct is not None:
+            h.read_into(first.start, direct.data)
             self.bytes_read += first.length
-            self._check(t, t.direct)
+            self._check(group[0], direct)
             return
         start = first.start
         end = max(t.chunk.start + t.chunk.length for t in group)
         buf = np.empty(end - start, dtype=np.uint8)
-        h.read_into(start, memoryview(buf))
+        h.read_into(start, buf.data)
         self.bytes_read += end - start
         for t in group:
             stored = buf[t.chunk.start - start : t.chunk.start - start + t.chunk.length]

@@ -57,7 +57,11 @@ def read_manifest(storage: Storage, folder: str) -> Manifest:
     path = join(folder, MANIFEST_NAME)
     where = f"{storage.url.rstrip('/')}/{path}"
     try:
-        _check_size(storage.size(path), where)  # None (missing, not a regular file): open_read says which
+        try:
+            size = storage.size(path)
+        except StorageError:  # e.g. the step "folder" is a file: open_read says what is wrong
+            size = None
+        _check_size(size, where)  # None (missing, not a regular file): open_read says which
         with storage.open_read(path) as h:
             _check_size(h.size, where)
             data = h.read(0, h.size)
