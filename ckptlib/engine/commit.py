@@ -82,10 +82,6 @@ def abort(storage: Storage, staging: Staging) -> None:
         pass
 
 
-def _existing_is_valid(storage: Storage, folder: str) -> bool:
-    return check_step(storage, folder).status == "committed"
-
-
 def publish(storage: Storage, staging: Staging, manifest: bytes, *, overwrite: bool = False) -> None:
     if staging.mode == "rename":
         _publish_rename(storage, staging, manifest, overwrite)
@@ -104,7 +100,7 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
             storage.rename(st.work, st.final)
             break
         except FileExistsError:
-            if _existing_is_valid(storage, st.final):
+            if check_step(storage, st.final).status == "committed":
                 if not overwrite:
                     raise StepExistsError(
                         f"{storage.url}/{st.final} already holds a committed checkpoint; "
@@ -135,7 +131,7 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
 
 def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
     path = join(st.final, MANIFEST_NAME)
-    if storage.size(path) is not None and (overwrite or not _existing_is_valid(storage, st.final)):
+    if storage.size(path) is not None and (overwrite or check_step(storage, st.final).status != "committed"):
         storage.delete(path)  # a damaged manifest, or one we were asked to replace
     crashpoints.point("manifest")
     if st.mode == "conditional_put":

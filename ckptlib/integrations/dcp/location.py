@@ -58,4 +58,3 @@ class Located:
         if self.url is None:
             return None
         return step_url(self.url, self.step) if self.step is not None else self.url
-

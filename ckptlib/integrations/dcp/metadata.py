@@ -101,14 +101,8 @@ def metadata_to_json(md: Metadata, stored: dict[MetadataIndex, StoredItem]) -> d
         if not isinstance(m, TensorStorageMetadata):
             raise UnsupportedValueError(f"{fqn}: unknown DCP storage metadata {type(m).__name__}")
         p = m.properties
-        if (
-            p.dtype not in NAMES
-            or p.layout not in _LAYOUT_NAMES
-            or p.memory_format not in _MEMORY_FORMAT_NAMES
-        ):
-            raise UnsupportedValueError(
-                f"{fqn}: dtype {p.dtype} / layout {p.layout} cannot be stored"
-            )
+        if p.dtype not in NAMES or p.layout not in _LAYOUT_NAMES or p.memory_format not in _MEMORY_FORMAT_NAMES:
+            raise UnsupportedValueError(f"{fqn}: dtype {p.dtype} / layout {p.layout} cannot be stored")
         sdm[fqn] = {
             "kind": "tensor",
             "dtype": NAMES[p.dtype],
@@ -140,17 +134,14 @@ def metadata_to_json(md: Metadata, stored: dict[MetadataIndex, StoredItem]) -> d
         "version": md.version,
         "state_dict_metadata": sdm,
         "storage_data": [
-            [idx.fqn, None if idx.offset is None else [int(o) for o in idx.offset], s.kind]
-            for idx, s in stored.items()
+            [idx.fqn, None if idx.offset is None else [int(o) for o in idx.offset], s.kind] for idx, s in stored.items()
         ],
         "planner_data": planner,
         "storage_meta": storage_meta,
     }
 
 
-def metadata_from_json(
-    obj: Any, m: mf.Manifest, where: str = ""
-) -> tuple[Metadata, dict[str, Any]]:
+def metadata_from_json(obj: Any, m: mf.Manifest, where: str = "") -> tuple[Metadata, dict[str, Any]]:
     """Rebuild DCP's ``Metadata`` from ``manifest.extra["dcp"]`` (untrusted input, no pickle).
 
     Returns ``(metadata, values)``, ``values`` being the decoded plain values of ``json`` items.
@@ -179,9 +170,7 @@ def metadata_from_json(
         size = c.ints(e.get("size"), f"{fqn!r:.200} size")
         t = m.tensors.get(fqn)
         if t is None or t.dtype != e["dtype"] or list(t.shape) != size:
-            raise c.fail(
-                f"{fqn!r:.200} does not match the manifest's tensor (missing, dtype or shape)"
-            )
+            raise c.fail(f"{fqn!r:.200} does not match the manifest's tensor (missing, dtype or shape)")
         chunks = []
         for ch in c.typed(e.get("chunks"), list, f"{fqn!r:.200} chunks"):
             if type(ch) is not list or len(ch) != 2:
@@ -209,12 +198,7 @@ def metadata_from_json(
     stored: dict[MetadataIndex, StoredItem] = {}
     values: dict[str, Any] = {}
     for ent in c.typed(obj.get("storage_data"), list, "storage_data"):
-        if (
-            type(ent) is not list
-            or len(ent) != 3
-            or not isinstance(ent[0], str)
-            or ent[2] not in KINDS
-        ):
+        if type(ent) is not list or len(ent) != 3 or not isinstance(ent[0], str) or ent[2] not in KINDS:
             raise c.fail("storage_data entry must be [fqn, offset|null, kind]")
         fqn, off, kind = ent
         if fqn not in sdm:
@@ -230,15 +214,8 @@ def metadata_from_json(
             raise c.fail(f"{fqn!r:.200}: the tree does not reference its tensor")
         if kind == "pickle":
             t = m.tensors.get(fqn)
-            if (
-                not isinstance(node, tree_codec.BytesRef)
-                or t is None
-                or t.dtype != "uint8"
-                or len(t.shape) != 1
-            ):
-                raise c.fail(
-                    f"{fqn!r:.200}: pickled bytes must be a 1-D uint8 tensor referenced from the tree"
-                )
+            if not isinstance(node, tree_codec.BytesRef) or t is None or t.dtype != "uint8" or len(t.shape) != 1:
+                raise c.fail(f"{fqn!r:.200}: pickled bytes must be a 1-D uint8 tensor referenced from the tree")
         if kind == "json":
             if node is NOT_PLAIN or _has_refs(node):
                 raise c.fail(f"{fqn!r:.200}: no plain value in the tree")
@@ -282,4 +259,3 @@ def _has_refs(v: Any) -> bool:
     if isinstance(v, list | tuple):
         return any(_has_refs(x) for x in v)
     return False
-

@@ -87,10 +87,6 @@ class CkptlibReader(Located, StorageReader):
         )
         return state
 
-    def _target(self) -> tuple[Storage, str]:
-        storage, name, _ = self.open_target()
-        return storage, name
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.url = os.fspath(checkpoint_id)
@@ -105,15 +101,13 @@ class CkptlibReader(Located, StorageReader):
         if kwargs.get("rank") is not None:
             raise CheckpointNotFoundError("ckptlib writes no rank-local DCP metadata")
         try:
-            storage, name = self._target()
+            storage, name, _ = self.open_target()
             m = read_manifest(storage, name)
             where = f"{storage.url.rstrip('/')}/{join(name, mf.MANIFEST_NAME)}"
             check_files(storage, name, m)
             extra = m.extra.get(EXTRA_KEY)
             if extra is None:
-                raise CorruptCheckpointError(
-                    "not a DCP checkpoint (the manifest has no extra.dcp)", where
-                )
+                raise CorruptCheckpointError("not a DCP checkpoint (the manifest has no extra.dcp)", where)
             md, values = metadata_from_json(extra, m, where)
         except BaseException as e:
             self.last_error = e
@@ -124,9 +118,7 @@ class CkptlibReader(Located, StorageReader):
             md.storage_meta = StorageMeta()
         return md
 
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._manifest is None:  # metadata came from elsewhere: read our own, trusted copy
             self.read_metadata()
 
@@ -137,23 +129,17 @@ class CkptlibReader(Located, StorageReader):
             assert m is not None
             pickled = []
             for item in plan.items:
-                s = self._stored.get(item.storage_index) or self._stored.get(
-                    MetadataIndex(item.storage_index.fqn)
-                )
+                s = self._stored.get(item.storage_index) or self._stored.get(MetadataIndex(item.storage_index.fqn))
                 if s is None:
                     raise StateMismatchError(f"{item.storage_index.fqn}: not in the checkpoint")
                 if item.type == LoadItemType.BYTE_IO:
                     if s.kind == "pickle":
                         pickled.append(item.storage_index.fqn)
                     elif s.kind != "json":
-                        raise StateMismatchError(
-                            f"{item.storage_index.fqn}: checkpoint has a tensor, target a value"
-                        )
+                        raise StateMismatchError(f"{item.storage_index.fqn}: checkpoint has a tensor, target a value")
                     continue
                 if s.kind != "tensor":
-                    raise StateMismatchError(
-                        f"{item.storage_index.fqn}: checkpoint has a value, target a tensor"
-                    )
+                    raise StateMismatchError(f"{item.storage_index.fqn}: checkpoint has a value, target a tensor")
                 self._box(item, m)
             if pickled and not self.allow_pickled_objects:
                 raise UnsupportedValueError(
@@ -196,7 +182,7 @@ class CkptlibReader(Located, StorageReader):
         return fut
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        storage, name = self._target()
+        storage, name, _ = self.open_target()
         m = self._manifest
         assert m is not None
         where = f"{storage.url.rstrip('/')}/{join(name, mf.MANIFEST_NAME)}"
@@ -226,18 +212,12 @@ class CkptlibReader(Located, StorageReader):
             saved = DTYPES[m.tensors[fqn].dtype]
             target = planner.resolve_tensor(item).detach()
             if tuple(target.shape) != lengths:
-                raise StateMismatchError(
-                    f"{fqn}: target box {list(target.shape)} != planned {list(lengths)}"
-                )
-            direct = (
-                target.device.type == "cpu" and target.dtype == saved and target.is_contiguous()
-            )
+                raise StateMismatchError(f"{fqn}: target box {list(target.shape)} != planned {list(lengths)}")
+            direct = target.device.type == "cpu" and target.dtype == saved and target.is_contiguous()
             dest = target if direct else torch.empty(lengths, dtype=saved)
             requests.append(Request(fqn, dest, off, lengths))
             tensors.append((item, target, dest))
-        reader = Reader(
-            storage, name, m, verify=self.verify, threads=self.threads, timeout=self.timeout
-        )
+        reader = Reader(storage, name, m, verify=self.verify, threads=self.threads, timeout=self.timeout)
         try:
             reader.read(requests)
         finally:
@@ -253,5 +233,3 @@ class CkptlibReader(Located, StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
-
-
