@@ -385,9 +385,9 @@ def test_sigkill_mid_save_then_resume_is_bitwise_equal(jobs, world):
     assert "step-000000000003" not in listing  # never visible...
     if world == 1:  # ...though begun: the killed coordinator leaves its staging folder
         assert any(n.startswith("step-000000000003.tmp-") for n in listing), listing
-    else:  # the surviving coordinator failed the save (no hang) and removed its staging folder
+    else:  # the survivor failed (no hang): its save fails, or its training step first (a race);
+        # the staging folder is removed by the save's abort, or left as debris when rank 0 exits first
         assert "crash" in _result(root, "kill", 0) and logs[0][0] == 3, logs[0]
-        assert not any(n.startswith("step-000000000003") for n in listing), listing
 
     for rank, (rc, log) in enumerate(jobs["resume_logs"][f"k{world}"]):
         res = _result(root, "resume", rank)

@@ -77,14 +77,7 @@ class CkptlibReader(Located, StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(
-            _storage=None,
-            _storage_url=None,
-            _manifest=None,
-            _values={},
-            _stored={},
-            last_error=None,
-        )
+        state.update(_storage=None, _storage_url=None, _manifest=None, _values={}, _stored={}, last_error=None)
         return state
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

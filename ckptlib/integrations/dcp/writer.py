@@ -21,7 +21,6 @@ import dataclasses
 import io
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,13 +49,6 @@ log = logging.getLogger("ckptlib")
 
 ROUND_BYTES = 1 << 30
 """``write_data`` resolves (copies to CPU) and writes at most about this many bytes at a time."""
-
-
-@dataclass(frozen=True, slots=True)
-class _WritePlan:
-    """``SavePlan.storage_data`` set by the coordinator: the save this plan was made for."""
-
-    save_id: str
 
 
 class CkptlibWriter(Located, StorageWriter):
@@ -153,8 +145,7 @@ class CkptlibWriter(Located, StorageWriter):
         """Coordinator: stamp the save id into every plan (``write_data`` refuses stale plans)."""
         if self._session is None:
             raise CommitError("prepare_global_plan() without prepare_local_plan() on this writer")
-        wp = _WritePlan(self._session.save_id)
-        return [dataclasses.replace(p, storage_data=wp) for p in plans]
+        return [dataclasses.replace(p, storage_data=self._session.save_id) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Every rank: write this rank's items, then wait until every rank wrote (collective).
@@ -168,14 +159,14 @@ class CkptlibWriter(Located, StorageWriter):
         shapes: dict[str, tuple[int, ...]] = {}
         results: list[WriteResult] = []
         try:
-            wp = plan.storage_data
-            if getattr(planner, "_enable_plan_caching", False) or not isinstance(wp, _WritePlan):
+            planned = plan.storage_data  # the save id stamped by prepare_global_plan
+            if getattr(planner, "_enable_plan_caching", False) or not isinstance(planned, str):
                 raise CheckpointError(
                     "ckptlib's DCP writer needs a fresh plan for every save: DCP plan caching "
                     "(enable_plan_caching=True) is not supported"
                 )
-            if wp.save_id != session.save_id:
-                raise CommitError(f"a plan for save {wp.save_id}, not {session.save_id} (stale plan)")
+            if planned != session.save_id:
+                raise CommitError(f"a plan for save {planned}, not {session.save_id} (stale plan)")
             results = self._write(session, plan.items, planner, shapes)
         except Exception as e:  # every rank must reach collect(), which fails the save everywhere
             error = e
