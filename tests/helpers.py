@@ -1,5 +1,9 @@
 """Shared test utilities: exact comparisons, random tensors, and manifest tampering.
 
+The hostile-input suites (tests/test_safe_loading.py in process, tests/chaos/corpus.py in
+memory/CPU-limited subprocesses) forge their inputs with these helpers only, from the same
+template state (:func:`base_state`).
+
 The tampering helpers mirror :func:`ckptlib.format.manifest.encode` so a test can edit the
 manifest's ``body`` and write it back *with a correct self-checksum*, which lets the test reach
 the validation that runs after the checksum check. They parse with the standard ``json``
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zstandard
 
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import checksum
@@ -91,6 +96,20 @@ def assert_same(actual: Any, expected: Any, where: str = "<root>") -> None:
         assert actual == expected, f"{where}: {actual!r:.200} != {expected!r:.200}"
 
 
+def base_state() -> dict[str, Any]:
+    """The state every hostile-input template holds: two tensors big enough for chunks of
+    their own, small ones that are packed, bytes, plain values."""
+    return {
+        "big": random_tensor((64, 1024), torch.float32, 1),  # 256 KiB: a chunk of its own
+        "big2": random_tensor((128, 256), torch.int64, 2),  # 256 KiB: a chunk of its own
+        "small": random_tensor((16,), torch.float32, 3),  # packed
+        "small2": random_tensor((4, 4), torch.bfloat16, 4),  # packed
+        "blob": bytes(range(256)) * 20,  # 5120 bytes: stored as a uint8 tensor
+        "step": 3,
+        "name": "x",
+    }
+
+
 # --------------------------------------------------------------------------- files
 
 
@@ -119,13 +138,13 @@ def read_manifest_doc(folder: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads(manifest_path(folder).read_bytes())
 
 
-def encode_manifest(
-    body: Any, *, format_version: Any = FORMAT_VERSION, fmt: Any = FORMAT_NAME, digest: str | None = None
+def frame(
+    text: bytes, *, format_version: Any = FORMAT_VERSION, fmt: Any = FORMAT_NAME, digest: str | None = None
 ) -> bytes:
-    """Manifest bytes for ``body``, framed like ``ckptlib.format.manifest.encode_body``: a fixed
-    head, the body's compact JSON, ``}``. The checksum is the library's own, over exactly the
-    body's bytes, unless ``digest`` is given (to forge a mismatch)."""
-    text = jsonio.dumps(body, sort_keys=False).encode("ascii")
+    """Manifest bytes around an already serialized body ``text`` (which may be invalid JSON),
+    framed like ``ckptlib.format.manifest.encode_body``: a fixed head, the body, ``}``. The
+    checksum is the library's own, over exactly ``text``, unless ``digest`` is given (to forge
+    a mismatch)."""
     if digest is None:
         digest = checksum(text)
     head = (
@@ -133,6 +152,35 @@ def encode_manifest(
         f'"checksum":"xxh3_64:{digest}","body":'
     )
     return head.encode("ascii") + text + b"}"
+
+
+def encode_manifest(body: Any, **framing: Any) -> bytes:
+    """Manifest bytes for ``body`` (its compact JSON, see :func:`frame` for ``framing``)."""
+    return frame(jsonio.dumps(body, sort_keys=False).encode("ascii"), **framing)
+
+
+def body_text(folder: str | os.PathLike[str]) -> bytes:
+    """The exact bytes of the body inside ``folder``'s manifest."""
+    data = manifest_path(folder).read_bytes()
+    return data[data.index(b'"body":') + len(b'"body":') : -1]
+
+
+def body_of(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest body of ``folder`` (parsed with ``json``, not the library)."""
+    return read_manifest_doc(folder)["body"]
+
+
+def chunk0(body: dict[str, Any], name: str) -> list[Any]:
+    """The first chunk entry of tensor ``name`` (a stored tensor of its own)."""
+    return body["tensors"][name]["chunks"][0]
+
+
+def tree_item(body: dict[str, Any], key: str) -> list[Any]:
+    """The ``[key, node]`` item of the value tree's top-level dict."""
+    for item in body["tree"]["items"]:
+        if item[0] == key:
+            return item
+    raise KeyError(key)
 
 
 def manifest_digest(folder: str | os.PathLike[str]) -> str:
@@ -308,3 +356,26 @@ def set_single_chunk(
         "shape": list(shape),
         "chunks": [[file, start, len(stored), checksum(stored), [0] * len(shape), list(shape), codec]],
     }
+
+
+# --------------------------------------------------------------------------- zstd
+
+
+def zstd_frame(raw: bytes, *, declared: int | None = -1) -> bytes:
+    """One zstd frame of ``raw``; ``declared`` sets the content size header (None: none,
+    -1: the true size)."""
+    c = zstandard.ZstdCompressor(level=1, write_content_size=declared is not None)
+    if declared is None or declared == -1:
+        return c.compress(raw)
+    obj = c.compressobj(size=declared)
+    return obj.compress(raw) + obj.flush()
+
+
+def zstd_bomb(total: int, *, declared: bool, chunk: bytes = bytes(1 << 20)) -> bytes:
+    """A frame expanding to ``total`` bytes (repeats of ``chunk``, zeros by default), built
+    in pieces (low memory); ``declared``: the header states the content size."""
+    c = zstandard.ZstdCompressor(level=1).compressobj(size=total if declared else -1)
+    out = [c.compress(chunk) for _ in range(total // len(chunk))]
+    out.append(c.compress(chunk[: total % len(chunk)]))
+    out.append(c.flush())
+    return b"".join(out)

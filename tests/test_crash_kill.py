@@ -20,7 +20,6 @@ leftovers run against real debris.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import random
 import selectors
@@ -36,6 +35,7 @@ from typing import Any, NoReturn
 import pytest
 import torch
 from chaos.record import Record, emit
+from helpers import assert_same
 
 import ckptlib
 
@@ -226,42 +226,6 @@ class Worker:
 
 # --------------------------------------------------------------------------------------------
 # Exact comparison
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
-    """Exact equality: same container types, keys, dtypes, shapes and bytes (NaN-safe)."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: got {type(actual).__name__}"
-        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, f"{where}: shape {actual.shape} != {expected.shape}"
-        if not torch.equal(_bits(actual), _bits(expected)):
-            raise AssertionError(f"{where}: tensor bytes differ")
-    elif isinstance(expected, dict):
-        assert type(actual) is dict, f"{where}: got {type(actual).__name__}, expected dict"
-        assert set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
-        for key, value in expected.items():
-            assert_same(actual[key], value, f"{where}[{key!r}]")
-    elif isinstance(expected, list | tuple):
-        assert type(actual) is type(expected), (
-            f"{where}: got {type(actual).__name__}, expected {type(expected).__name__}"
-        )
-        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same(a, e, f"{where}[{i}]")
-    elif isinstance(expected, float):
-        assert type(actual) is float, f"{where}: got {type(actual).__name__}, expected float"
-        assert actual.hex() == expected.hex() or (math.isnan(actual) and math.isnan(expected)), (
-            f"{where}: {actual!r} != {expected!r}"
-        )
-    else:
-        assert type(actual) is type(expected), (
-            f"{where}: got {type(actual).__name__}, expected {type(expected).__name__}"
-        )
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def _tensors(tree: Any, where: str = "state") -> dict[str, torch.Tensor]:

@@ -13,12 +13,30 @@ def desc(name, offset=(0,), shape=(10,), nbytes=40, gshape=None):
 
 
 def test_replicated_written_once_and_balanced():
+    # Sizes 100..800 over 4 ranks: round-robin gives loads 600/800/1000/1200, largest-first
+    # to the least-loaded rank gives 900 each.
     rep = [desc(f"t{i}", nbytes=100 * (i + 1)) for i in range(8)]
     plans = assign(rep, [digest(rep)] * 4, [[], [], [], []])
     written = sorted(i for p in plans for i in p.replicated)
     assert written == list(range(8))  # each exactly once
     loads = [sum(rep[i].nbytes for i in p.replicated) for p in plans]
-    assert max(loads) - min(loads) <= 800  # greedy largest-first balancing
+    assert loads == [900] * 4
+
+
+def test_balance_is_by_bytes_not_by_count():
+    # Two big tensors among small ones: round-robin (in list or size order) puts a big one
+    # and small ones on the same rank; by bytes each big tensor is alone on its rank.
+    sizes = [1000, 1, 1, 1, 1000, 1, 1, 1]
+    rep = [desc(f"t{i}", nbytes=n) for i, n in enumerate(sizes)]
+    plans = assign(rep, [digest(rep)] * 4, [[], [], [], []])
+    loads = sorted(sum(rep[i].nbytes for i in p.replicated) for p in plans)
+    assert loads == [3, 3, 1000, 1000]
+    # Replicated tensors also fill around what each rank already writes of its own shards.
+    own = [desc("w", (0,), (5,), nbytes=2000, gshape=(5,))]
+    plans = assign(rep, [digest(rep)] * 4, [own, [], [], []])
+    assert plans[0].replicated == []  # rank 0 already carries the most bytes
+    loads = sorted(sum(rep[i].nbytes for i in p.replicated) for p in plans[1:])
+    assert loads == [6, 1000, 1000]
 
 
 def test_sharded_pieces_written_by_holders_and_replicas_deduplicated():

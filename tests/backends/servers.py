@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from launcher import free_port
 
 ACCESS_KEY = "ckptlib-test"
 SECRET_KEY = "ckptlib-test-secret"
@@ -43,10 +44,6 @@ def _die_with_parent() -> None:
 
 S3_BUCKET = "ckptlib-tests"  # created on each session server by tests/conftest.py
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weed_binary() -> str | None:

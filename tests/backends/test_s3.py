@@ -220,33 +220,18 @@ def test_two_ranks_save_and_restore_on_s3(seaweed, tmp_path):
     """A real 2-process gloo job: each rank uploads its own shard (multipart) under its own
     key prefix in the save's prefix; one manifest commits both; each rank restores exactly."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from backends.servers import free_port
+    import launcher
 
     url, opts = s3_root(seaweed)
     worker = Path(__file__).with_name("s3_worker.py")
-    port = free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(r), "2", str(port), url, str(outs[r]), json.dumps(opts)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-    results = [json.loads(o.read_text()) if o.exists() else {"crash": log} for o, log in zip(outs, logs, strict=True)]
+    procs = launcher.start(
+        lambda r, port: [str(worker), str(r), "2", port, url, str(outs[r]), json.dumps(opts)], 2
+    )
+    ranks = launcher.finish("s3 job", procs, lambda r: outs[r], 240)
+    results = [o.result if o.result is not None else {"crash": o.log} for o in ranks]
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r}:\n{res['crash']}"
         assert res == {"restored": 1, "exact": True}, res

@@ -23,15 +23,14 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import launcher
 import pytest
 
 SEED = int(os.environ.get("CKPTLIB_TEST_SEED", "1234"))
@@ -101,16 +100,6 @@ def ref_digest(steps: int, ballast: int = 0) -> str:
 # --------------------------------------------------------------------------- jobs
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Hang(AssertionError):
-    """A job did not finish within its deadline (it was killed)."""
-
-
 @dataclass
 class JobRun:
     name: str
@@ -142,44 +131,18 @@ class Harness:
     jobs: list[JobRun] = field(default_factory=list)
 
     def start(self, name: str, world: int = 1, **args: Any) -> tuple[str, list[subprocess.Popen]]:
-        full = {"url": self.url, **self.base, **args, "job": name}
-        port = str(free_port())
-        procs = []
-        for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port}
-            env.pop("CKPTLIB_TEST_KILL_AT", None)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(self.dir), json.dumps(full)],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        return name, procs
+        """One process per rank (tests/launcher.py; the rendezvous comes by environment)."""
+        full = json.dumps({"url": self.url, **self.base, **args, "job": name})
+        return name, launcher.start(lambda rank, port: [str(WORKER), str(self.dir), full], world)
 
     def finish(
         self, started: tuple[str, list[subprocess.Popen]], timeout: float = JOB_TIMEOUT
     ) -> JobRun:
+        """Wait for every rank (a :class:`~launcher.Hang` past ``timeout``); keep the run."""
         name, procs = started
-        end = time.monotonic() + timeout
-        logs = []
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                for q in procs:
-                    q.communicate(timeout=30)
-                raise Hang(f"job {name} did not finish within {timeout:.0f}s") from None
-            logs.append(out.decode(errors="replace"))
-        results = []
-        for rank in range(len(procs)):
-            suffix = f"-r{rank}" if len(procs) > 1 else ""
-            path = self.dir / f"result-{name}{suffix}.json"
-            results.append(json.loads(path.read_text()) if path.exists() else None)
-        run = JobRun(name, [p.returncode for p in procs], results, "\n".join(logs))
+        suffix = (lambda r: f"-r{r}") if len(procs) > 1 else (lambda r: "")
+        out = launcher.finish(f"job {name}", procs, lambda r: self.dir / f"result-{name}{suffix(r)}.json", timeout)
+        run = JobRun(name, [o.returncode for o in out], [o.result for o in out], "\n".join(o.log for o in out))
         self.jobs.append(run)
         return run
 

@@ -35,12 +35,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zstandard
 
 import ckptlib
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import checksum
-from ckptlib.format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TABLE_KEY
+from ckptlib.format.manifest import MANIFEST_NAME, TABLE_KEY
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # load_one.py, python -m
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import (
+    base_state,
+    body_of,
+    body_text,
+    chunk0,
+    encode_manifest,
+    frame,
+    random_tensor,
+    tree_item,
+    zstd_bomb,
+    zstd_frame,
+)
 
 STEP = 7
 STEP_DIR = f"step-{STEP:012d}"
@@ -51,61 +65,7 @@ CORRUPT = ("CorruptCheckpointError",)
 TEMPLATE_NAMES = ("raw", "zstd")
 
 
-def _tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random bytes of every pattern (NaN payloads included), from a seeded generator."""
-    n = 1
-    for s in shape:
-        n *= s
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-        .view(dtype)
-        .reshape(shape)
-    )
-
-
-def base_state() -> dict[str, Any]:
-    """The state every template holds (load_one.py compares successful loads against it)."""
-    return {
-        "big": _tensor((64, 1024), torch.float32, 1),  # 256 KiB: a chunk of its own
-        "big2": _tensor((128, 256), torch.int64, 2),  # 256 KiB: a chunk of its own
-        "small": _tensor((16,), torch.float32, 3),  # packed
-        "small2": _tensor((4, 4), torch.bfloat16, 4),  # packed
-        "blob": bytes(range(256)) * 20,  # 5120 bytes: stored as a uint8 tensor
-        "step": 3,
-        "name": "x",
-    }
-
-
 # --------------------------------------------------------------------------- manifest editing
-
-
-def encode_manifest(
-    body: Any, *, version: Any = FORMAT_VERSION, fmt: Any = FORMAT_NAME, digest: str | None = None
-) -> bytes:
-    """Frame ``body`` like the writer does; the digest is the library's own unless forged."""
-    text = jsonio.dumps(body, sort_keys=False).encode("ascii")
-    return frame(text, version=version, fmt=fmt, digest=digest)
-
-
-def frame(
-    text: bytes, *, version: Any = FORMAT_VERSION, fmt: Any = FORMAT_NAME, digest: str | None = None
-) -> bytes:
-    """Manifest bytes around an already serialized body ``text`` (which may be invalid JSON)."""
-    if digest is None:
-        digest = checksum(text)
-    head = f'{{"format":{json.dumps(fmt)},"format_version":{json.dumps(version)},"checksum":"xxh3_64:{digest}","body":'
-    return head.encode("ascii") + text + b"}"
-
-
-def body_text(ck: Path) -> bytes:
-    """The exact bytes of the body inside ``ck``'s manifest."""
-    data = (ck / MANIFEST_NAME).read_bytes()
-    return data[data.index(b'"body":') + len(b'"body":') : -1]
-
-
-def body_of(ck: Path) -> dict[str, Any]:
-    return json.loads((ck / MANIFEST_NAME).read_bytes())["body"]
 
 
 def write_body(ck: Path, body: Any, **framing: Any) -> None:
@@ -147,10 +107,6 @@ def raw_manifest(fn: Callable[[bytes], bytes]) -> Callable[[Path], None]:
     return tamper
 
 
-def chunk0(body: dict[str, Any], name: str) -> list[Any]:
-    return body["tensors"][name]["chunks"][0]
-
-
 def packed_row(body: dict[str, Any], name: str) -> int:
     """Row of tensor ``name`` in the packed table ``body[TABLE_KEY]`` (columns ``name, dtype,
     ndim, dims, pack, offset``; ``dims`` holds every row's shape, flat): small tensors stored
@@ -173,10 +129,6 @@ def set_dims(name: str, shape: list[int]) -> Callable[[Path], None]:
         t["ndim"][row] = len(shape)
 
     return edit_body(edit)
-
-
-def tree_item(body: dict[str, Any], key: str) -> list[Any]:
-    return next(item for item in body["tree"]["items"] if item[0] == key)
 
 
 def set_tree(key: str, node: Any) -> Callable[[Path], None]:
@@ -230,24 +182,6 @@ def one_chunk(
 
 
 # --------------------------------------------------------------------------- zstd frames
-
-
-def zstd_stream(total: int, *, declared: bool, chunk: bytes = bytes(1 << 20)) -> bytes:
-    """A frame expanding to ``total`` bytes (repeats of ``chunk``), built in pieces (low memory)."""
-    c = zstandard.ZstdCompressor(level=1).compressobj(size=total if declared else -1)
-    out = [c.compress(chunk) for _ in range(total // len(chunk))]
-    out.append(c.compress(chunk[: total % len(chunk)]))
-    out.append(c.flush())
-    return b"".join(out)
-
-
-def zstd_frame(raw: bytes, *, declared: int | None = -1) -> bytes:
-    """One frame of ``raw``; ``declared`` sets the content size header (None: none, -1: true)."""
-    c = zstandard.ZstdCompressor(level=1, write_content_size=declared is not None)
-    if declared is None or declared == -1:
-        return c.compress(raw)
-    obj = c.compressobj(size=declared)
-    return obj.compress(raw) + obj.flush()
 
 
 def big_as_stored(
@@ -465,7 +399,7 @@ def huge_file_claim(ck: Path) -> None:
 
 def pack_bomb(ck: Path) -> None:
     body = body_of(ck)
-    stored = zstd_stream(256 << 20, declared=False)
+    stored = zstd_bomb(256 << 20, declared=False)
     idx = add_file(ck, body, "packbomb.bin", stored)
     p = body["packs"][0]
     p[0], p[1], p[2], p[3], p[4] = idx, 0, len(stored), checksum(stored), "zstd"
@@ -676,7 +610,7 @@ def _entries() -> list[Entry]:
             "manifest-random-bytes",
             "framing",
             "manifest.json is 4 KiB of seeded random bytes",
-            raw_manifest(lambda d: bytes(_tensor((4096,), torch.uint8, 9).tolist())),
+            raw_manifest(lambda d: bytes(random_tensor((4096,), torch.uint8, 9).tolist())),
         ),
         E(
             "manifest-not-utf8",
@@ -730,27 +664,27 @@ def _entries() -> list[Entry]:
             "version-future",
             "version",
             "format_version 2 (checksum valid)",
-            lambda ck: write_body(ck, body_of(ck), version=2),
+            lambda ck: write_body(ck, body_of(ck), format_version=2),
             expect=("ManifestVersionError",),
         ),
         E(
             "version-huge",
             "version",
             "format_version 10**30",
-            lambda ck: write_body(ck, body_of(ck), version=10**30),
+            lambda ck: write_body(ck, body_of(ck), format_version=10**30),
             expect=("ManifestVersionError",),
         ),
         E(
             "version-zero",
             "version",
             "format_version 0",
-            lambda ck: write_body(ck, body_of(ck), version=0),
+            lambda ck: write_body(ck, body_of(ck), format_version=0),
         ),
         E(
             "version-string",
             "version",
             'format_version "1"',
-            lambda ck: write_body(ck, body_of(ck), version="1"),
+            lambda ck: write_body(ck, body_of(ck), format_version="1"),
         ),
         # ---- strict JSON
         E(
@@ -1221,7 +1155,7 @@ def _entries() -> list[Entry]:
             "zstd-bomb-1gib",
             "zstd-bomb",
             "1 GiB of zeros in one frame without content size, claim 4 KiB",
-            big_as_stored(lambda: zstd_stream(1 << 30, declared=False)),
+            big_as_stored(lambda: zstd_bomb(1 << 30, declared=False)),
             template="zstd",
             isolated=True,
         ),
@@ -1229,7 +1163,7 @@ def _entries() -> list[Entry]:
             "zstd-bomb-256mib-declared",
             "zstd-bomb",
             "256 MiB frame declaring its size, claim 4 KiB",
-            big_as_stored(lambda: zstd_stream(256 << 20, declared=True)),
+            big_as_stored(lambda: zstd_bomb(256 << 20, declared=True)),
             template="zstd",
         ),
         E(
@@ -1243,7 +1177,7 @@ def _entries() -> list[Entry]:
             "zstd-bomb-near-claim",
             "zstd-bomb",
             "claim 256 MiB, frame expands to 256 MiB + 1 byte",
-            big_as_stored(lambda: zstd_stream((256 << 20) + 1, declared=False), claim=256 << 20),
+            big_as_stored(lambda: zstd_bomb((256 << 20) + 1, declared=False), claim=256 << 20),
             template="zstd",
             expect=("CorruptCheckpointError", "CheckpointError"),
             isolated=True,
@@ -1280,7 +1214,7 @@ def _entries() -> list[Entry]:
             "zstd-garbage",
             "zstd-bomb",
             "zstd magic then seeded random bytes",
-            big_as_stored(b"\x28\xb5\x2f\xfd" + bytes(_tensor((200,), torch.uint8, 5).tolist())),
+            big_as_stored(b"\x28\xb5\x2f\xfd" + bytes(random_tensor((200,), torch.uint8, 5).tolist())),
             template="zstd",
         ),
         E(
@@ -1295,7 +1229,7 @@ def _entries() -> list[Entry]:
             "zstd-bomb",
             "zstd-shuffle float32 chunk whose frame expands to 64 MiB",
             big_as_stored(
-                lambda: zstd_stream(64 << 20, declared=False), codec="zstd-shuffle", dtype="float32"
+                lambda: zstd_bomb(64 << 20, declared=False), codec="zstd-shuffle", dtype="float32"
             ),
             template="zstd",
         ),

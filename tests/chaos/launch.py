@@ -32,12 +32,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import launcher
+from launcher import Outcome, kill_all
 
 import ckptlib
 
@@ -53,22 +55,6 @@ ENV = {"CKPTLIB_COORD_TIMEOUT": str(COORD_TIMEOUT)}
 JOB_TIMEOUT = 150.0  # a whole job, torch import on a loaded 2-core machine included
 # What a survivor may die of: the commit protocol's verdict or the broken gloo group.
 SURVIVOR_ERRORS = re.compile(r"CommitError|CheckpointError|DistBackendError|RuntimeError|DistError")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Outcome:
-    """How one rank's process ended."""
-
-    rank: int
-    returncode: int
-    result: dict | None  # ROOT/result-<scenario>-<rank>.json, None if it wrote none
-    log: str
 
 
 POOL_SIZE = 3
@@ -134,77 +120,24 @@ def start(
     env: dict | None = None,
     rank_env: dict[int, dict] | None = None,
 ) -> list[subprocess.Popen]:
-    """Start one rank per process: pre-started workers (which then run only this job), the
-    pool refilled at once so the next job's imports overlap this job."""
+    """Start one rank per process (tests/launcher.py) from pre-started workers (which then
+    run only this job), the pool refilled at once so the next job's imports overlap this job."""
     for rank in range(world):  # results of an earlier job in the same root
         (root / f"result-{scenario}-{rank}.json").unlink(missing_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        full_env = {**os.environ, **(env or {}), **((rank_env or {}).get(rank, {}))}
-        if rank not in (rank_env or {}):
-            full_env.pop("CKPTLIB_TEST_KILL_AT", None)
-        argv = [scenario, str(rank), str(world), str(port), str(root), json.dumps(args or {})]
-        procs.append(_take(argv, full_env))
+
+    def argv(rank: int, port: str) -> list[str]:
+        return [scenario, str(rank), str(world), port, str(root), json.dumps(args or {})]
+
+    procs = launcher.start(argv, world, env=env, rank_env=rank_env, spawn=_take)
     _refill()
     return procs
-
-
-def kill_all(procs: list[subprocess.Popen]) -> str:
-    """Dump the stacks of live processes (SIGUSR1, see chaos_worker.py), kill them, and
-    return everything they printed."""
-    live = [q for q in procs if q.poll() is None]
-    for q in live:
-        q.send_signal(signal.SIGCONT)
-        q.send_signal(signal.SIGUSR1)
-    time.sleep(1.0 if live else 0.0)
-    for q in live:
-        q.kill()
-    logs = []
-    for rank, q in enumerate(procs):
-        try:
-            out, _ = q.communicate(timeout=30)
-        except ValueError:  # output already read by an earlier communicate()
-            out = b""
-        logs.append(
-            f"--- rank {rank} (exit {q.returncode}):\n"
-            + (out or b"").decode(errors="replace")[-6000:]
-        )
-    return "\n".join(logs)
 
 
 def finish(
     scenario: str, procs: list[subprocess.Popen], root: Path, timeout: float
 ) -> list[Outcome]:
-    """Wait for every rank; kill them all and fail if any is still running after ``timeout``."""
-    end = time.monotonic() + timeout
-    logs = []
-    for rank, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logs_all = kill_all(procs)
-            raise AssertionError(
-                f"{scenario}: rank {rank} did not finish within {timeout}s (hang)\n{logs_all}"
-            ) from None
-        logs.append(out.decode(errors="replace"))
-    outcomes = []
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        path = root / f"result-{scenario}-{rank}.json"
-        result = json.loads(path.read_text()) if path.exists() else None
-        outcomes.append(Outcome(rank, p.returncode, result, log))
-    return outcomes
-
-
-def wait_exit(procs: list[subprocess.Popen], ranks: list[int], timeout: float) -> bool:
-    """True once every process in ``ranks`` has exited (False at ``timeout``). Their output
-    stays in the pipe (small) for :func:`finish`."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if all(procs[r].poll() is not None for r in ranks):
-            return True
-        time.sleep(0.05)
-    return False
+    """Wait for every rank; kill them all and fail (a hang) if any still runs after ``timeout``."""
+    return launcher.finish(scenario, procs, lambda r: root / f"result-{scenario}-{r}.json", timeout)
 
 
 # ---------------------------------------------------------------- logs and folder state

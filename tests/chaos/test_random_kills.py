@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher import kill_all, wait_exit
 
 from .launch import (
     COORD_TIMEOUT,
@@ -39,9 +40,7 @@ from .launch import (
     Campaign,
     Fault,
     committed_steps,
-    kill_all,
     reference,
-    wait_exit,
 )
 
 SEED = int(os.environ.get("CKPTLIB_TEST_SEED", "1234"))

@@ -1,38 +1,23 @@
-"""Start a multi-process gloo job of tests/workers/dist_worker.py and collect its results."""
+"""Multi-process gloo jobs of tests/workers/dist_worker.py, on the shared launcher
+(tests/launcher.py). Called from the pytest thread."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
+
+import launcher
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "dist_worker.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start(scenario: str, world: int, root: Path, args: dict | None = None, env: dict | None = None
+          ) -> list[subprocess.Popen]:
+    def argv(rank: int, port: str) -> list[str]:
+        return [str(WORKER), scenario, str(rank), str(world), port, str(root), json.dumps(args or {})]
 
-
-def start(scenario: str, world: int, root: Path, args: dict | None = None, env: dict | None = None):
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port), str(root),
-                 json.dumps(args or {})],
-                env={**os.environ, **(env or {})},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    return procs
+    return launcher.start(argv, world, env=env)
 
 
 def results(scenario: str, world: int, root: Path) -> list[dict | None]:
@@ -43,21 +28,19 @@ def results(scenario: str, world: int, root: Path) -> list[dict | None]:
     return out
 
 
+def wait(scenario: str, procs: list[subprocess.Popen], root: Path, timeout: float = 120
+         ) -> list[launcher.Outcome]:
+    """Every rank's outcome; a rank still running after ``timeout`` is a hang (all killed)."""
+    return launcher.finish(
+        f"{scenario} on {len(procs)} ranks", procs, lambda r: root / f"result-{scenario}-{r}.json", timeout
+    )
+
+
 def run(scenario: str, world: int, root: Path, args: dict | None = None, timeout: float = 120,
         env: dict | None = None) -> list[dict]:
+    """Start, wait (``timeout`` for the whole job), and require a clean result from every rank."""
     procs = start(scenario, world, root, args, env)
-    end = time.monotonic() + timeout
-    logs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"{scenario} on {world} ranks did not finish in {timeout}s") from None
-        logs.append(out.decode(errors="replace"))
-    res = results(scenario, world, root)
-    for rank, (r, log) in enumerate(zip(res, logs, strict=True)):
-        assert r is not None, f"rank {rank} wrote no result; output:\n{log}"
-        assert "crash" not in r, f"rank {rank} crashed:\n{r['crash']}\n{log}"
-    return res  # type: ignore[return-value]
+    for o in wait(scenario, procs, root, timeout):
+        assert o.result is not None, f"rank {o.rank} wrote no result; output:\n{o.log}"
+        assert "crash" not in o.result, f"rank {o.rank} crashed:\n{o.result['crash']}\n{o.log}"
+    return results(scenario, world, root)  # type: ignore[return-value]

@@ -13,7 +13,7 @@ import pytest
 from ckptlib.crashpoints import PHASES
 
 from . import launch
-from .launch import results, run, start
+from .launch import results, run, start, wait
 
 DEAD_AFTER = 5.0  # coordination deadline for these tests (the default is 30 s)
 ENV = {"CKPTLIB_COORD_TIMEOUT": str(DEAD_AFTER)}
@@ -27,8 +27,7 @@ def test_phases_are_named():
 def test_sigkill_one_rank_mid_save(tmp_path, victim, phase):
     world = 3
     procs = start("fail", world, tmp_path, {"victim": victim, "phase": phase, "signal": "KILL"}, ENV)
-    for p in procs:
-        p.communicate(timeout=120)
+    wait("fail", procs, tmp_path, 120)
     assert procs[victim].returncode == -signal.SIGKILL
     res = results("fail", world, tmp_path)
     for rank, r in enumerate(res):
@@ -36,7 +35,7 @@ def test_sigkill_one_rank_mid_save(tmp_path, victim, phase):
             continue
         assert r is not None and "crash" not in r, r
         assert r["error"] == "CommitError", r
-        assert str(victim) in r["failures"] or victim == 0, r
+        assert str(victim) in r["failures"], r  # the coordinator (0) too: {0: "unreachable"}
         assert r["elapsed"] < 4 * DEAD_AFTER + 10, r
     assert not (tmp_path / "bad").exists()
     # The previous checkpoint still restores, in a fresh job.
