@@ -35,7 +35,7 @@ from ckptlib.engine.pool import run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format import layout
-from ckptlib.format.build import WrittenChunk, WrittenPack
+from ckptlib.format.build import PackMember, WrittenChunk, WrittenPack
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import NAMES, dtype_name
 
@@ -199,7 +199,8 @@ def _write_one(
                 start = w.pos
                 w.add(stored)
                 out.append(
-                    WrittenPack(path, start, len(stored), checksum(stored, algorithm), codec, raw.size, j.members, offsets)
+                    WrittenPack(path, start, len(stored), checksum(stored, algorithm), codec, raw.size,
+                                [PackMember(m.name, m.dtype, m.offset, m.shape) for m in j.members], offsets)
                 )
                 continue
             itemsize = j.tensor.element_size()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 from ckptlib._version import __version__
 from ckptlib.format import jsonio
@@ -29,17 +29,14 @@ from ckptlib.format.schema import (
 )
 
 
-class PackMember(Protocol):
-    """A tensor piece stored in a pack, as the writer describes it (``engine.writer.ChunkJob``)."""
+class PackMember(NamedTuple):
+    """A tensor piece stored in a pack: metadata only (results travel between ranks, so no
+    tensor may ride along)."""
 
-    @property
-    def name(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def offset(self) -> tuple[int, ...]: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
+    name: str
+    dtype: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
 
 
 @dataclass(slots=True)
