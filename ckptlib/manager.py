@@ -33,6 +33,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ckptlib import crashpoints
@@ -104,6 +105,26 @@ class SaveHandle:
             raise err
 
 
+@dataclass(frozen=True)
+class ManagerOptions:
+    """The manager's scheduling options, validated once (documented on :class:`CheckpointManager`)."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    async_save: bool = True
+    compression: str | None = None
+    in_flight: str = "wait"
+    save_timeout: float = 600.0
+    snapshot_timeout: float = 300.0
+    overlap: bool = False
+    persist_nice: int | None = 10
+
+    def __post_init__(self) -> None:
+        if self.in_flight not in ("wait", "skip"):
+            raise ValueError("in_flight must be 'wait' or 'skip'")
+        retention.decide([], self.keep_last, self.keep_every)  # validates the policy
+
+
 class CheckpointManager:
     """Save steps under one root folder and resume from the newest consistent one.
 
@@ -143,20 +164,13 @@ class CheckpointManager:
         snapshot_timeout: float = 300.0,
         persist_nice: int | None = 10,
     ) -> None:
-        if in_flight not in ("wait", "skip"):
-            raise ValueError("in_flight must be 'wait' or 'skip'")
-        retention.decide([], keep_last, keep_every)  # validates the policy
+        self.options = ManagerOptions(
+            keep_last=keep_last, keep_every=keep_every, async_save=async_save, compression=compression,
+            in_flight=in_flight, save_timeout=save_timeout, snapshot_timeout=snapshot_timeout,
+            overlap=overlap, persist_nice=persist_nice,
+        )
         self.url = os.fspath(url)
         self.storage: Storage = open_storage(self.url, storage_options)
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.async_save = async_save
-        self.compression = compression
-        self.in_flight = in_flight
-        self.save_timeout = save_timeout
-        self.snapshot_timeout = snapshot_timeout
-        self.overlap = overlap
-        self.persist_nice = persist_nice
         self.coordinator = coordinator or default_coordinator()
         self._stager = Stager(staging_budget)
         self._handles: list[SaveHandle] = []
@@ -197,9 +211,9 @@ class CheckpointManager:
     def _save(self, step: int, state: Any, metadata: Any) -> SaveHandle:
         self._overlap.finish()
         self._raise_pending()
-        handle = SaveHandle(step, self.save_timeout)
+        handle = SaveHandle(step, self.options.save_timeout)
         if self._thread is not None and self._thread.is_alive():
-            if self.in_flight == "skip":
+            if self.options.in_flight == "skip":
                 warnings.warn(
                     f"ckptlib: skipping save of step {step}: the previous save is still persisting",
                     RuntimeWarning,
@@ -215,26 +229,26 @@ class CheckpointManager:
         self._ensure_root()
         save_id = save_flow.new_save_id()
         created = time.time()
-        if not self.async_save:
+        if not self.options.async_save:
             self._handles.append(handle)
             self._persist(handle, flat, step, metadata, save_id, created)
             self._raise_pending()
             return handle
 
-        deadline = time.monotonic() + self.snapshot_timeout
-        deferred = deferred_mask(state, flat) if self.overlap else None
+        deadline = time.monotonic() + self.options.snapshot_timeout
+        deferred = deferred_mask(state, flat) if self.options.overlap else None
         snap = self._stager.begin(flat, deferred)
         handle._snapshot = snap
         self._handles.append(handle)
         self._active_ids.add(save_id)
         self._thread = threading.Thread(
-            target=self._persist_async,
+            target=self._persist,
             args=(handle, snap, step, metadata, save_id, created),
             name=f"ckptlib-save-{step}",
             daemon=True,
         )
         self._thread.start()
-        sync_upto = snap.sync_rounds if self.overlap else snap.nrounds
+        sync_upto = snap.sync_rounds if self.options.overlap else snap.nrounds
         try:
             snap.stage(sync_upto, deadline)
         except SnapshotAborted:
@@ -255,54 +269,40 @@ class CheckpointManager:
             self.storage.makedirs("")
             self._root_ready = True
 
-    def _options(self) -> save_flow.SaveOptions:
-        return save_flow.SaveOptions(compression=self.compression, timeout=self.save_timeout)
-
-    def _persist(self, handle: SaveHandle, flat: FlatState, step: int, metadata: Any, save_id: str, created: float) -> None:
-        """Synchronous save: persist the live state on the caller's thread."""
-        error: BaseException | None = None
-        try:
-            save_flow.persist(
-                self.storage, layout.step_dir(step), flat, step=step, metadata=metadata,
-                options=self._options(), coordinator=self.coordinator, save_id=save_id,
-                created=created,
-            )
-            if self.coordinator.is_coordinator:
-                self._after_commit(save_id)
-        except Exception as e:
-            error = e
-        finally:
-            self._active_ids.discard(save_id)
-            handle._finish(error)
-
-    def _persist_async(
-        self, handle: SaveHandle, snap: Snapshot, step: int, metadata: Any, save_id: str, created: float
+    def _persist(
+        self, handle: SaveHandle, source: FlatState | Snapshot, step: int, metadata: Any, save_id: str, created: float
     ) -> None:
-        """Persist thread: write the staged copies as they become ready, then commit.
+        """Persist and commit: the live state (``FlatState``, synchronous save, caller's thread)
+        or, on the persist thread, a :class:`Snapshot`'s staged copies as they become ready.
 
         A failed snapshot still goes through ``persist`` (its rounds raise), so every rank
         learns of the failure through the commit protocol and nothing is committed.
         """
         error: BaseException | None = None
-        _lower_priority(self.persist_nice)
+        snap = source if isinstance(source, Snapshot) else None
+        flat = source.staged if isinstance(source, Snapshot) else source
+        rounds: Iterable[list[TensorItem]] | None = None
         try:
-            deadline = time.monotonic() + self.save_timeout
-            if snap.streaming:
-                rounds: Iterable[list[TensorItem]] | None = snap.rounds(deadline)
-            else:
-                snap.wait_staged(deadline)
-                rounds = None if snap.error is None else _failed_rounds(snap.error)
+            if snap is not None:
+                _lower_priority(self.options.persist_nice)
+                deadline = time.monotonic() + self.options.save_timeout
+                if snap.streaming:
+                    rounds = snap.rounds(deadline)
+                else:
+                    snap.wait_staged(deadline)
+                    rounds = None if snap.error is None else _failed_rounds(snap.error)
             save_flow.persist(
-                self.storage, layout.step_dir(step), snap.staged, step=step, metadata=metadata,
-                options=self._options(), coordinator=self.coordinator, save_id=save_id,
-                created=created, rounds=rounds,
+                self.storage, layout.step_dir(step), flat, step=step, metadata=metadata,
+                options=save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout),
+                coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds,
             )
             if self.coordinator.is_coordinator:
                 self._after_commit(save_id)
         except Exception as e:
             error = e
         finally:
-            snap.writer_finished()
+            if snap is not None:
+                snap.writer_finished()
             self._active_ids.discard(save_id)
             handle._finish(error)
 
@@ -311,7 +311,7 @@ class CheckpointManager:
         try:
             crashpoints.point("cleanup")
             retire.clean_debris(self.storage, self._active_ids | {save_id})
-            retire.apply_retention(self.storage, self.keep_last, self.keep_every)
+            retire.apply_retention(self.storage, self.options.keep_last, self.options.keep_every)
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)
 
@@ -338,7 +338,7 @@ class CheckpointManager:
     def _join_thread(self, timeout: float | None = None) -> None:
         t = self._thread
         if t is not None:
-            limit = self.save_timeout + 30.0 if timeout is None else timeout
+            limit = self.options.save_timeout + 30.0 if timeout is None else timeout
             t.join(limit)
             if t.is_alive():
                 raise CommitTimeoutError(f"background save still running after {limit:.0f}s")
@@ -462,7 +462,7 @@ class CheckpointManager:
         self.wait()
         return resume.restore(
             self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-            timeout=self.save_timeout,
+            timeout=self.options.save_timeout,
         )
 
 
