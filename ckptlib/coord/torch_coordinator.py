@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -130,48 +131,43 @@ class TorchCoordinator(Coordinator):
             self._session.stop()
             self._session = None
 
-    def report_done(self, error: str | None) -> None:
+    @property
+    def _live(self) -> _Session:
         assert self._session is not None
-        try:
-            self._session.post_done(error)
-        except Exception as e:  # the store lives in rank 0's process
-            raise CommitError(
-                f"coordinator (rank 0) unreachable: it died or its store is gone ({e})",
-                {0: "unreachable"},
-            ) from e
+        return self._session
 
-    def wait_all_done(self, deadline: float) -> dict[int, str]:
-        """Coordinator: block until every rank is done; returns rank -> error for failed ranks."""
-        assert self._session is not None
+    @staticmethod
+    def _store(what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a session call: a store failure fails the save as a CommitError."""
         try:
-            return self._session.wait_all_done(deadline)
+            return fn(*args)
         except CommitError:
             raise
         except Exception as e:
-            raise CommitError(f"store failure while waiting for ranks: {e}", {0: str(e)}) from e
+            raise CommitError(f"store failure while {what}: {e}", {0: str(e)}) from e
+
+    def report_done(self, error: str | None) -> None:
+        try:
+            self._live.post_done(error)
+        except Exception as e:  # the store lives in rank 0's process
+            raise CommitError(f"{_UNREACHABLE} ({e})", {0: "unreachable"}) from e
+
+    def wait_all_done(self, deadline: float) -> dict[int, str]:
+        """Coordinator: block until every rank is done; returns rank -> error for failed ranks."""
+        return self._store("waiting for ranks", self._live.wait_all_done, deadline)
 
     def release(self, failures: dict[int, str]) -> None:
-        assert self._session is not None
-        try:
-            self._session.set("release", json.dumps({str(k): v for k, v in failures.items()}))
-        except Exception as e:
-            raise CommitError(f"store failure while releasing ranks: {e}", {0: str(e)}) from e
+        self._store("releasing ranks", self._live.set, "release", json.dumps({str(k): v for k, v in failures.items()}))
 
     def wait_release(self, deadline: float) -> dict[int, str]:
-        assert self._session is not None
-        return self._session.wait_release(deadline)
+        return self._live.wait_release(deadline)
 
     def share_outcome(self, outcome: Any, deadline: float) -> Any:
         """Over the store, not gloo: the coordinator's publish may take longer than
         ``dead_after`` while it is alive (see :meth:`_Session.share_outcome`)."""
         if self._session is None:
             return super().share_outcome(outcome, deadline)
-        try:
-            return self._session.share_outcome(outcome, deadline)
-        except CommitError:
-            raise
-        except Exception as e:  # the coordinator's own store calls (in-process) failed
-            raise CommitError(f"store failure while sharing the outcome: {e}", {0: str(e)}) from e
+        return self._store("sharing the outcome", self._session.share_outcome, outcome, deadline)
 
 
 class _Session:
@@ -283,9 +279,9 @@ class _Session:
         while True:
             try:
                 if self.bounded(self.store.check, [key]):
-                    raw = json.loads(self.bounded(self.store.get, key).decode())
-                    self._failed.update({int(k): v for k, v in raw.items()})
-                    return {int(k): v for k, v in raw.items()}
+                    verdict = {int(k): v for k, v in json.loads(self.bounded(self.store.get, key).decode()).items()}
+                    self._failed.update(verdict)
+                    return verdict
             except Exception:
                 return {0: _UNREACHABLE}
             if time.monotonic() > end:
@@ -351,12 +347,12 @@ class _Unreachable(TimeoutError):
     """A store call from a non-coordinator went unanswered for ``dead_after``."""
 
 
+@dataclass
 class _Watch:
     """Non-coordinators: is the coordinator's heartbeat (``hb/0``) still moving?"""
 
-    def __init__(self, session: _Session) -> None:
-        self.session = session
-        self.last: tuple[int, float] | None = None
+    session: _Session
+    last: tuple[int, float] | None = None
 
     def silent(self) -> str | None:
         """None while the coordinator is alive; else why it is judged dead."""

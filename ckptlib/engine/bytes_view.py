@@ -1,9 +1,23 @@
-"""Zero-copy byte views of CPU tensors. Called by the writer and the reader."""
+"""Boxes of saved tensors held by CPU tensors, and their zero-copy byte views (writer, reader)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+
+@dataclass(slots=True)
+class Box:
+    """The box ``shape`` at ``offset`` (global coordinates) of saved tensor ``name``, held by the
+    CPU tensor ``tensor``: the reader's destination (:class:`~ckptlib.engine.reader.Request`) or
+    the writer's source (:class:`~ckptlib.engine.writer.ChunkJob`)."""
+
+    name: str
+    tensor: torch.Tensor
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:

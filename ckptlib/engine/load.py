@@ -260,7 +260,7 @@ def run_plan(
         reader.close()
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
-        stats["bytes_needed"] = sum(r.dest.numel() * r.dest.element_size() for r in plan.requests)
+        stats["bytes_needed"] = sum(r.tensor.numel() * r.tensor.element_size() for r in plan.requests)
     for fn in (*plan.copies, *plan.fills, *plan.loads):
         fn()
 

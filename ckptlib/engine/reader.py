@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 
 import numpy as np
 import torch
 
 from ckptlib.backends import ReadHandle, Storage, join
-from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.engine.bytes_view import Box, as_bytes
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.pool import run_all
 from ckptlib.errors import CorruptCheckpointError
@@ -38,13 +38,8 @@ COALESCE_MAX = 8 << 20  # chunks smaller than this are fetched together with the
 COALESCE_GAP = 64 << 10
 
 
-@dataclass(slots=True)
-class Request:
-    name: str
-    dest: torch.Tensor
-    """CPU tensor with the saved dtype and shape ``box_shape``."""
-    box_offset: tuple[int, ...]
-    box_shape: tuple[int, ...]
+Request = Box
+"""What the caller asks for: a box of a saved tensor, read into ``tensor`` (CPU, saved dtype)."""
 
 
 @dataclass(slots=True)
@@ -52,6 +47,10 @@ class _Target:
     req: Request
     lo: tuple[int, ...]  # intersection, global coordinates
     hi: tuple[int, ...]
+
+    def within(self, origin: tuple[int, ...]) -> tuple[slice, ...]:
+        """The intersection as slices of a box whose corner is at ``origin``."""
+        return tuple(slice(lo - o, hi - o) for lo, hi, o in zip(self.lo, self.hi, origin, strict=True))
 
 
 @dataclass(slots=True)
@@ -77,8 +76,8 @@ class _PackTask:
 def _intersect(c: Chunk | Piece, req: Request) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     lo, hi = [], []
     for d in range(len(c.shape)):
-        a = max(c.offset[d], req.box_offset[d])
-        b = min(c.offset[d] + c.shape[d], req.box_offset[d] + req.box_shape[d])
+        a = max(c.offset[d], req.offset[d])
+        b = min(c.offset[d] + c.shape[d], req.offset[d] + req.shape[d])
         if a >= b:
             return None
         lo.append(a)
@@ -94,38 +93,30 @@ def _direct_view(task: _ChunkTask) -> np.ndarray | None:
     c, req = task.chunk, t.req
     if t.lo != c.offset or tuple(h - lo for h, lo in zip(t.hi, t.lo, strict=True)) != c.shape:
         return None  # only part of the chunk is wanted
-    if not req.dest.is_contiguous() or len(c.shape) == 0:
-        return as_bytes(req.dest) if len(c.shape) == 0 and req.dest.is_contiguous() else None
+    if not req.tensor.is_contiguous() or len(c.shape) == 0:
+        return as_bytes(req.tensor) if len(c.shape) == 0 and req.tensor.is_contiguous() else None
     # Contiguous iff the chunk spans the full destination extent on every dim after the first.
-    if tuple(c.shape[1:]) != tuple(req.box_shape[1:]):
+    if tuple(c.shape[1:]) != tuple(req.shape[1:]):
         return None
     row = ITEMSIZE[task.dtype]
     for s in c.shape[1:]:
         row *= s
-    first = c.offset[0] - req.box_offset[0]
-    return as_bytes(req.dest)[first * row : (first + c.shape[0]) * row]
+    first = c.offset[0] - req.offset[0]
+    return as_bytes(req.tensor)[first * row : (first + c.shape[0]) * row]
 
 
+@dataclass(eq=False)
 class Reader:
-    def __init__(
-        self,
-        storage: Storage,
-        folder: str,
-        manifest: Manifest,
-        *,
-        verify: bool = True,
-        threads: int = 4,
-        timeout: float | None = None,
-    ) -> None:
-        self.storage = storage
-        self.folder = folder
-        self.m = manifest
-        self.verify = verify
-        self.threads = threads
-        self.timeout = timeout
-        self._handles: dict[int, ReadHandle] = {}
-        self._lock = threading.Lock()
-        self.bytes_read = 0
+    storage: Storage
+    folder: str
+    m: Manifest
+    _: KW_ONLY
+    verify: bool = True
+    threads: int = 4
+    timeout: float | None = None
+    bytes_read: int = field(default=0, init=False)
+    _handles: dict[int, ReadHandle] = field(default_factory=dict, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def _handle(self, file: int) -> ReadHandle:
         with self._lock:
@@ -160,13 +151,13 @@ class Reader:
         packs: dict[int, _PackTask] = {}
         for req in requests:
             entry = self.m.tensors[req.name]
-            full = req.box_shape == entry.shape
+            full = req.shape == entry.shape
             for p in entry.pieces:
-                if full and p.shape == entry.shape and req.dest.is_contiguous():
+                if full and p.shape == entry.shape and req.tensor.is_contiguous():
                     pt = packs.get(p.pack)
                     if pt is None:
                         pt = packs[p.pack] = _PackTask(p.pack, self.m.packs[p.pack])
-                    pt.whole.append((req.dest.data_ptr(), p.raw_offset, req.dest.nbytes))
+                    pt.whole.append((req.tensor.data_ptr(), p.raw_offset, req.tensor.nbytes))
                     continue
                 hit: tuple[tuple[int, ...], tuple[int, ...]] | None
                 if full:
@@ -240,13 +231,9 @@ class Reader:
         for dest, raw_offset, n in task.whole:  # bounds: validated with the manifest
             memmove(dest, base + raw_offset, n)
         for piece, dtype, tg in task.members:
-            n = volume(piece.shape) * ITEMSIZE[dtype]
-            req = tg.req
-            src = raw[piece.raw_offset : piece.raw_offset + n]
+            src = raw[piece.raw_offset : piece.raw_offset + volume(piece.shape) * ITEMSIZE[dtype]]
             view = torch.from_numpy(src).view(DTYPES[dtype]).reshape(piece.shape)
-            sl = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, piece.offset, strict=True))
-            d = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, req.box_offset, strict=True))
-            req.dest[d] = view[sl]
+            tg.req.tensor[tg.within(tg.req.offset)] = view[tg.within(piece.offset)]
 
     def _run(self, group: list[_ChunkTask]) -> None:
         first = group[0].chunk
@@ -285,8 +272,4 @@ class Reader:
         codecs.decode_into(stored, c.codec, itemsize, raw, self._where(c.file))
         src = torch.from_numpy(raw).view(DTYPES[t.dtype]).reshape(c.shape)
         for tg in t.targets:
-            s = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, c.offset, strict=True))
-            d = tuple(
-                slice(lo - o, hi - o) for lo, hi, o in zip(tg.lo, tg.hi, tg.req.box_offset, strict=True)
-            )
-            tg.req.dest[d] = src[s]
+            tg.req.tensor[tg.within(tg.req.offset)] = src[tg.within(c.offset)]

@@ -30,7 +30,7 @@ import torch
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
-from ckptlib.engine.bytes_view import as_bytes
+from ckptlib.engine.bytes_view import Box, as_bytes
 from ckptlib.engine.pool import run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
@@ -45,12 +45,9 @@ PACK_BYTES = 4 << 20  # target raw size of one pack
 
 
 @dataclass(slots=True)
-class ChunkJob:
-    name: str
-    tensor: torch.Tensor
-    """Contiguous CPU tensor holding exactly this chunk's box."""
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
+class ChunkJob(Box):
+    """One chunk to write; ``tensor`` is contiguous and holds exactly the box."""
+
     dtype: str
     nbytes: int
 
