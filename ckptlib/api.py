@@ -55,14 +55,11 @@ def load(
     verify: bool = True,
     per_rank: str = "error",
 ) -> Any:
-    """Load the checkpoint folder at ``url``.
+    """Load the checkpoint folder at ``url`` (no collective: every rank reads what it needs).
 
-    ``into=None`` returns a new nested structure with CPU tensors; ``into=state`` loads in
-    place into the tensors (and objects) of ``state`` and returns it, reading only the parts
-    of sharded tensors (``Shard``, DTensor) this rank holds, whatever the saved sharding.
-    Checksums are verified while reading unless ``verify=False``. ``per_rank`` decides what
-    ``PerRank`` values become when the world size changed: ``"error"`` (default),
-    ``"rank0"`` or ``"all"``. Needs no collective: every rank reads what it needs.
+    ``into=None`` returns new CPU tensors; ``into=state`` loads in place (only the parts of
+    sharded tensors this rank holds, whatever the saved sharding) and returns it. ``per_rank``:
+    what ``PerRank`` values become on another world size (``"error"``, ``"rank0"``, ``"all"``).
     """
     parent, name = split_url(url)
     storage = open_storage(parent, storage_options)

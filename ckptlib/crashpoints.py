@@ -1,18 +1,11 @@
 """Named crash points for real-process chaos tests (tests reach them as ckptlib.testing.hooks too).
 
-The engine calls :func:`point` at each phase of a save (on the thread doing that phase: the
-training thread for ``snapshot``, the persist thread for the others, the caller's thread for
-``restore``). When the environment variable ``CKPTLIB_TEST_KILL_AT`` is
-``<phase>:<rank>[:<signal>][:<nth>]``, the process sends itself that signal (``KILL`` by
-default, or ``STOP``) the ``nth`` time (default 1: the first) rank ``<rank>`` reaches
-``<phase>`` in this process. ``<signal>`` may be left empty (``write:1::3``).
-
-With ``CKPTLIB_TEST_KILL_LOG=<path>`` also set, one JSON line (phase, rank, nth, signal, pid
-and ``time.time()``) is appended to ``<path>`` just before the signal is sent, so a test can
-measure how long the other ranks take to notice. With ``CKPTLIB_TEST_HOOK_TRACE=<path>``,
-every reach of every point appends ``<phase> <rank>`` to ``<path>`` (tests count reaches per
-save to choose ``nth``). Unset (the normal case) a point costs one comparison. Phases are
-listed in :data:`PHASES`; tests parametrize over it so a new phase without a test fails.
+The engine calls :func:`point` at each phase of a save, on the thread doing that phase. With
+``CKPTLIB_TEST_KILL_AT=<phase>:<rank>[:<signal>][:<nth>]`` the process sends itself ``signal``
+(``KILL`` default, or ``STOP``) the ``nth`` time (default 1) rank ``<rank>`` reaches ``<phase>``
+(``<signal>`` may be empty: ``write:1::3``). ``CKPTLIB_TEST_KILL_LOG=<path>``: one JSON line is
+appended just before the signal; ``CKPTLIB_TEST_HOOK_TRACE=<path>``: every reach appends
+``<phase> <rank>``. Unset, a point costs one comparison. Tests parametrize over :data:`PHASES`.
 """
 
 from __future__ import annotations

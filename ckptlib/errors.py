@@ -1,9 +1,7 @@
-"""Typed errors raised by ckptlib.
+"""Typed errors raised by ckptlib. Imports nothing from ckptlib.
 
-Imports nothing from ckptlib. Every error derives from :class:`CheckpointError`; some also
-derive from a builtin (``FileNotFoundError``, ``TimeoutError``) so generic handlers keep
-working. All errors pickle cleanly (they carry only strings and plain dicts), which matters
-when they cross process boundaries during distributed saves.
+Every error derives from :class:`CheckpointError` (some also from a builtin, so generic
+handlers keep working) and pickles cleanly: errors cross processes in distributed saves.
 """
 
 from __future__ import annotations
@@ -19,9 +17,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint failed validation: bad manifest, size, checksum, or hostile content.
-
-    ``path`` names the file that was wrong (or ``""`` when not tied to one file).
-    """
+    ``path`` names the file that was wrong (or ``""``)."""
 
     def __init__(self, message: str, path: str = "") -> None:
         super().__init__(f"{path}: {message}" if path else message)
@@ -38,9 +34,7 @@ class ManifestVersionError(CorruptCheckpointError):
 
 class CommitError(CheckpointError):
     """A save could not be committed. Nothing was published; the previous checkpoint stands.
-
-    ``failures`` maps rank -> a one-line description, when ranks failed.
-    """
+    ``failures`` maps rank -> a one-line description, when ranks failed."""
 
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)

@@ -1,26 +1,15 @@
 """CheckpointManager: the scheduling façade. It orders saves, restores and retention; the
-work is in the engine (save, resume, overlap, preemption, retire).
+work is in the engine (save, resume, overlap, preemption, retire). Threads (docs/async.md):
 
-Threads (details in docs/async.md):
-
-- ``save()`` runs on the training thread. With ``async_save=True`` it flattens the state,
-  plans its staging (:class:`~ckptlib.engine.snapshot.Stager`, reused buffers under a memory
-  budget), starts the persist thread (``ckptlib-save-<step>``: write + commit + retention)
-  and copies the state into the staging arena. It returns a :class:`SaveHandle` once the copy
-  is safe. In overlap mode the copy of parameters and optimizer state continues on a snapshot
-  thread (``ckptlib-snapshot-<step>``) and the next optimizer step waits for it
-  (:mod:`ckptlib.engine.overlap`).
-- After a commit the coordinator's persist thread cleans debris and applies retention
-  (:func:`ckptlib.engine.retire.clean_debris`, :func:`~ckptlib.engine.retire.apply_retention`).
-- Only one save is in flight at a time: a new ``save()`` first waits for the previous one
-  (``in_flight="wait"``) or skips itself with a warning (``"skip"``). The staging arena is
-  therefore never overwritten while a writer still reads it.
-- ``save_on_signal()`` installs signal handlers (main thread) for a final checkpoint on
-  preemption (:mod:`ckptlib.engine.preemption`).
+- ``save()`` runs on the training thread: flatten, plan staging (:class:`Stager`), start the
+  persist thread ``ckptlib-save-<step>`` (write + commit + retention), copy the state into the
+  staging arena, return a :class:`SaveHandle`. In overlap mode parameters and optimizer state
+  are copied by ``ckptlib-snapshot-<step>`` and the next optimizer step waits for it.
+- One save is in flight at a time: a new ``save()`` waits for the previous one or skips
+  itself (``in_flight``), so the arena is never overwritten while a writer reads it.
 
 Errors: a background failure is raised exactly once, on the caller's thread, by the first of
-``handle.wait()``, the next ``save()``, ``wait()`` or ``close()`` to see it. A save whose
-snapshot or write failed is never committed.
+``handle.wait()``, the next ``save()``, ``wait()`` or ``close()`` to see it.
 """
 
 from __future__ import annotations
@@ -57,11 +46,8 @@ FAILURE_EXIT_CODE = 1
 
 
 class SaveHandle:
-    """The result of ``CheckpointManager.save``: poll with :meth:`done`, block with :meth:`wait`.
-
-    Created on the training thread; finished by the manager's persist thread. ``wait`` and
-    ``done`` may be called from any thread.
-    """
+    """The result of ``CheckpointManager.save``: poll with :meth:`done`, block with :meth:`wait`
+    (any thread). Created on the training thread; finished by the manager's persist thread."""
 
     def __init__(self, step: int, timeout: float) -> None:
         self.step = step
@@ -128,23 +114,8 @@ class ManagerOptions:
 class CheckpointManager:
     """Save steps under one root folder and resume from the newest consistent one.
 
-    Async options (see docs/async.md):
-
-    - ``in_flight``: what ``save()`` does while the previous save still persists: ``"wait"``
-      for it, or ``"skip"`` the new save with a ``RuntimeWarning``.
-    - ``staging_budget``: bytes of reused staging memory (None: as much as the state). A
-      larger state streams through two halves of the budget, and ``save()`` returns once its
-      last round is staged (it waits for the writer to drain the earlier rounds).
-    - ``overlap``: ``save()`` copies only what forward/backward may change (buffers and any
-      tensor not owned by a module parameter or an optimizer found in ``state``) before
-      returning; parameters and optimizer state are copied by a background thread, and the
-      next ``optimizer.step()`` (any optimizer, via step pre-hooks) waits for that copy.
-      Code that mutates parameters by other means calls :meth:`wait_for_snapshot` first.
-    - ``save_timeout``: deadline of one save's persist + commit; ``snapshot_timeout``:
-      deadline of one snapshot (a stalled copy abandons the save instead of the training).
-    - ``persist_nice``: the persist thread lowers its own CPU priority by this much (Linux,
-      per thread; None: unchanged) so that on a busy machine the training thread's compute
-      wins over checksums and writes. The snapshot copy is never deprioritized.
+    The async options (``in_flight``, ``staging_budget``, ``overlap``, ``save_timeout``,
+    ``snapshot_timeout``, ``persist_nice``) are described in docs/async.md.
     """
 
     def __init__(
@@ -180,19 +151,12 @@ class CheckpointManager:
         self._closed = False
         self._root_ready = False
         self._final: FinalCheckpoint | None = None
-        # Runs at garbage collection or, at the latest, at interpreter exit (finalize objects
-        # have atexit=True): an in-flight save gets its bounded chance to commit.
         self._finalizer = weakref.finalize(self, _drain, self._handles)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any, *, metadata: Any = None) -> SaveHandle:
-        """Save ``state`` as ``step``. Training thread.
-
-        Async (default): returns once the snapshot is safe -- every tensor copied into the
-        staging arena (in overlap mode: every tensor but parameters and optimizer state, whose
-        copy continues in the background until the next optimizer step). Persist and commit
-        run on a background thread; the handle reports them.
-        """
+        """Save ``state`` as ``step``. Training thread. Async (default): returns once the
+        snapshot is safe; persist and commit run on a background thread, reported by the handle."""
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         if type(step) is not int or step < 0:
@@ -319,13 +283,9 @@ class CheckpointManager:
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
         """Block until the in-flight snapshot has copied the state. Training thread.
 
-        Overlap mode installs optimizer step pre-hooks that call this; call it yourself before
-        mutating parameters or optimizer state any other way (``load_state_dict``, in-place
-        edits, EMA updates into the saved tensors). Returns at once when no copy is running.
-        The save's own failure is not raised here (it is raised by the handle, the next
-        ``save()``, ``wait()`` or ``close()``); a copy that misses ``timeout`` (default: the
-        snapshot deadline) abandons its save -- which then fails -- so training never waits
-        longer than that.
+        Optimizer step pre-hooks call this in overlap mode; call it before mutating parameters
+        or optimizer state any other way. A copy that misses ``timeout`` (default: the snapshot
+        deadline) abandons its save, which then fails (raised by the handle, not here).
         """
         self._overlap.release(timeout)
 
@@ -392,17 +352,11 @@ class CheckpointManager:
     ) -> None:
         """Checkpoint and exit when one of ``signals`` arrives. Main thread.
 
-        By default the handler only records the request; the training loop calls
-        :meth:`maybe_save_on_preemption` once per step (or checks :attr:`preempted`), which
-        writes the final checkpoint at a consistent point and exits. With
-        ``save_in_handler=True`` the handler itself saves ``state_fn()`` (a ``(step, state)``
-        pair) and exits: for loops that cannot poll, at the risk of catching the state in the
-        middle of an optimizer step. A signal that lands inside ``save()`` is handled when that
-        call returns (the handler never re-enters the manager).
-
-        Exit: ``SystemExit(exit_code)`` (default 0) once the final checkpoint committed;
-        ``failure_exit_code`` (default 1) if it failed. If the process is still alive
-        ``deadline`` seconds after the signal, a watchdog ends it with ``failure_exit_code``.
+        The handler records the request; the loop calls :meth:`maybe_save_on_preemption` once
+        per step. With ``save_in_handler=True`` the handler itself saves ``state_fn()`` (a
+        ``(step, state)`` pair) and exits (:mod:`ckptlib.engine.preemption`). Exit code:
+        ``exit_code`` once committed, else ``failure_exit_code``, also from a watchdog
+        ``deadline`` seconds after the signal.
         """
         if save_in_handler and state_fn is None:
             raise ValueError("save_in_handler=True needs a state_fn returning (step, state)")
@@ -421,13 +375,8 @@ class CheckpointManager:
         return self._final is not None and self._final.watcher.requested
 
     def maybe_save_on_preemption(self, step: int | None = None, state: Any = None) -> bool:
-        """Training thread, once per step: if preempted, save a final checkpoint and exit.
-
-        Returns False when no signal arrived. Otherwise saves ``(step, state)`` (or
-        ``state_fn()`` when they are omitted), waits for it to commit within what is left
-        of the deadline, closes the manager and raises ``SystemExit`` (see
-        :meth:`save_on_signal` for the codes). Never returns True.
-        """
+        """Training thread, once per step: False when no signal arrived; otherwise save
+        ``(step, state)`` (or ``state_fn()``), wait for the commit, close, raise ``SystemExit``."""
         return self._final is not None and self._final.poll(self, step, state)
 
     # ------------------------------------------------------------------ inspecting
@@ -450,15 +399,9 @@ class CheckpointManager:
     def restore(
         self, state: Any, *, step: int | None = None, verify: bool = True, per_rank: str = "error"
     ) -> int | None:
-        """Load the newest consistent step into ``state`` in place; return it, or None.
-
-        Checksums are verified while loading; a step that turns out corrupt is skipped (logged)
-        and the next older committed step is tried. Returns None only when no step was ever
-        committed; raises ``CorruptCheckpointError`` if steps exist but none is usable.
-        Collective when the job is distributed: every rank calls it and all ranks restore the
-        same step (see :mod:`ckptlib.engine.resume`). ``per_rank`` is the policy for
-        ``PerRank`` values saved on another world size (``"error"``, ``"rank0"``, ``"all"``).
-        """
+        """Load the newest usable step into ``state`` in place; return it, or None if no step
+        was ever committed. Corrupt steps are skipped; collective (:mod:`ckptlib.engine.resume`).
+        ``per_rank``: policy for ``PerRank`` values of another world size (error, rank0, all)."""
         self.wait()
         return resume.restore(
             self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,

@@ -1,16 +1,12 @@
 """Coordination between ranks during a save or load.
 
-The save flow (:mod:`ckptlib.engine.save`) calls, on every rank and in this order:
-1. :meth:`agree` -- the coordinator proposes the save id; :meth:`begin_session` starts liveness;
-2. :meth:`agree` (staging prefix), :meth:`gather` + :meth:`scatter` (who writes what);
-3. every rank writes, then :meth:`report_done`; the coordinator :meth:`wait_all_done`
-   (judging silent ranks dead) and :meth:`release` s the others, who :meth:`wait_release`;
-4. :meth:`gather` of write results, the coordinator publishes, :meth:`share_outcome`;
-5. :meth:`end_session`.
-Every rank either returns or raises the same :class:`CommitError` naming failed ranks.
-
-:class:`LocalCoordinator` is the single-process implementation; the torch.distributed one is
-:class:`ckptlib.coord.torch_coordinator.TorchCoordinator`.
+The save flow (:mod:`ckptlib.engine.save`) calls on every rank, in order: :meth:`agree` (save
+id), :meth:`begin_session`; :meth:`agree` (staging prefix), :meth:`gather` + :meth:`scatter`
+(who writes what); writes, :meth:`report_done`, then :meth:`wait_all_done` + :meth:`release`
+on the coordinator and :meth:`wait_release` elsewhere; :meth:`gather` of results, publish,
+:meth:`share_outcome`; :meth:`end_session`. Every rank returns or raises the same
+:class:`CommitError`. :class:`LocalCoordinator` is the single-process implementation;
+:class:`ckptlib.coord.torch_coordinator.TorchCoordinator` the torch.distributed one.
 """
 
 from __future__ import annotations

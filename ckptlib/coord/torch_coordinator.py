@@ -1,31 +1,20 @@
 """Coordination over torch.distributed: a dedicated gloo group for data, the job's store for
 liveness. Used by the save flow on every rank when a default process group is initialized.
 
-Why two channels: gloo collectives carry the data (save id, write plan and results), but a
-collective cannot tell a slow writer from a dead or frozen one. So while ranks write -- which
-can legitimately take minutes -- they only talk through the store (``torch.distributed``'s
-own key-value store, namespaced by save id):
+Gloo collectives carry the data (save id, write plan and results) but cannot tell a slow
+writer from a dead or frozen one, so while ranks write they only talk through the store
+(keys namespaced by save id): each rank bumps ``hb/<rank>`` every ``heartbeat`` seconds and
+posts ``done/<rank>`` (``ok`` or its error) when its files are durable; the coordinator waits
+for every rank, judging one whose heartbeat stalls for ``dead_after`` seconds as failed, and
+posts ``release``; after publishing it posts ``outcome``, which the others await while its
+heartbeat moves, answering ``read/<rank>``. Only when every rank is done do they gather the
+results over gloo (group timeout ``dead_after``). Survivors of a failed save raise
+:class:`CommitError` naming the failed ranks; a rank waking after its save was abandoned reads
+the failed verdict. One gap: a coordinator frozen mid-publish past ``dead_after`` and then
+woken finishes a (complete) commit although the others already raised.
 
-- each rank bumps ``hb/<rank>`` about every ``heartbeat`` seconds while the save runs;
-- each rank posts ``done/<rank>`` (``ok`` or its error) when its files are durable;
-- the coordinator waits until every rank is done, judging a rank whose heartbeat has not moved
-  for ``dead_after`` seconds as failed (SIGKILLed or SIGSTOPped), and posts ``release``;
-- after publishing (which can take long: a big manifest, a slow fsync) the coordinator posts
-  ``outcome``; the others wait for it while the coordinator's heartbeat moves, then post
-  ``read/<rank>`` so the coordinator knows it may go on (and exit: the store is in its process).
-
-Only when every rank is done do the ranks meet in a gloo collective to gather the write results
-(fast, everyone alive); its group timeout is ``dead_after``, so a rank that dies right then also
-fails the save in bounded time. Survivors of a failed save raise :class:`CommitError` naming
-the failed ranks. Keys carry the save id, so a rank that wakes up after its save was abandoned
-reads the failed verdict and cannot commit (only the coordinator publishes, and only for the
-save id everyone agreed on). One gap remains: a coordinator frozen mid-publish for longer than
-``dead_after`` and then woken finishes its commit although the others already raised; the
-step it commits is complete (every rank's bytes were durable before it published).
-
-Threads: every method runs on the thread driving the save (the persist thread); the
-heartbeat thread only bumps ``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a
-throwaway daemon thread.
+Threads: every method runs on the thread driving the save; the heartbeat thread only bumps
+``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a throwaway daemon thread.
 """
 
 from __future__ import annotations
@@ -207,14 +196,9 @@ class _Session:
             self._stop.wait(self.every)
 
     def bounded(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` (a store call) on a helper thread, given up after ``dead_after``.
-
-        The store lives in the coordinator's process: while it is frozen (SIGSTOP, a hung
-        node) a store call from another rank never returns -- the store's own timeout does
-        not cover ``set``/``add``/``check``. Non-coordinators therefore make their calls
-        through here and treat a call past the deadline as an unreachable coordinator
-        (:class:`_Unreachable`, a ``TimeoutError``). The abandoned helper thread is a daemon blocked on the socket.
-        """
+        """``fn(*args)`` (a store call) on a helper thread, given up after ``dead_after``
+        (:class:`_Unreachable`): the store's own timeout does not cover ``set``/``add``/``check``,
+        so a call to a frozen coordinator's store would never return."""
         if self.rank == 0:
             return fn(*args)  # the store is in this process
         box: dict[str, Any] = {}
@@ -304,14 +288,9 @@ class _Session:
 
     def share_outcome(self, outcome: Any, deadline: float) -> Any:
         """The coordinator posts ``outcome`` (JSON) and waits, at most ``dead_after``, until
-        every other rank has read it; the others wait for it while the coordinator's heartbeat
-        moves (its heartbeat thread runs until ``end_session``, through the whole publish).
-
-        A coordinator silent or unreachable for ``dead_after`` yields a failed outcome. The
-        coordinator's publish is itself bounded by ``deadline``, so the others wait at most
-        ``dead_after`` past it for the outcome it then posts. Every rank returns the same
-        decoded JSON (rank keys as strings).
-        """
+        every other rank read it; the others wait while its heartbeat moves (at most
+        ``dead_after`` past ``deadline``); a silent coordinator yields a failed outcome.
+        Every rank returns the same decoded JSON (rank keys as strings)."""
         key = self.k("outcome")
         readers = [self.k(f"read/{r}") for r in range(1, self.world)]
         if self.rank == 0:

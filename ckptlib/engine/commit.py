@@ -1,24 +1,16 @@
 """The commit protocol: one protocol, its mechanics chosen by storage capability.
 
-Called by :mod:`ckptlib.engine.save`, in this order:
-1. :func:`begin` (coordinator, before any rank writes): prepare where payloads go;
-2. every rank writes its payload files under ``Staging.payload_prefix``;
-3. :func:`publish` (coordinator, after every rank's files are durable): make the manifest
-   visible atomically -- this is the commit point;
-4. :func:`abort` (coordinator, on any failure before 3 completed): remove the staging area.
+Called by :mod:`ckptlib.engine.save`: :func:`begin` (coordinator, before any rank writes)
+prepares where payloads go; every rank writes under ``Staging.payload_prefix``; :func:`publish`
+(coordinator, every rank's files durable) makes the manifest visible atomically -- the commit
+point; :func:`abort` (coordinator, any failure before that) removes the staging area.
 
-Mechanics by capability flag (never by URL scheme):
-- ``supports_atomic_rename`` (POSIX): payloads and manifest go into ``<final>.tmp-<id>/``,
-  the manifest via temp file + fsync + rename, folders are fsynced, the folder is renamed to
-  ``<final>`` (refusing to replace anything) and the parent folder is fsynced.
-- ``supports_conditional_put`` (S3 with If-None-Match, memory): payloads go under
-  ``<final>/<id>/``; the manifest is created last with a create-only put.
-- neither: as above, but a plain put followed by a read-back that must name our save id.
-
-An existing ``<final>`` that holds a valid checkpoint is never replaced (``StepExistsError``)
-unless ``overwrite``; one that is corrupt or incomplete is moved aside to
-``<final>.corrupt-<id>`` (POSIX) or its stale manifest removed (object stores) -- never
-deleted -- so a resumed job can re-save a step whose first copy was damaged.
+By capability flag (never by URL scheme): ``supports_atomic_rename`` (POSIX): everything goes
+into ``<final>.tmp-<id>/``, fsynced, renamed to ``<final>`` (refusing to replace anything);
+``supports_conditional_put`` (S3 If-None-Match, memory): payloads under ``<final>/<id>/``, the
+manifest created last with a create-only put; neither: a plain put read back for our save id.
+A valid existing ``<final>`` is never replaced (``StepExistsError``) unless ``overwrite``; a
+corrupt or incomplete one is moved aside (``<final>.corrupt-<id>``) or its manifest removed.
 """
 
 from __future__ import annotations

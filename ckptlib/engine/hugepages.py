@@ -1,18 +1,10 @@
 """Ask Linux to back large fresh CPU buffers with transparent huge pages.
 
-A freshly allocated buffer costs one page fault per 4 KiB page the first time it is written:
-about 0.5 s per GiB on a VM when ``read`` fills it (measured on the project machine, where the
-same reads into already-touched memory take 0.2 s per GiB). With 2 MiB pages the faults drop
-512-fold and filling a fresh buffer costs 0.15-0.35 s per GiB. Distributions commonly ship
-``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise``, so the kernel uses huge
-pages only where a program asks with ``madvise(MADV_HUGEPAGE)``; this module asks.
-
-Called on the caller's thread, right after allocation and before the first write, by
-:func:`ckptlib.engine.load._alloc` (the tensors a fresh ``load`` returns) and
-:func:`ckptlib.engine.snapshot._alloc` (the async staging arena). The advice covers the
-2 MiB-aligned part of the buffer only, so it never touches memory outside the tensor. It
-is advice: a kernel without THP, a setting of ``never``, another OS or a failing call all
-leave the buffer as it was, and nothing is raised.
+Filling a fresh buffer costs a page fault per 4 KiB page (about 0.5 s per GiB on the project
+VM); with 2 MiB pages 0.15-0.35 s. Kernels commonly use THP only where ``madvise`` asks.
+Called right after allocation by :func:`ckptlib.engine.load._alloc` and
+:func:`ckptlib.engine.snapshot._alloc`. Advice only, on the 2 MiB-aligned part of the buffer:
+without THP, on another OS or if the call fails, nothing changes and nothing is raised.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The load flow: manifest -> value tree -> read requests -> tensors placed -> objects updated.
 
 Called on the caller's thread by ``ckptlib.load`` and ``CheckpointManager.restore``.
-
-``into=None`` builds a fresh structure of CPU tensors. ``into=state`` walks the target and the
-saved tree side by side (:class:`Merge`): tensors are filled in place (read straight into
-their memory when they are contiguous CPU tensors of the same dtype and shape, else through
-a temporary and ``copy_``), containers are updated in place, objects with
-``load_state_dict`` get their merged state dict, and plain values are replaced. A tensor
-whose dtype or shape differs, or a key the target has but the checkpoint lacks, raises
-:class:`StateMismatchError` before any byte is read.
+``into=None`` builds fresh CPU tensors. ``into=state`` walks target and saved tree side by side
+(:class:`Merge`): tensors are filled in place (read straight into contiguous CPU tensors of the
+same dtype and shape, else through a temporary), objects with ``load_state_dict`` get their
+merged state dict; a dtype/shape mismatch or a missing key raises :class:`StateMismatchError`
+before any byte is read.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Run I/O tasks on a small thread pool with one deadline. Called by the writer and reader.
+"""Run I/O tasks on a small thread pool with one deadline (writer and reader).
 
-The caller's thread waits at most ``timeout`` seconds in all; the first failure is raised
-(after the other tasks are cancelled or finished). A task still stuck in the kernel at the
-deadline (a hung network file system) is left behind on its thread and the caller gets
-:class:`StorageTimeoutError` instead of hanging with it.
+The first failure is raised; a task stuck in the kernel at the deadline (a hung network file
+system) is left behind and the caller gets :class:`StorageTimeoutError` instead of hanging.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Preemption: turn SIGTERM (or any signal) into a final checkpoint and a clean exit.
 
 ``CheckpointManager.save_on_signal`` builds a :class:`FinalCheckpoint` (what to save, how to
-exit) around a :class:`PreemptionWatcher` (signals and deadline). Threads:
-
-- :meth:`PreemptionWatcher.install` / :meth:`uninstall` run on the main thread (Python only
-  lets the main thread set signal handlers).
-- The handler runs on the main thread, between two bytecodes of whatever it was doing. By
-  default it only records the request (``requested``, ``signum``, ``received_at``) -- the
-  robust pattern: the training loop notices it at a safe point (``mgr.preempted`` or
-  ``mgr.maybe_save_on_preemption(...)``), where the state is consistent. An optional
-  ``on_signal`` callback runs inside the handler for loops that cannot check a flag.
-- A watchdog thread (``ckptlib-preempt-watchdog``), started by the first signal, ends the
-  process with ``failure_exit_code`` via ``os._exit`` if it is still alive at the deadline:
-  a scheduler's grace period is short, and a hung save must not turn into a SIGKILL with no
-  message. :meth:`disarm` stops it once the process is about to exit on its own.
+exit) around a :class:`PreemptionWatcher` (signals and deadline). ``install``/``uninstall`` and
+the handler run on the main thread; the handler only records the request, and the training
+loop acts on it at a safe point (``mgr.maybe_save_on_preemption``) unless an ``on_signal``
+callback saves inside the handler. A watchdog thread (``ckptlib-preempt-watchdog``) started by
+the first signal ends the process with ``failure_exit_code`` (``os._exit``) at the deadline,
+so a hung save does not become a silent SIGKILL; :meth:`disarm` stops it.
 """
 
 from __future__ import annotations

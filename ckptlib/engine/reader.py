@@ -1,17 +1,10 @@
 """The reader: fetch chunks, verify checksums, decode, and place boxes into tensors.
 
-Called by :mod:`ckptlib.engine.load` on the caller's thread; reads run on a small thread
-pool (``preadv`` releases the GIL). The caller asks for *boxes* of saved tensors
-(:class:`Request`): a whole tensor, or the region a rank owns after resharding. For every
-chunk overlapping a request the reader:
-
-1. reads the chunk's stored bytes -- straight into the destination tensor when the chunk is
-   uncompressed and lands on a contiguous run of the destination (no extra copy), otherwise
-   into a buffer; small neighbouring chunks of a file are fetched with one read;
-2. verifies the checksum of the stored bytes (unless ``verify=False``);
-3. decodes (zstd, capped at the recorded raw size) and copies the overlap into place.
-
-Any mismatch raises :class:`CorruptCheckpointError` naming the payload file and tensor.
+Called by :mod:`ckptlib.engine.load` on the caller's thread; reads run on a small thread pool.
+For every chunk overlapping a :class:`Request` (a box of a saved tensor) it reads the stored
+bytes (straight into the destination when uncompressed and contiguous there; small neighbours
+in one read), verifies the checksum (unless ``verify=False``), decodes and copies the overlap
+into place. Any mismatch raises :class:`CorruptCheckpointError` naming the file and tensor.
 """
 
 from __future__ import annotations

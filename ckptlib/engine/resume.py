@@ -1,22 +1,12 @@
 """The resume loop: restore the newest step every rank can load, falling back together.
 
-One loop for the manager and every integration (DCP, DeepSpeed, Megatron-Core). Called on the
-caller's thread, on every rank in the same order when the job is distributed:
-
-1. the coordinator lists the candidates (``list_candidates``, newest first) and every rank
-   gets the same list through :meth:`Coordinator.agree` (ranks never disagree because of a
-   stale listing);
-2. for each candidate whose status is ``committed``, the ranks meet (a bounded agreement, so a
-   rank that died or froze before the attempt fails the others within the coordinator's
-   deadline instead of hanging them inside a framework's own collectives), then every rank
-   runs ``attempt(candidate)`` -- loading or verifying its part;
-3. the outcomes are gathered and agreed through the coordinator (group timeout = its
-   deadline): if any rank found the step damaged, every rank moves on to the next older one,
-   logging why; any other failure is raised on every rank.
-
-:func:`resume_newest` returns ``None`` when there is no candidate at all and raises
-:class:`CorruptCheckpointError` when candidates exist but none is usable. :func:`restore` is
-the manager's use of it (``ckptlib`` steps loaded in place).
+One loop for the manager and every integration, on the caller's thread, every rank in the
+same order: the coordinator lists the candidates (newest first) and every rank gets the same
+list (:meth:`Coordinator.agree`); for each ``committed`` candidate the ranks meet (bounded, so a
+dead rank fails the others in time), run ``attempt(candidate)``, and agree on the outcomes: if
+any rank found the step damaged, all move on to the next older one; other failures are raised
+everywhere. :func:`resume_newest` returns None without candidates and raises
+:class:`CorruptCheckpointError` when none is usable; :func:`restore` is the manager's use.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """Deleting steps (retention, prune) and cleaning the debris of crashed saves.
 
-This module owns the debris rules: :func:`find_debris` lists every leftover with a verdict
-(removable or not, why, age), :func:`remove_debris` removes the removable ones. The manager
-calls :func:`clean_debris` (both) and :func:`apply_retention` after a successful commit, on
-its save thread, coordinator only; ``ckptlib prune`` lists, prints, then removes. Deletion makes a step invisible first, then removes its bytes, so a
-crash half-way never leaves something that looks like a valid checkpoint:
-- rename-capable storage: rename ``step-N`` to ``step-N.del-<id>`` (atomic), then delete it;
-- object stores: delete ``manifest.json`` first, then the payload prefix. A crash in between
-  leaves payloads without a manifest: an "incomplete" step that the debris rules below remove.
+:func:`find_debris` lists every leftover with a verdict, :func:`remove_debris` removes the
+removable ones. The manager calls :func:`clean_debris` and :func:`apply_retention` after a
+commit (coordinator, persist thread); ``ckptlib prune`` lists, prints, then removes.
+Deletion makes a step invisible first (rename to ``step-N.del-<id>``; on object stores delete
+``manifest.json`` first), so a crash half-way never leaves something that looks valid.
 
-Debris is only ever deleted when it is provably ours or provably dead:
-- ``*.tmp-<id>``/``*.del-<id>`` folders holding the ``.ckptlib`` marker (rename-capable storage),
-  or, inside the job that owns the root (it knows its saves in flight), holding nothing but
-  what ckptlib writes there (manifest, manifest partials, ``<save_id>/r<rank>...bin``
-  payloads): a crash before the marker was written. ckptlib's own deletions remove the
-  marker last, so they never create marker-less debris. Outside the job (the CLI) a
-  ``.tmp-`` folder must also be older than ``min_age`` by its marker's time;
-- object stores, inside a step folder whose manifest is valid: every ``<save_id>/`` payload
-  prefix other than the manifest's (a save that lost the commit race, or crashed after a
-  newer save of the same step committed), unless that save id is active in this process;
-- object stores, a step folder with no manifest at all whose newest object is older than
-  ``grace`` seconds (a save in progress elsewhere writes objects continuously; one that wrote
-  nothing for ``grace`` seconds is dead). Keep ``grace`` well above the longest save;
-- object stores, incomplete multipart uploads under the root that started more than ``grace``
-  seconds ago, or that belong to a debris prefix of a committed step.
-A step whose manifest is present but corrupt is never touched: it is evidence, and the commit
-of a new save of that step deals with it.
+Debris is deleted only when provably ours or provably dead: ``*.tmp-``/``*.del-`` folders with
+the ``.ckptlib`` marker (or, inside the owning job, holding only ckptlib's files; the CLI also
+waits ``min_age``); on object stores, payload prefixes of save ids other than the committed
+manifest's, manifest-less step folders and multipart uploads idle for ``grace`` seconds.
+A step whose manifest is corrupt is never touched: it is evidence.
 """
 
 from __future__ import annotations
@@ -112,12 +97,10 @@ def find_debris(
 ) -> list[Debris]:
     """Every leftover under the root with its verdict, sorted by name; deletes nothing.
 
-    ``active_ids``: save ids in flight in the calling job (the manager; never removable, and a
-    marker-less folder holding only ckptlib's files counts as ours). ``None``: the caller is
-    outside any job (``ckptlib prune``) and cannot know, so only the marker proves a folder
-    ours. ``min_age``: a ``.tmp-`` folder whose marker is younger (or has no time) may be a
-    save still running elsewhere, so it is kept. ``now``: Unix time (injectable for tests).
-    Object stores list their ``step``/``prefix``/``upload`` debris only once removable.
+    ``active_ids``: save ids in flight in the calling job (never removable; a marker-less folder
+    of only ckptlib's files counts as ours); ``None`` outside any job (``ckptlib prune``): only
+    the marker proves a folder ours. ``min_age``: younger ``.tmp-`` folders are kept (maybe
+    still running). Object stores list ``step``/``prefix``/``upload`` debris once removable.
     """
     now = time.time() if now is None else now
     try:
@@ -233,12 +216,8 @@ def _delete_marker_last(storage: Storage, folder: str) -> None:
     except FileNotFoundError:
         return
     for e in entries:
-        if e.name == layout.MARKER:
-            continue
-        if e.is_dir:
-            storage.delete_tree(join(folder, e.name))
-        else:
-            storage.delete(join(folder, e.name))
+        if e.name != layout.MARKER:
+            (storage.delete_tree if e.is_dir else storage.delete)(join(folder, e.name))
     storage.delete_tree(folder)
 
 

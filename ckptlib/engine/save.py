@@ -1,18 +1,12 @@
 """The save flow: :class:`SaveSession`, the one implementation of a save, and its users.
 
-Users: :func:`persist` (``CheckpointManager``, ``ckptlib.save``) and the DCP writer. Every
-rank calls, in this order, on one thread (the caller's, the manager's persist thread or DCP's
-upload thread): :meth:`~SaveSession.begin` (collective: save id agreed, liveness started, the
-coordinator opens the staging area with :func:`ckptlib.engine.commit.begin`, every rank learns
-the payload prefix) -> :meth:`~SaveSession.write` (local, any number of times: payload chunks
-through :func:`ckptlib.engine.writer.write_files`) -> :meth:`~SaveSession.finish` (collective:
-:meth:`~SaveSession.collect` -- done reported, every rank waited for under liveness, results
-gathered -- then :meth:`~SaveSession.publish` on the coordinator -- manifest built, committed by
-:func:`ckptlib.engine.commit.publish` -- and the outcome shared by
-:meth:`Coordinator.share_outcome`). Every rank returns a :class:`SaveResult` or raises the same
-:class:`CommitError`, the staging area removed. A framework that carries the outcome itself
-(DCP) calls ``collect`` on every rank, ``publish`` on the coordinator, then ``close``.
-:meth:`~SaveSession.abort` gives a save up before its commit.
+Users: :func:`persist` (``CheckpointManager``, ``ckptlib.save``) and the DCP writer. Every rank
+calls, in order, on one thread: :meth:`~SaveSession.begin` (collective: save id agreed,
+liveness started, staging opened by :func:`ckptlib.engine.commit.begin`) -> :meth:`~SaveSession.write`
+(local, any number of times) -> :meth:`~SaveSession.finish` (collective: :meth:`~SaveSession.collect`,
+:meth:`~SaveSession.publish` on the coordinator, outcome shared). Every rank returns a
+:class:`SaveResult` or raises the same :class:`CommitError`. DCP, which carries the outcome
+itself, calls ``collect``, ``publish`` (coordinator), then ``close``; ``abort`` gives a save up.
 """
 
 from __future__ import annotations
@@ -193,10 +187,9 @@ class SaveSession:
     def collect(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
                 error: BaseException | None = None) -> list[dict[str, Any]] | None:
         """Every rank (collective), after its writes: report done (``error``: this rank failed),
-        wait for every rank under liveness, gather each rank's files, chunks, value ``tree``,
-        ``per_rank`` values and global ``shapes`` of the tensors it wrote. Returns the list on
-        the coordinator, None elsewhere. Raises :class:`CommitError` on every rank (the staging
-        area removed, the session closed) when a rank failed or died."""
+        wait for every rank, gather each rank's files, chunks, ``tree``, ``per_rank`` values and
+        global ``shapes``: the list on the coordinator, None elsewhere. A failed or dead rank
+        raises :class:`CommitError` on every rank (staging removed, session closed)."""
         msg = None if error is None else f"{type(error).__name__}: {error}"
         if msg is None:
             crashpoints.point("before_commit", self.coord.rank)
@@ -216,12 +209,10 @@ class SaveSession:
 
     def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
                 extra: dict[str, Any] | None = None) -> None:
-        """Coordinator, with :meth:`collect`'s results: build the manifest and commit it (the
-        commit point). ``metadata``: the user metadata node (:func:`encode_metadata`);
-        ``tree``: the value tree to record instead of merging the ranks' trees (an adapter that
-        maps its own items to tensors); ``extra``: the manifest's ``extra`` (adapter data, JSON).
-        On failure the staging area is removed and :class:`CommitError` (or
-        :class:`StepExistsError`) raised."""
+        """Coordinator, with :meth:`collect`'s results: build the manifest and commit it.
+        ``metadata``: from :func:`encode_metadata`; ``tree``: recorded instead of the merged
+        ranks' trees (adapters); ``extra``: the manifest's adapter data (JSON). On failure the
+        staging area is removed and :class:`CommitError` (or :class:`StepExistsError`) raised."""
         staging = self._staging
         if staging is None:
             raise CommitError("publish() runs on the coordinator of an open session")
@@ -301,15 +292,10 @@ def persist(
     created: float | None = None,
     rounds: Iterable[list[TensorItem]] | None = None,
 ) -> SaveResult:
-    """Save ``flat`` through a :class:`SaveSession` (every rank calls it): begin, plan who
-    writes what, write, finish. Returns a :class:`SaveResult` or raises :class:`CommitError`
-    on every rank, after removing the staging area.
-
-    ``rounds`` (async saves streamed through a staging budget, see engine/snapshot.py):
-    the tensors to write, handed out one round at a time; each round is written to its own
-    files before the next is requested, and ``flat.items`` then only supplies names and
-    shapes. A round that raises fails this rank's part of the save.
-    """
+    """Save ``flat`` through a :class:`SaveSession` (every rank): begin, plan who writes what,
+    write, finish. ``rounds`` (streamed async saves, engine/snapshot.py): the tensors to write,
+    one round at a time, each written before the next is requested (``flat.items`` then only
+    supplies names and shapes); a round that raises fails this rank's part of the save."""
     meta_tree = encode_metadata(metadata)
     session = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator,
                                 save_id=save_id, created=created)

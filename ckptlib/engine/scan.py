@@ -1,11 +1,9 @@
 """Find checkpoints on storage and judge each one: the resume planner's I/O half.
 
-Called by the manager (``steps``, ``latest_step``, ``restore``, retention), the commit step
-(to judge an existing folder before refusing or quarantining it), and the CLI. Trusts no
-pointer and no folder name: a step counts as ``committed`` only if its manifest parses and
-validates, names the same step as its folder, and every payload file exists with exactly the
-recorded size. ``deep=True`` also reads every chunk and checks its checksum and codec.
-The pure choice of which step to use lives in :mod:`ckptlib.plan.select`.
+Called by the manager (``steps``, ``latest_step``, ``restore``, retention), the commit (to judge
+an existing folder) and the CLI. A step is ``committed`` only if its manifest validates, names
+its folder's step, and every payload file has exactly the recorded size; ``deep=True`` also
+checks every chunk. The pure choice of a step lives in :mod:`ckptlib.plan.select`.
 """
 
 from __future__ import annotations

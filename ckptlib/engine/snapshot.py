@@ -1,31 +1,17 @@
 """Snapshots: a training-safe copy of every tensor, in reused staging memory.
 
-Who calls what, on which thread:
+- ``save()`` (training thread) calls :meth:`Stager.begin`, which plans where every tensor goes
+  in the arena and returns this save's :class:`Snapshot`.
+- :meth:`Snapshot.stage` copies rounds of tensors: on the training thread what must be copied
+  before ``save()`` returns, on ``ckptlib-snapshot-<step>`` the rest in overlap mode.
+- The persist thread reads :attr:`Snapshot.staged` after :meth:`Snapshot.wait_staged`, or one
+  round at a time from :meth:`Snapshot.rounds` when the state streams through the budget.
 
-- The manager's ``save()`` (training thread) calls :meth:`Stager.begin`, which plans where
-  every tensor goes in the staging arena and returns a :class:`Snapshot` for this save.
-- :meth:`Snapshot.stage` copies rounds of tensors into the arena. The training thread runs
-  it for everything that must be copied before ``save()`` returns; in overlap mode a
-  snapshot thread (``ckptlib-snapshot-<step>``) runs it for the rest (parameters and
-  optimizer state, which only an optimizer step mutates).
-- The manager's persist thread reads the staged copies: :meth:`Snapshot.wait_staged` then the
-  whole :attr:`Snapshot.staged` state when it fits the budget, or :meth:`Snapshot.rounds`
-  (a generator handing out one round at a time) when the state streams through the budget.
-- The training thread (optimizer step pre-hooks, ``mgr.wait_for_snapshot()``) calls
-  :meth:`Snapshot.wait_staged` before mutating the state.
-
-Memory: one uint8 arena, allocated once and reused by every later save (fresh allocations cost
-several times a copy into warm memory); it is replaced only when the state grows past it.
-With ``budget=None`` or a state no larger than the budget the arena holds the whole state,
-every round has its own place and nothing is reused within a save. With a state larger than
-the budget the arena is split into two regions of ``budget // 2`` bytes; rounds alternate
-between them and round ``k + 2`` waits until the writer has finished round ``k`` (tensors
-bigger than a region are cut into row slabs). Reuse across saves is safe because the manager
-starts a snapshot only after the previous save stopped reading the arena.
-
-Copies: one ``torch._foreach_copy_`` per round (no Python per-tensor loop; large copies use
-torch's intra-op threads). CUDA sources go through :mod:`ckptlib.engine.staging_cuda`
-(pinned arena, side stream, event completion).
+Memory: one uint8 arena, reused by later saves (replaced only when the state outgrows it).
+A state larger than the budget streams through two regions of ``budget // 2`` bytes: round
+``k + 2`` waits until the writer finished round ``k`` (big tensors are cut into row slabs).
+Copies: one ``torch._foreach_copy_`` per round; CUDA sources go through
+:mod:`ckptlib.engine.staging_cuda` (pinned arena, side stream, event completion).
 """
 
 from __future__ import annotations
@@ -80,10 +66,6 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _deadline_left(deadline: float) -> float:
-    return deadline - time.monotonic()
-
-
 class Stager:
     """Owns the staging arena of one manager. Used from one save at a time.
 
@@ -105,9 +87,7 @@ class Stager:
 
     def release(self) -> None:
         """Drop the arena (``close()``). A later save allocates a new one."""
-        self._arena = None
-        self._plan = None
-        self._plan_key = None
+        self._arena = self._plan = self._plan_key = None
 
     # ------------------------------------------------------------------ planning
     def begin(self, flat: FlatState, deferred: Sequence[bool] | None = None) -> Snapshot:
@@ -249,11 +229,8 @@ def _slabs(t: torch.Tensor, region: int) -> list[tuple[tuple[int, int] | None, i
 
 
 class Snapshot:
-    """The staging progress of one save, shared by the staging, persist and training threads.
-
-    ``staged`` counts rounds whose bytes are in host memory; ``written`` counts rounds the
-    writer has finished with (streaming only). All waits take a deadline.
-    """
+    """The staging progress of one save, shared by the staging, persist and training threads
+    (``_staged``/``_written``: rounds copied / finished by the writer). Waits take a deadline."""
 
     def __init__(self, plan: _Plan, srcs: list[list[torch.Tensor]], staged: FlatState) -> None:
         self._plan = plan
@@ -275,11 +252,9 @@ class Snapshot:
 
     # ------------------------------------------------------------------ staging side
     def stage(self, upto: int, deadline: float) -> None:
-        """Copy rounds until ``upto`` are staged. Staging thread (training or snapshot thread).
-
-        Raises :class:`SnapshotAborted` if the save was abandoned meanwhile, or
-        :class:`CommitTimeoutError` if a region does not come free before ``deadline``.
-        """
+        """Copy rounds until ``upto`` are staged (training or snapshot thread). Raises
+        :class:`SnapshotAborted` if the save was abandoned, :class:`CommitTimeoutError` if a
+        region does not come free before ``deadline``."""
         plan = self._plan
         for k in range(self._staged, min(upto, self.nrounds)):
             if self.streaming and k >= 2:
@@ -313,20 +288,15 @@ class Snapshot:
         return self._staged == self.nrounds or self._error is not None
 
     def wait_staged(self, deadline: float, upto: int | None = None) -> None:
-        """Block until ``upto`` (default: all) rounds are staged or the snapshot failed.
-
-        Returns normally when it failed too: the failure belongs to the save, which reports
-        it. Raises :class:`CommitTimeoutError` at the deadline.
-        """
+        """Block until ``upto`` (default: all) rounds are staged or the snapshot failed (the
+        save reports that failure). Raises :class:`CommitTimeoutError` at the deadline."""
         n = self.nrounds if upto is None else upto
         self._wait_for(lambda: self._staged >= n or self._error is not None, deadline, "the snapshot")
 
     # ------------------------------------------------------------------ writer side
     def rounds(self, deadline: float) -> Iterator[list[TensorItem]]:
-        """Yield each round's staged items once it is staged (persist thread, streaming).
-
-        Resuming the generator after a round means the writer has finished reading it.
-        """
+        """Yield each round's staged items once staged (persist thread, streaming); resuming
+        the generator means the writer has finished reading the previous round."""
         try:
             for k in range(self.nrounds):
                 self._wait_for(functools.partial(self._round_staged, k), deadline, "the snapshot")
@@ -362,7 +332,7 @@ class Snapshot:
             while not ready():
                 if abort and self._error is not None:
                     raise SnapshotAborted(f"snapshot abandoned: {self._error}")
-                left = _deadline_left(deadline)
+                left = deadline - time.monotonic()
                 if left <= 0:
                     raise CommitTimeoutError(f"timed out waiting for {what}")
                 self._cond.wait(min(left, 1.0))
@@ -374,11 +344,8 @@ def copy_round(
     deadline: float,
     ready: dict[torch.device, object] | None = None,
 ) -> None:
-    """Copy ``srcs`` into the preallocated ``dsts``; returns once the bytes are in host memory.
-
-    CPU sources: one ``torch._foreach_copy_`` call. CUDA sources: a side-stream copy per
-    device, completed by polling its event until ``deadline``.
-    """
+    """Copy ``srcs`` into ``dsts`` (host memory); CUDA sources: a side-stream copy per device,
+    completed by polling its event until ``deadline``."""
     cpu_d: list[torch.Tensor] = []
     cpu_s: list[torch.Tensor] = []
     gpu: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -408,13 +375,9 @@ SPLIT_MIN_BYTES = 16 << 20
 
 
 def copy_cpu(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Host-to-host copy of ``srcs`` into ``dsts``, split by bytes over ``COPY_THREADS``.
-
-    Runs on the staging thread plus short-lived helper threads (joined before returning).
-    Tensors bigger than half a share are cut into one slice per lane; the others go to the
-    lanes in order, each lane taking its share of their bytes (no sort: with tens of
-    thousands of small tensors the split must cost little per tensor).
-    """
+    """Host-to-host copy split by bytes over ``COPY_THREADS`` (the staging thread plus helper
+    threads joined before returning). Tensors over half a share are sliced across the lanes;
+    the others fill the lanes in order (no sort: cheap per tensor with many small tensors)."""
     with paused_gc():
         sizes = [s.nbytes for s in srcs]
     total = sum(sizes)

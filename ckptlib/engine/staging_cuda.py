@@ -1,24 +1,12 @@
 """The CUDA part of a snapshot: pinned host memory, a side-stream copy, event completion.
 
-Called by :func:`ckptlib.engine.snapshot.copy_round` on whichever thread stages a round (the
-training thread, or the snapshot thread in overlap mode). Only this module touches
-``torch.cuda``; everything else in the snapshot is device-agnostic.
-
-Protocol of :func:`copy_async`, per device:
-0. :func:`mark_ready` runs on the training thread inside ``save()``: it records an event on
-   the training thread's current stream of each device (the snapshot may then be copied
-   from another thread, whose current stream is not the training thread's);
-1. the side stream waits for that event (or, without one, for the calling thread's current
-   stream), so kernels already queued that produce the tensors finish before they are read;
-2. ``_foreach_copy_(dsts, srcs, non_blocking=True)`` on the side stream (device to pinned host);
-3. every source is marked as used by the side stream (``record_stream``), so the caching
-   allocator cannot hand its memory to new tensors before the copy ran, even if the training
-   loop drops them meanwhile;
-4. an event is recorded on the side stream; :meth:`PendingCopy.wait` polls it until it
-   completes or the deadline passes (``Event.synchronize`` cannot time out).
-
-Not exercised on a GPU in this project's CI (no GPU machine was available when it was
-written); ``tests/test_async.py`` runs this logic against a fake ``torch.cuda`` namespace.
+Called by :func:`ckptlib.engine.snapshot.copy_round` on whichever thread stages a round; only
+this module touches ``torch.cuda``. :func:`mark_ready` (training thread, in ``save()``) records
+an event on each device's current stream; :func:`copy_async` makes the side stream wait for it,
+copies with ``_foreach_copy_(non_blocking=True)`` to pinned host memory, ``record_stream``s the
+sources (the allocator cannot reuse them before the copy ran) and records an event that
+:meth:`PendingCopy.wait` polls until the deadline (``Event.synchronize`` cannot time out).
+Tested against a fake ``torch.cuda`` namespace in ``tests/test_async.py``.
 """
 
 from __future__ import annotations

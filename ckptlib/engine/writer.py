@@ -1,22 +1,13 @@
 """The writer pipeline: chunk -> encode -> checksum -> write -> fsync, for one rank.
 
-Called by the save flow (:mod:`ckptlib.engine.save`) on whichever thread persists a save (the
-caller's thread for synchronous saves, the manager's background thread for async ones). It
-receives tensors that are already safe to read (a snapshot, or the live state for a
-synchronous save) and writes them into a few large payload files under ``prefix``:
-
-1. :func:`split_chunks` cuts every tensor piece into chunks of at most ``chunk_bytes`` along
-   dim 0; :func:`make_units` groups tensors of at most ``PACK_MEMBER_MAX`` bytes into packs
-   of about ``PACK_BYTES`` (one checksum and one write per pack, not per tensor);
-   :func:`plan_files` assigns chunks and packs to ``num_files`` files, balancing bytes.
-2. :func:`write_files` writes the files concurrently on a small thread pool, one thread per
-   file. Small writes are gathered in a reused staging buffer so each file sees large
-   sequential writes; large raw chunks are written straight from tensor memory. Every chunk
-   and pack is checksummed (stored bytes) and aligned to 64 bytes. ``close()`` makes each
-   file durable; any failure aborts the file and propagates.
-
-Memory bound: one staging buffer (``pack_bytes``) per file thread, plus one compressed chunk
-per thread when compression is on.
+Called by the save flow (:mod:`ckptlib.engine.save`) on the thread that persists a save, with
+tensors already safe to read. :func:`split_chunks` cuts pieces into chunks of at most
+``chunk_bytes`` along dim 0; :func:`make_units` packs tensors up to ``PACK_MEMBER_MAX`` bytes
+into packs of about ``PACK_BYTES`` (one checksum and write per pack); :func:`plan_files`
+balances units over ``num_files`` files; :func:`write_files` writes them concurrently, one
+thread per file, small writes gathered in a reused staging buffer (``pack_bytes`` per thread),
+large raw chunks straight from tensor memory, everything checksummed and 64-byte aligned.
+``close()`` makes each file durable; any failure aborts the file and propagates.
 """
 
 from __future__ import annotations
@@ -154,12 +145,8 @@ class _FileWriter:
 
 
 def _pack_bytes(members: list[ChunkJob], buf: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """Copy the members' raw bytes back to back into ``buf`` (grown if needed).
-
-    Hot for checkpoints with many small tensors: one ``memmove`` per member, no per-member
-    tensor views. Members are dense CPU tensors (``cpu_contiguous``), so ``data_ptr()`` and
-    ``nbytes`` describe exactly their bytes.
-    """
+    """Copy the members' raw bytes back to back into ``buf`` (grown if needed): one ``memmove``
+    per member (dense CPU tensors, so ``data_ptr()`` and ``nbytes`` are exactly their bytes)."""
     total = sum(m.nbytes for m in members)
     if buf.size < total:
         buf = np.empty(total, dtype=np.uint8)
@@ -230,18 +217,13 @@ def write_files(
     tag: str = "",
     timeout: float | None = None,
 ) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]]:
-    """Write ``jobs`` into payload files under ``prefix``; returns ``(files, written)``.
-
-    ``files`` is a list of ``(path, size)``; every file is durable when this returns, or
-    ``StorageTimeoutError`` is raised after ``timeout`` seconds (the save's deadline).
-    """
+    """Write ``jobs`` into payload files under ``prefix``; returns ``(files, written)``, files
+    as ``(path, size)``, all durable, or raises ``StorageTimeoutError`` after ``timeout``."""
     if storage.supports_atomic_rename and not storage.exists(prefix):
-        # The coordinator removed the staging folder: this save was abandoned (e.g. this rank
-        # was frozen past the deadline). Never recreate it.
+        # The coordinator removed the staging folder (save abandoned): never recreate it.
         raise CommitError(f"staging folder {prefix} is gone: the save was abandoned")
     groups = plan_files(make_units(jobs), num_files)
-    # ``tag`` keeps names unique when one rank calls this several times for one save
-    # (a snapshot streamed through a staging budget is written round by round).
+    # ``tag`` keeps names unique when one rank writes a save in several rounds.
     paths = [join(prefix, layout.payload_name(rank, tag, i)) for i in range(len(groups))]
     results = run_all(
         [
