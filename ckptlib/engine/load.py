@@ -241,13 +241,9 @@ def run_plan(
     threads: int = 4,
     stats: dict[str, int] | None = None,
 ) -> None:
-    """Fetch every box ``plan`` requested, then run its deferred copies, fills and loads.
-
-    The one read path after planning: :func:`load_checkpoint` and the framework adapters in
-    ``ckptlib/integrations`` (which plan their own trees with :class:`Merge`) call it on the
-    caller's thread; the reads run on the reader's pool. Lazy values in the planned tree are
-    resolved afterwards by the caller with :func:`resolve_lazy`.
-    """
+    """Fetch every box ``plan`` requested, then run its deferred copies, fills and loads: the
+    one read path after planning (:func:`load_checkpoint`, the integrations), caller's thread.
+    The caller resolves lazy values afterwards with :func:`resolve_lazy`."""
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:
         reader.read(plan.requests)

@@ -113,12 +113,8 @@ def _stage_rest(snap: Snapshot, deadline: float) -> None:
 
 
 def deferred_mask(state: Any, flat: FlatState) -> list[bool]:
-    """Which items only an optimizer step mutates (copied after ``save()``).
-
-    Those whose storage belongs to a parameter of a module, or to a parameter or state tensor
-    of an optimizer, found anywhere in ``state``. Everything else (buffers, plain tensors) is
-    copied before ``save()`` returns.
-    """
+    """Which items only an optimizer step mutates (copied after ``save()``): those whose storage
+    belongs to a module parameter or an optimizer's parameter or state found in ``state``."""
     owned: set[int] = set()
     stack: list[tuple[Any, int]] = [(state, 0)]
     while stack:

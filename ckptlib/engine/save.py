@@ -79,11 +79,8 @@ def encode_metadata(metadata: Any) -> Any:
 
 
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as a dense, standard-strided CPU tensor (a copy only when needed).
-
-    Hot for states with many small tensors: a plain contiguous CPU tensor is returned as is,
-    after five attribute checks (no new tensor object is made).
-    """
+    """The tensor's values as a dense, standard-strided CPU tensor (a copy only when needed;
+    hot with many small tensors: a contiguous CPU tensor is returned as is, no new object)."""
     if t.requires_grad:
         t = t.detach()
     if t.is_conj() or t.is_neg():

@@ -46,12 +46,8 @@ class StepInfo:
 
 
 def read_manifest(storage: Storage, folder: str) -> Manifest:
-    """Read and validate ``folder/manifest.json``.
-
-    A manifest over ``MAX_MANIFEST_BYTES`` is refused by its size (``storage.size``) before it
-    is opened; the size of the open file is checked again, so no more than the limit is ever
-    read even if the two disagree.
-    """
+    """Read and validate ``folder/manifest.json``; over ``MAX_MANIFEST_BYTES`` it is refused by
+    its size before opening and by the open file's size (never more than the limit is read)."""
     path = join(folder, MANIFEST_NAME)
     where = f"{storage.url.rstrip('/')}/{path}"
     try:

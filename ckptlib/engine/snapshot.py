@@ -91,11 +91,8 @@ class Stager:
 
     # ------------------------------------------------------------------ planning
     def begin(self, flat: FlatState, deferred: Sequence[bool] | None = None) -> Snapshot:
-        """Plan this save's staging and return its :class:`Snapshot` (nothing copied yet).
-
-        ``deferred[i]`` marks items that may be staged after ``save()`` returns (overlap
-        mode); the others come first, in the sync rounds. Training thread only.
-        """
+        """Plan this save's staging and return its :class:`Snapshot` (nothing copied yet;
+        training thread). ``deferred[i]``: staged after ``save()`` returns (overlap mode)."""
         items = flat.items
         defer = list(deferred) if deferred is not None else [False] * len(items)
         with paused_gc():  # a few objects per tensor: see engine/gc_pause.py
