@@ -53,13 +53,6 @@ def _count(key: str) -> None:
         _totals[key] += 1
 
 
-def _count_retry(stats: Counter[str] | None) -> None:
-    """One retried attempt: the process-wide counter and the caller's own ``stats``."""
-    _count("retries")
-    if stats is not None:
-        stats["retries"] += 1
-
-
 def stats() -> dict[str, int]:
     """Process-wide totals since the last :func:`reset_stats`: ``retries`` (attempts that
     failed transiently and were tried again) and ``giveups`` (operations that still failed
@@ -217,8 +210,25 @@ class _Stop(tenacity.stop.stop_base):
         return self.by_deadline
 
 
-def _wait(policy: RetryPolicy) -> tenacity.wait.wait_base:
-    return tenacity.wait_random_exponential(multiplier=policy.backoff, max=policy.backoff_max)
+def _retrying(
+    policy: RetryPolicy, end: float, transient: Callable[[BaseException], bool], stats: Counter[str] | None,
+    log_what: str | None = None,
+) -> tuple[_Stop, dict[str, Any]]:
+    """tenacity's arguments for :func:`call_async` and :func:`call_sync`: each retry is counted
+    (and logged, given ``log_what``); the stop reports whether the deadline ended the retries."""
+
+    def before_sleep(rs: tenacity.RetryCallState) -> None:
+        _count("retries")
+        if stats is not None:
+            stats["retries"] += 1
+        if log_what is not None:
+            exc = rs.outcome.exception() if rs.outcome else None
+            log.info("ckptlib: %s: attempt %d failed (%r); retrying", log_what, rs.attempt_number, exc)
+
+    stop = _Stop(policy, end)
+    wait = tenacity.wait_random_exponential(multiplier=policy.backoff, max=policy.backoff_max)
+    return stop, {"stop": stop, "wait": wait, "retry": tenacity.retry_if_exception(transient), "reraise": True,
+                  "before_sleep": before_sleep}
 
 
 def _final_error(
@@ -266,23 +276,11 @@ async def call_async(
             raise StorageTimeoutError(errno.ETIMEDOUT, "no time left")
         return await asyncio.wait_for(fn(), min(policy.attempt_timeout, left))
 
-    def before_sleep(rs: tenacity.RetryCallState) -> None:
-        _count_retry(stats)
-        exc = rs.outcome.exception() if rs.outcome else None
-        log.info("ckptlib: %s: attempt %d failed (%r); retrying", what, rs.attempt_number, exc)
-
-    stop = _Stop(policy, end)
-    extra: dict[str, Any] = {"sleep": policy.sleep} if policy.sleep is not None else {}
-    retrying = tenacity.AsyncRetrying(
-        stop=stop,
-        wait=_wait(policy),
-        retry=tenacity.retry_if_exception(transient),
-        reraise=True,
-        before_sleep=before_sleep,
-        **extra,
-    )
+    stop, kw = _retrying(policy, end, transient, stats, what)
+    if policy.sleep is not None:
+        kw["sleep"] = policy.sleep
     try:
-        return await retrying(attempt)
+        return await tenacity.AsyncRetrying(**kw)(attempt)
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -314,20 +312,9 @@ def call_sync(
         attempts += 1
         return fn()
 
-    def before_sleep(rs: tenacity.RetryCallState) -> None:
-        _count_retry(stats)
-
-    stop = _Stop(policy, end)
-    retrying = tenacity.Retrying(
-        stop=stop,
-        wait=_wait(policy),
-        retry=tenacity.retry_if_exception(transient),
-        reraise=True,
-        before_sleep=before_sleep,
-        sleep=policy.sleep or time.sleep,
-    )
+    stop, kw = _retrying(policy, end, transient, stats)
     try:
-        return retrying(attempt)
+        return tenacity.Retrying(**kw, sleep=policy.sleep or time.sleep)(attempt)
     except (FileNotFoundError, FileExistsError, CheckpointError):
         raise
     except Exception as e:

@@ -13,11 +13,8 @@ errors, none for fatal ones, a timeout per attempt, a deadline per operation, an
 storage's :meth:`S3Storage.deadline` scope for whole saves). Nothing runs on the loop thread
 that could block it.
 
-Writes: :meth:`S3Storage.open_write` returns a stream that buffers ``part_size`` bytes and
-then switches to a multipart upload whose parts go out in parallel (at most
-``parts_in_flight`` per stream); ``close()`` waits for every part and completes the upload;
-``abort()`` (or any failure) aborts it, so no incomplete upload is left behind by a save that
-could talk to the server. A file smaller than one part is a single ``PutObject``.
+Writes: :meth:`S3Storage.open_write` returns a multipart upload stream
+(:mod:`ckptlib.backends.s3_upload`); a file smaller than one part is a single ``PutObject``.
 
 Reads: ranged GETs; a read larger than ``read_split`` is split into ranges fetched in
 parallel. Listings go straight to ``ListObjectsV2`` (no listings cache: a stale cache must
@@ -40,8 +37,7 @@ import contextlib
 import errno
 import functools
 import io
-import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -56,27 +52,17 @@ from ckptlib.backends.retry import (
     call_async,
     error_code,
 )
+from ckptlib.backends.s3_upload import CLEANUP_ATTEMPT, CLEANUP_DEADLINE, S3Write, missing, numbered
 from ckptlib.errors import CorruptCheckpointError, StorageError
-
-log = logging.getLogger("ckptlib.storage")
 
 T = TypeVar("T")
 
 MIN_PART = 5 << 20
 DEFAULT_PART = 16 << 20
-CLEANUP_DEADLINE = 10.0
-"""Abort/cleanup calls after a failure get their own short budget (the save's may be spent);
-what they cannot remove in time is left to ``retire.clean_debris``."""
-CLEANUP_ATTEMPT = 5.0
 
 
 class _ShortBody(ConnectionError):
     """A GET returned fewer bytes than asked (a cut connection): transient."""
-
-
-def _missing(e: BaseException) -> bool:
-    code, status = error_code(e)
-    return status == 404 or code in ("404", "NoSuchKey", "NotFound", "NoSuchUpload")
 
 
 def _fatal(e: BaseException, what: str) -> BaseException | None:
@@ -100,144 +86,6 @@ def _flag(value: Any) -> bool:
             return True
         raise ValueError(f"not a boolean: {value!r}")
     return bool(value)
-
-
-class _S3Write(WriteStream):
-    """A payload object being written (see the module docstring). One writer thread."""
-
-    def __init__(self, store: S3Storage, path: str) -> None:
-        self.store = store
-        self.path = path
-        self.key = store._key(path)
-        self.buf = bytearray()
-        self.size = 0
-        self.upload_id: str | None = None
-        self.parts: dict[int, str] = {}
-        self.inflight: deque[tuple[int, cf.Future[Any]]] = deque()
-        self.next_part = 1
-        self.state = "open"
-        self.put_tried = False
-
-    def _check(self) -> None:
-        if self.state != "open":
-            raise StorageError(f"write to {self.store.url}/{self.path} after it was {self.state}")
-
-    def write(self, data) -> None:
-        self._check()
-        mv = memoryview(data).cast("B")
-        part = self.store.part_size
-        try:
-            while mv:
-                take = min(len(mv), part - len(self.buf))
-                self.buf += mv[:take]
-                mv = mv[take:]
-                self.size += take
-                if len(self.buf) >= part:
-                    self._send_part()
-        except BaseException:
-            self.state = "failed"
-            raise
-
-    def _send_part(self) -> None:
-        s = self.store
-        if self.upload_id is None:
-            resp = s._run(
-                s._call(lambda: s.client.create_multipart_upload(Bucket=s.bucket, Key=self.key), self.path),
-                f"start upload of {self.path}",
-            )
-            self.upload_id = resp["UploadId"]
-        body, self.buf = bytes(self.buf), bytearray()
-        num = self.next_part
-        self.next_part += 1
-        upload_id = self.upload_id
-
-        async def put() -> Any:
-            return await s.client.upload_part(
-                Bucket=s.bucket, Key=self.key, UploadId=upload_id, PartNumber=num, Body=io.BytesIO(body)
-            )
-
-        self.inflight.append((num, s._submit(s._call(put, self.path), f"upload part {num} of {self.path}")))
-        while len(self.inflight) >= s.parts_in_flight:
-            self._wait_one()
-
-    def _wait_one(self) -> None:
-        num, fut = self.inflight.popleft()
-        resp = self.store._result(fut, f"upload part {num} of {self.path}")
-        self.parts[num] = resp["ETag"]
-
-    def close(self) -> None:
-        if self.state == "closed":
-            return
-        self._check()
-        s = self.store
-        try:
-            if self.upload_id is None:
-                data = bytes(self.buf)
-                self.put_tried = True
-                s._run(
-                    s._call(lambda: s.client.put_object(Bucket=s.bucket, Key=self.key, Body=io.BytesIO(data)), self.path),
-                    f"put {self.path}",
-                )
-            else:
-                if self.buf:
-                    self._send_part()
-                while self.inflight:
-                    self._wait_one()
-                self._complete()
-        except BaseException:
-            self.state = "failed"
-            raise
-        self.buf = bytearray()
-        self.state = "closed"
-
-    def _complete(self) -> None:
-        s = self.store
-        parts = [{"PartNumber": n, "ETag": self.parts[n]} for n in sorted(self.parts)]
-        tries = 0
-
-        async def complete() -> Any:
-            nonlocal tries
-            tries += 1
-            try:
-                return await s.client.complete_multipart_upload(
-                    Bucket=s.bucket, Key=self.key, UploadId=self.upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
-            except Exception as e:
-                # A retry after a completion whose response was lost finds no upload: the
-                # object is there if its size is ours.
-                if tries > 1 and _missing(e):
-                    head = await s.client.head_object(Bucket=s.bucket, Key=self.key)
-                    if int(head["ContentLength"]) == self.size:
-                        return head
-                raise
-
-        s._run(complete, f"complete upload of {self.path}")
-
-    def abort(self) -> None:
-        if self.state in ("closed", "aborted"):
-            return
-        self.state = "aborted"
-        s = self.store
-        for _, fut in self.inflight:
-            fut.cancel()
-        for _, fut in self.inflight:
-            try:
-                fut.result(timeout=CLEANUP_DEADLINE)
-            except BaseException:  # cancelled or failed parts are expected here
-                pass
-        self.inflight.clear()
-        self.buf = bytearray()
-        try:
-            if self.upload_id is not None:
-                s.abort_upload(self.path, self.upload_id)
-            elif self.put_tried:  # a put whose answer was lost may still have landed
-                s._run(
-                    lambda: s.client.delete_object(Bucket=s.bucket, Key=self.key),
-                    f"delete partial {self.path}", cleanup=True,
-                )
-        except Exception as e:
-            log.warning("ckptlib: could not clean up %s/%s (a later cleanup will): %s", s.url, self.path, e)
 
 
 class _S3Read(ReadHandle):
@@ -341,7 +189,7 @@ class S3Storage(Storage):
                 fatal = _fatal(e, what)
                 if fatal is not None:
                     raise fatal from e
-                if _missing(e):
+                if missing(e):
                     raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{what}") from None
                 raise
 
@@ -349,7 +197,7 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ writing
     def open_write(self, path: str) -> WriteStream:
-        return _S3Write(self, path)
+        return S3Write(self, path)
 
     def put_atomic(self, path: str, data: bytes) -> None:
         key = self._key(path)
@@ -364,11 +212,8 @@ class S3Storage(Storage):
             super().put_if_absent(path, data)
         key = self._key(path)
         body = bytes(data)
-        tries = 0
 
-        async def put() -> Any:
-            nonlocal tries
-            tries += 1
+        async def put(tries: int) -> Any:
             try:
                 return await self.client.put_object(
                     Bucket=self.bucket, Key=key, Body=io.BytesIO(body), IfNoneMatch="*"
@@ -384,7 +229,7 @@ class S3Storage(Storage):
                     raise fatal from e
                 raise
 
-        self._run(put, f"create {path}")
+        self._run(numbered(put), f"create {path}")
 
     async def _same_bytes(self, key: str, body: bytes) -> bool:
         try:
