@@ -54,7 +54,7 @@ def _count(key: str) -> None:
 
 
 def stats() -> dict[str, int]:
-    """Process-wide totals since the last :func:`reset_stats`: ``retries`` (attempts that
+    """Process-wide totals: ``retries`` (attempts that
     failed transiently and were tried again) and ``giveups`` (operations that still failed
     transiently when their attempts or deadline ran out). Any thread; a snapshot copy.
 
@@ -62,12 +62,6 @@ def stats() -> dict[str, int]:
     :func:`call_async`/:func:`call_sync`, so every storage instance is included."""
     with _totals_lock:
         return {"retries": _totals["retries"], "giveups": _totals["giveups"]}
-
-
-def reset_stats() -> None:
-    """Zero the totals of :func:`stats`."""
-    with _totals_lock:
-        _totals.clear()
 
 
 TRANSIENT_CODES = frozenset(

@@ -5,17 +5,10 @@ with a create-only conditional put (``If-None-Match: *``) when ``supports_condit
 (the default; set the storage option ``ckptlib_conditional_put=False`` for servers without
 it, and the commit falls back to put + read-back, see ``ckptlib.engine.commit``).
 
-Threads: every public method is called on a ckptlib thread (the caller's, a writer or reader
-pool thread, or the manager's background save thread) and blocks it; the requests themselves
-run as coroutines on fsspec's I/O event-loop thread, each wrapped by
-:func:`ckptlib.backends.retry.call_async` (exponential backoff with jitter for transient
-errors, none for fatal ones, a timeout per attempt, a deadline per operation, and the
-storage's :meth:`S3Storage.deadline` scope for whole saves). Nothing runs on the loop thread
-that could block it.
-
-Writes: :meth:`S3Storage.open_write` returns a multipart upload stream
-(:mod:`ckptlib.backends.s3_upload`); a file smaller than one part is a single ``PutObject``.
-
+Threads: every public method blocks the calling ckptlib thread; the requests run as coroutines
+on fsspec's I/O event-loop thread, each wrapped by :func:`ckptlib.backends.retry.call_async`
+(the retry rules and deadlines are there). Nothing that could block runs on the loop thread.
+Writes: :meth:`S3Storage.open_write` returns a multipart upload stream (:mod:`.s3_upload`).
 Reads: ranged GETs; a read larger than ``read_split`` is split into ranges fetched in
 parallel. Listings go straight to ``ListObjectsV2`` (no listings cache: a stale cache must
 never hide or resurrect a step).
@@ -179,6 +172,17 @@ class S3Storage(Storage):
     def _run(self, fn: Callable[[], Awaitable[T]], what: str, *, cleanup: bool = False) -> T:
         return self._result(self._submit(fn, what, cleanup=cleanup), what)
 
+    def _request(self, op: str, path: str, what: str, *, body: bytes | None = None, cleanup: bool = False,
+                 **kw: Any) -> Any:
+        """One client call ``op`` on ``path``'s object, with retries (a fresh ``Body`` per attempt)."""
+        key = self._key(path)
+
+        async def go() -> Any:
+            extra = {} if body is None else {"Body": io.BytesIO(body)}
+            return await getattr(self.client, op)(Bucket=self.bucket, Key=key, **kw, **extra)
+
+        return self._run(self._call(go, path), what, cleanup=cleanup)
+
     def _call(self, fn: Callable[[], Awaitable[T]], what: str) -> Callable[[], Awaitable[T]]:
         """Wrap one request so fatal S3 answers become ckptlib errors inside the retry loop."""
 
@@ -200,12 +204,7 @@ class S3Storage(Storage):
         return S3Write(self, path)
 
     def put_atomic(self, path: str, data: bytes) -> None:
-        key = self._key(path)
-        body = bytes(data)
-        self._run(
-            self._call(lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=io.BytesIO(body)), path),
-            f"put {path}",
-        )
+        self._request("put_object", path, f"put {path}", body=bytes(data))
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         if not self.supports_conditional_put:
@@ -308,23 +307,14 @@ class S3Storage(Storage):
 
     def _head(self, path: str) -> dict[str, Any] | None:
         """HEAD of one object, or None if there is none."""
-        key = self._key(path)
         try:
-            return self._run(
-                self._call(lambda: self.client.head_object(Bucket=self.bucket, Key=key), path),
-                f"head {path}",
-            )
+            return self._request("head_object", path, f"head {path}")
         except FileNotFoundError:
             return None
 
     def size(self, path: str) -> int | None:
         head = self._head(path)
         return None if head is None else int(head["ContentLength"])
-
-    def modified(self, path: str) -> float | None:
-        """Last-modified time (Unix seconds) of one object, or None if there is none."""
-        head = self._head(path)
-        return None if head is None else head["LastModified"].timestamp()
 
     async def _list(self, prefix: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
         """Raw ListObjectsV2 pages' ``Contents`` and ``CommonPrefixes`` under ``prefix``."""
@@ -389,7 +379,6 @@ class S3Storage(Storage):
         return list(out.values())
 
     def tree_modified(self, path: str) -> float | None:
-        """Newest last-modified time of any object under folder ``path`` (None: empty)."""
         items = self._list_sync(path, None)
         times = [it["LastModified"].timestamp() for it in items if not it["dir"]]
         return max(times, default=None)
@@ -405,12 +394,8 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ deleting
     def delete(self, path: str) -> None:
-        key = self._key(path)
         try:
-            self._run(
-                self._call(lambda: self.client.delete_object(Bucket=self.bucket, Key=key), path),
-                f"delete {path}",
-            )
+            self._request("delete_object", path, f"delete {path}")
         except FileNotFoundError:
             pass
 
@@ -432,10 +417,6 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ multipart uploads
     def list_uploads(self, path: str = "") -> list[tuple[str, str, float]]:
-        """Incomplete multipart uploads under folder ``path``: ``(path, upload id, started)``.
-
-        ``path`` of each upload is relative to the storage root; ``started`` is Unix seconds.
-        """
         prefix = self._key(path)
         prefix = prefix + "/" if prefix else ""
         cut = len(self.prefix) + 1 if self.prefix else 0
@@ -455,17 +436,8 @@ class S3Storage(Storage):
         return self._run(self._call(go, path or "/"), f"list uploads {path or '/'}")
 
     def abort_upload(self, path: str, upload_id: str) -> None:
-        """Abort one multipart upload (an upload that is already gone is fine)."""
-        key = self._key(path)
         try:
-            self._run(
-                self._call(
-                    lambda: self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
-                    path,
-                ),
-                f"abort upload of {path}",
-                cleanup=True,
-            )
+            self._request("abort_multipart_upload", path, f"abort upload of {path}", cleanup=True, UploadId=upload_id)
         except FileNotFoundError:
             pass
 

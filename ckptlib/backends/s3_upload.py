@@ -1,11 +1,8 @@
-"""The multipart upload stream of :mod:`ckptlib.backends.s3`, split off by concern.
+"""The multipart upload stream of :mod:`ckptlib.backends.s3` (see its docstring), split off by concern.
 
-:meth:`S3Storage.open_write` returns an :class:`S3Write`: it buffers ``part_size`` bytes and
-then switches to a multipart upload whose parts go out in parallel (at most ``parts_in_flight``
-per stream); ``close()`` waits for every part and completes the upload; ``abort()`` (or any
-failure) aborts it, so no incomplete upload is left behind by a save that could talk to the
-server. A file smaller than one part is a single ``PutObject``. One writer thread per stream;
-the requests run through the storage's retrying ``_run``/``_submit``.
+:class:`S3Write` buffers ``part_size`` bytes, then uploads parts in parallel (at most
+``parts_in_flight``); ``close()`` completes the upload, ``abort()`` (or any failure) aborts it.
+One writer thread per stream; requests go through the storage's retrying ``_request``/``_submit``.
 """
 
 from __future__ import annotations
@@ -86,11 +83,7 @@ class S3Write(WriteStream):
     def _send_part(self) -> None:
         s = self.store
         if self.upload_id is None:
-            resp = s._run(
-                s._call(lambda: s.client.create_multipart_upload(Bucket=s.bucket, Key=self.key), self.path),
-                f"start upload of {self.path}",
-            )
-            self.upload_id = resp["UploadId"]
+            self.upload_id = s._request("create_multipart_upload", self.path, f"start upload of {self.path}")["UploadId"]
         body, self.buf = bytes(self.buf), bytearray()
         num = self.next_part
         self.next_part += 1
@@ -117,12 +110,8 @@ class S3Write(WriteStream):
         s = self.store
         try:
             if self.upload_id is None:
-                data = bytes(self.buf)
                 self.put_tried = True
-                s._run(
-                    s._call(lambda: s.client.put_object(Bucket=s.bucket, Key=self.key, Body=io.BytesIO(data)), self.path),
-                    f"put {self.path}",
-                )
+                s._request("put_object", self.path, f"put {self.path}", body=bytes(self.buf))
             else:
                 if self.buf:
                     self._send_part()
