@@ -10,24 +10,14 @@
 
 from __future__ import annotations
 
+from ckptlib.format import schema
 from ckptlib.format.build import build_body, encode, encode_body, to_body
 from ckptlib.format.decode import check_path, decode
 from ckptlib.format.packed_table import TABLE_COLUMNS, TABLE_KEY, PackedTable
-from ckptlib.format.schema import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    Chunk,
-    FileEntry,
-    Manifest,
-    Pack,
-    Piece,
-    TensorEntry,
-)
+from ckptlib.format.schema import *  # noqa: F403 - the records and constants, listed in schema.__all__
 from ckptlib.format.validate import MAX_NDIM
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "MAX_NDIM", "TABLE_COLUMNS", "TABLE_KEY", "Chunk", "FileEntry",
-    "Manifest", "Pack", "PackedTable", "Piece", "TensorEntry", "build_body", "check_path", "decode", "encode",
-    "encode_body", "to_body",
+    *schema.__all__, "MAX_NDIM", "TABLE_COLUMNS", "TABLE_KEY", "PackedTable", "build_body", "check_path", "decode",
+    "encode", "encode_body", "to_body",
 ]
