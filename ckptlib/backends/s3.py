@@ -30,8 +30,10 @@ import contextlib
 import errno
 import functools
 import io
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fsspec.asyn import sync
@@ -144,16 +146,18 @@ class S3Storage(Storage):
     def _key(self, path: str) -> str:
         return join(self.prefix, path) if path else self.prefix
 
+    def _folder_key(self, path: str) -> str:
+        """The key prefix of everything under folder ``path`` ("" for the bucket's root)."""
+        key = self._key(path)
+        return key + "/" if key else ""
+
     def _submit(
         self, fn: Callable[[], Awaitable[T]], what: str, *, cleanup: bool = False
     ) -> cf.Future[T]:
         policy = self.policy
         if cleanup:
-            policy = RetryPolicy(
-                attempts=policy.attempts, attempt_timeout=min(policy.attempt_timeout, CLEANUP_ATTEMPT),
-                deadline=min(policy.deadline, CLEANUP_DEADLINE), backoff=policy.backoff,
-                backoff_max=policy.backoff_max,
-            )
+            policy = replace(policy, attempt_timeout=min(policy.attempt_timeout, CLEANUP_ATTEMPT),
+                             deadline=min(policy.deadline, CLEANUP_DEADLINE), sleep=None, clock=time.monotonic)
         self.stats[what.split(" ", 1)[0]] += 1
         coro = call_async(
             fn, f"{what} ({self.url})", policy, scope=None if cleanup else self._deadline, stats=self.stats
@@ -336,16 +340,14 @@ class S3Storage(Storage):
                 return out
 
     def _list_sync(self, path: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
-        prefix = self._key(path)
-        prefix = prefix + "/" if prefix else ""
+        prefix = self._folder_key(path)
         return self._run(self._call(lambda: self._list(prefix, delimiter, limit), path or "/"), f"list {path or '/'}")
 
     def listdir(self, path: str = "") -> list[Entry]:
         """Entries under ``path``. A folder is listed only if some object is under it: servers
         such as SeaweedFS keep empty folder entries after their objects are deleted, and a
         deleted step must not come back as an empty "incomplete" one."""
-        prefix = self._key(path)
-        prefix = prefix + "/" if prefix else ""
+        prefix = self._folder_key(path)
 
         async def go() -> list[dict[str, Any]]:
             items = await self._list(prefix, "/")
@@ -363,8 +365,7 @@ class S3Storage(Storage):
             return items
 
         items = self._run(self._call(go, path or "/"), f"list {path or '/'}")
-        base = self._key(path)
-        cut = len(base) + 1 if base else 0
+        cut = len(prefix)
         out: dict[str, Entry] = {}
         for it in items:
             name = it["Key"][cut:].rstrip("/")
@@ -417,8 +418,7 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ multipart uploads
     def list_uploads(self, path: str = "") -> list[tuple[str, str, float]]:
-        prefix = self._key(path)
-        prefix = prefix + "/" if prefix else ""
+        prefix = self._folder_key(path)
         cut = len(self.prefix) + 1 if self.prefix else 0
 
         async def go() -> list[tuple[str, str, float]]:
