@@ -227,18 +227,13 @@ class S3Storage(Storage):
                     if tries > 1 and await self._same_bytes(key, body):
                         return None  # our own earlier attempt landed; its answer was lost
                     raise FileExistsError(errno.EEXIST, "already exists", f"{self.url}/{path}") from None
-                fatal = _fatal(e, path)
-                if fatal is not None:
-                    raise fatal from e
                 raise
 
-        self._run(numbered(put), f"create {path}")
+        self._run(self._call(numbered(put), path), f"create {path}")
 
     async def _same_bytes(self, key: str, body: bytes) -> bool:
         try:
-            resp = await self.client.get_object(Bucket=self.bucket, Key=key)
-            async with resp["Body"] as stream:
-                return await stream.read() == body
+            return await self._get(key) == body
         except Exception:
             return False
 
@@ -254,12 +249,9 @@ class S3Storage(Storage):
                 code, status = error_code(e)
                 if status == 404 or code in ("NoSuchBucket", "404"):
                     raise FatalStorageError(errno.ENOENT, f"bucket {self.bucket!r} does not exist") from None
-                fatal = _fatal(e, f"bucket {self.bucket}")
-                if fatal is not None:
-                    raise fatal from e
                 raise
 
-        self._run(head, "check bucket")
+        self._run(self._call(head, f"bucket {self.bucket}"), "check bucket")
 
     # ------------------------------------------------------------------ reading
     def open_read(self, path: str) -> ReadHandle:
@@ -270,16 +262,16 @@ class S3Storage(Storage):
 
     def read(self, path: str) -> bytes:
         key = self._key(path)
+        return self._run(self._call(lambda: self._get(key), path), f"get {path}")
 
-        async def get() -> bytes:
-            resp = await self.client.get_object(Bucket=self.bucket, Key=key)
-            async with resp["Body"] as stream:
-                data = await stream.read()
-            if len(data) != int(resp["ContentLength"]):
-                raise _ShortBody(f"got {len(data)} of {resp['ContentLength']} bytes")
-            return data
-
-        return self._run(self._call(get, path), f"get {path}")
+    async def _get(self, key: str, **kw: Any) -> bytes:
+        """One GET's body; one shorter than its ``ContentLength`` (a cut connection) is transient."""
+        resp = await self.client.get_object(Bucket=self.bucket, Key=key, **kw)
+        async with resp["Body"] as stream:
+            data = await stream.read()
+        if len(data) != int(resp["ContentLength"]):
+            raise _ShortBody(f"got {len(data)} of {resp['ContentLength']} bytes")
+        return data
 
     def _read_ranges(self, key: str, path: str, start: int, out: memoryview) -> None:
         n = len(out)
@@ -288,11 +280,7 @@ class S3Storage(Storage):
 
         def one(a: int, b: int) -> Callable[[], Awaitable[None]]:
             async def get() -> None:
-                resp = await self.client.get_object(
-                    Bucket=self.bucket, Key=key, Range=f"bytes={start + a}-{start + b - 1}"
-                )
-                async with resp["Body"] as stream:
-                    data = await stream.read()
+                data = await self._get(key, Range=f"bytes={start + a}-{start + b - 1}")
                 if len(data) != b - a:
                     raise _ShortBody(f"got {len(data)} of {b - a} bytes")
                 out[a:b] = data
