@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+from ckptlib.backends.base import Entry, RangeRead, ReadHandle, Storage, WriteStream, join
 from ckptlib.backends.retry import (
     DeadlineScope,
     FatalStorageError,
@@ -48,7 +48,7 @@ from ckptlib.backends.retry import (
     error_code,
 )
 from ckptlib.backends.s3_upload import CLEANUP_ATTEMPT, CLEANUP_DEADLINE, S3Write, missing, numbered
-from ckptlib.errors import CorruptCheckpointError, StorageError
+from ckptlib.errors import StorageError
 
 T = TypeVar("T")
 
@@ -81,28 +81,6 @@ def _flag(value: Any) -> bool:
             return True
         raise ValueError(f"not a boolean: {value!r}")
     return bool(value)
-
-
-class _S3Read(ReadHandle):
-    def __init__(self, store: S3Storage, path: str, size: int) -> None:
-        self.store = store
-        self.path = path
-        self.key = store._key(path)
-        self.size = size
-
-    def read_into(self, start: int, out: memoryview) -> None:
-        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
-        n = len(out)
-        if start + n > self.size:
-            raise CorruptCheckpointError(
-                f"file is shorter than expected (needed bytes up to {start + n}, has {self.size})",
-                f"{self.store.url}/{self.path}",
-            )
-        if n:
-            self.store._read_ranges(self.key, self.path, start, out)
-
-    def close(self) -> None:
-        pass
 
 
 class S3Storage(Storage):
@@ -258,7 +236,7 @@ class S3Storage(Storage):
         size = self.size(path)
         if size is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{path}")
-        return _S3Read(self, path, size)
+        return RangeRead(self, path, size)
 
     def read(self, path: str) -> bytes:
         key = self._key(path)
@@ -273,7 +251,8 @@ class S3Storage(Storage):
             raise _ShortBody(f"got {len(data)} of {resp['ContentLength']} bytes")
         return data
 
-    def _read_ranges(self, key: str, path: str, start: int, out: memoryview) -> None:
+    def _read_range(self, path: str, start: int, out: memoryview) -> None:
+        key = self._key(path)
         n = len(out)
         step = self.read_split
         ranges = [(a, min(a + step, n)) for a in range(0, n, step)]
