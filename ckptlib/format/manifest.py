@@ -1,11 +1,6 @@
-"""The v1 manifest, by concern: the names other modules import, in one place. Pure.
-
-- :mod:`ckptlib.format.schema`: the records (:class:`Manifest`, :class:`TensorEntry`, ...) and
-  the format's constants;
-- :mod:`ckptlib.format.build`: the body from the ranks' write results, and its bytes
-  (:func:`build_body`, :func:`encode_body`, :func:`encode`);
-- :mod:`ckptlib.format.decode`: parse and validate untrusted bytes (:func:`decode`);
-- :mod:`ckptlib.format.packed_table`: the columnar ``packed_tensors`` table.
+"""The v1 manifest's names in one place (pure): records and constants from
+:mod:`~ckptlib.format.schema`, bytes from :mod:`~ckptlib.format.build`, validation from
+:mod:`~ckptlib.format.decode`, the ``packed_tensors`` table from :mod:`~ckptlib.format.packed_table`.
 """
 
 from __future__ import annotations
