@@ -1,25 +1,14 @@
-"""Retries with deadlines for storage operations (tenacity underneath).
+"""Retries with deadlines for storage operations (tenacity underneath); the rules, the policy's
+defaults and the whole-save deadline are in docs/storage.md, "Retries and deadlines".
 
 Who calls what: storage backends wrap every request in :func:`call_async` (object stores, on
 fsspec's I/O event-loop thread) or :func:`call_sync` (POSIX visibility retries, on whichever
 ckptlib thread does the read). Nothing above ``ckptlib.backends`` retries on its own.
-
-The rules:
-- **Transient** failures are retried with exponential backoff and full jitter: throttling
-  (503 SlowDown, 429), server errors (500, 502, 503, 504), connection resets, refused or
-  dropped connections and timeouts. :func:`is_transient` is the one place that decides.
-- **Fatal** failures are raised at once: access denied (403), a missing bucket or key (404),
-  bad credentials or signatures, a failed precondition (412), anything unrecognised.
-- Every *attempt* is bounded by ``RetryPolicy.attempt_timeout`` and every *operation* (all
-  attempts and sleeps) by ``RetryPolicy.deadline`` -- and by the earliest active
-  :class:`DeadlineScope` of the storage, which is how a whole save gets one deadline
-  (``with storage.deadline(seconds): ...``, see :func:`deadline_scope`).
-- When retries run out the error is a :class:`~ckptlib.errors.StorageError` naming the
-  operation, the attempts and the last cause; when the deadline ran out it is a
-  :class:`StorageTimeoutError` (also a ``TimeoutError``).
-
-Sleep and clock are injectable (``RetryPolicy.sleep``/``clock``) so tests never wait on a real
-clock when they test the policy itself.
+:func:`is_transient` alone decides what is retried; each attempt is bounded by
+``RetryPolicy.attempt_timeout``, each operation by ``RetryPolicy.deadline`` and by the earliest
+active :class:`DeadlineScope` of its storage (:func:`deadline_scope`). Out of retries:
+:class:`~ckptlib.errors.StorageError`; out of time: :class:`StorageTimeoutError`. Sleep and
+clock are injectable (``RetryPolicy.sleep``/``clock``) so policy tests never wait.
 """
 
 from __future__ import annotations
