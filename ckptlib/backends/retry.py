@@ -43,9 +43,9 @@ def _count(key: str) -> None:
 
 
 def stats() -> dict[str, int]:
-    """Process-wide totals: ``retries`` (attempts that
-    failed transiently and were tried again) and ``giveups`` (operations that still failed
-    transiently when their attempts or deadline ran out). Any thread; a snapshot copy.
+    """Process-wide totals: ``retries`` (attempts that failed transiently and were tried again)
+    and ``giveups`` (operations that still failed transiently when their attempts or deadline
+    ran out). Any thread; a snapshot copy.
 
     Chaos tests and benchmarks read it at the end of a job; backends count through
     :func:`call_async`/:func:`call_sync`, so every storage instance is included."""

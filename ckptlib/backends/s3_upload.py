@@ -1,4 +1,4 @@
-"""The multipart upload stream of :mod:`ckptlib.backends.s3` (see its docstring), split off by concern.
+"""The multipart upload stream of :mod:`ckptlib.backends.s3`, split off by concern.
 
 :class:`S3Write` buffers ``part_size`` bytes, then uploads parts in parallel (at most
 ``parts_in_flight``); ``close()`` completes the upload, ``abort()`` (or any failure) aborts it.
