@@ -17,7 +17,6 @@ __all__ = [
     "deadline_scope",
     "join",
     "open_storage",
-    "url_join",
 ]
 
 
@@ -42,8 +41,3 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
     from ckptlib.backends.fsspec_store import FsspecStorage
 
     return FsspecStorage(url, storage_options)
-
-
-def url_join(url: str | os.PathLike[str], name: str) -> str:
-    url = os.fspath(url)
-    return url.rstrip("/") + "/" + name

@@ -27,6 +27,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from ckptlib.errors import CorruptCheckpointError
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:
@@ -70,6 +72,28 @@ class ReadHandle(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RangeRead(ReadHandle):
+    """An object of known ``size`` on an object store: the bounds are checked here, the bytes
+    fetched by ``store._read_range(path, start, out)``."""
+
+    def __init__(self, store: Any, path: str, size: int) -> None:
+        self.store, self.path, self.size = store, path, size
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        end = start + len(out)
+        if end > self.size:
+            raise CorruptCheckpointError(
+                f"file is shorter than expected (needed bytes up to {end}, has {self.size})",
+                f"{self.store.url}/{self.path}",
+            )
+        if len(out):
+            self.store._read_range(self.path, start, out)
+
+    def close(self) -> None:
+        pass
 
 
 class Storage(ABC):

@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 
-from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+from ckptlib.backends.base import Entry, RangeRead, ReadHandle, Storage, WriteStream, join
 from ckptlib.errors import CorruptCheckpointError, StorageError
 
 
@@ -39,30 +39,6 @@ class _FsWrite(WriteStream):
     def abort(self) -> None:
         self.done = True
         self.parts.clear()
-
-
-class _FsRead(ReadHandle):
-    def __init__(self, store: FsspecStorage, path: str, size: int) -> None:
-        self.store = store
-        self.path = path
-        self.size = size
-
-    def read_into(self, start: int, out: memoryview) -> None:
-        n = len(out)
-        if start + n > self.size:
-            raise CorruptCheckpointError(f"file is shorter than expected (needed bytes up to {start + n})", self.path)
-        try:
-            data = self.store.fs.cat_file(self.store._full(self.path), start=start, end=start + n)
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise StorageError(f"read {self.path}: {e}") from e
-        if len(data) != n:
-            raise CorruptCheckpointError(f"short read ({len(data)} of {n} bytes)", self.path)
-        out.cast("B")[:] = data
-
-    def close(self) -> None:
-        pass
 
 
 class FsspecStorage(Storage):
@@ -112,7 +88,18 @@ class FsspecStorage(Storage):
         size = self.size(path)
         if size is None:
             raise FileNotFoundError(f"{self.url}/{path}")
-        return _FsRead(self, path, size)
+        return RangeRead(self, path, size)
+
+    def _read_range(self, path: str, start: int, out: memoryview) -> None:
+        try:
+            data = self.fs.cat_file(self._full(path), start=start, end=start + len(out))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise StorageError(f"read {path}: {e}") from e
+        if len(data) != len(out):
+            raise CorruptCheckpointError(f"short read ({len(data)} of {len(out)} bytes)", path)
+        out[:] = data
 
     def size(self, path: str) -> int | None:
         try:

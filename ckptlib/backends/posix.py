@@ -8,14 +8,10 @@ folder through a symlink, and open with ``O_NONBLOCK`` so a FIFO cannot hang the
 Folder renames use ``renameat2(RENAME_NOREPLACE)`` where the kernel has it, so two jobs
 committing the same step cannot both win.
 
-Parallel and network file systems: nothing here trusts a folder listing alone. Manifests and
-payloads are opened by name; a file that is missing, or shorter than a read needs, is retried
-with backoff for up to ``visibility_timeout`` seconds before it counts as missing (``FileNotFoundError``)
-or short (``CorruptCheckpointError``) -- on NFS a file written by another node can take an
-attribute-cache period to appear or reach its full size. The default is 0 (no waiting) on
-local file systems and :data:`NETWORK_VISIBILITY_TIMEOUT` on mounts whose type is a network
-or parallel file system (see :func:`mount_type`); ``storage_options={"visibility_timeout": S}``
-sets it. See ``docs/storage.md`` for mount options.
+Parallel and network file systems: nothing here trusts a folder listing alone; a file that is
+missing or short is retried for up to ``visibility_timeout`` seconds (0 on local file systems,
+:data:`NETWORK_VISIBILITY_TIMEOUT` on network or parallel ones, told by :func:`mount_type`;
+storage option ``visibility_timeout``). See docs/storage.md, "POSIX and parallel file systems".
 """
 
 from __future__ import annotations

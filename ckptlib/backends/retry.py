@@ -1,25 +1,14 @@
-"""Retries with deadlines for storage operations (tenacity underneath).
+"""Retries with deadlines for storage operations (tenacity underneath); the rules, the policy's
+defaults and the whole-save deadline are in docs/storage.md, "Retries and deadlines".
 
 Who calls what: storage backends wrap every request in :func:`call_async` (object stores, on
 fsspec's I/O event-loop thread) or :func:`call_sync` (POSIX visibility retries, on whichever
 ckptlib thread does the read). Nothing above ``ckptlib.backends`` retries on its own.
-
-The rules:
-- **Transient** failures are retried with exponential backoff and full jitter: throttling
-  (503 SlowDown, 429), server errors (500, 502, 503, 504), connection resets, refused or
-  dropped connections and timeouts. :func:`is_transient` is the one place that decides.
-- **Fatal** failures are raised at once: access denied (403), a missing bucket or key (404),
-  bad credentials or signatures, a failed precondition (412), anything unrecognised.
-- Every *attempt* is bounded by ``RetryPolicy.attempt_timeout`` and every *operation* (all
-  attempts and sleeps) by ``RetryPolicy.deadline`` -- and by the earliest active
-  :class:`DeadlineScope` of the storage, which is how a whole save gets one deadline
-  (``with storage.deadline(seconds): ...``, see :func:`deadline_scope`).
-- When retries run out the error is a :class:`~ckptlib.errors.StorageError` naming the
-  operation, the attempts and the last cause; when the deadline ran out it is a
-  :class:`StorageTimeoutError` (also a ``TimeoutError``).
-
-Sleep and clock are injectable (``RetryPolicy.sleep``/``clock``) so tests never wait on a real
-clock when they test the policy itself.
+:func:`is_transient` alone decides what is retried; each attempt is bounded by
+``RetryPolicy.attempt_timeout``, each operation by ``RetryPolicy.deadline`` and by the earliest
+active :class:`DeadlineScope` of its storage (:func:`deadline_scope`). Out of retries:
+:class:`~ckptlib.errors.StorageError`; out of time: :class:`StorageTimeoutError`. Sleep and
+clock are injectable (``RetryPolicy.sleep``/``clock``) so policy tests never wait.
 """
 
 from __future__ import annotations
@@ -53,28 +42,15 @@ def _count(key: str) -> None:
         _totals[key] += 1
 
 
-def _count_retry(stats: Counter[str] | None) -> None:
-    """One retried attempt: the process-wide counter and the caller's own ``stats``."""
-    _count("retries")
-    if stats is not None:
-        stats["retries"] += 1
-
-
 def stats() -> dict[str, int]:
-    """Process-wide totals since the last :func:`reset_stats`: ``retries`` (attempts that
-    failed transiently and were tried again) and ``giveups`` (operations that still failed
-    transiently when their attempts or deadline ran out). Any thread; a snapshot copy.
+    """Process-wide totals: ``retries`` (attempts that failed transiently and were tried again)
+    and ``giveups`` (operations that still failed transiently when their attempts or deadline
+    ran out). Any thread; a snapshot copy.
 
     Chaos tests and benchmarks read it at the end of a job; backends count through
     :func:`call_async`/:func:`call_sync`, so every storage instance is included."""
     with _totals_lock:
         return {"retries": _totals["retries"], "giveups": _totals["giveups"]}
-
-
-def reset_stats() -> None:
-    """Zero the totals of :func:`stats`."""
-    with _totals_lock:
-        _totals.clear()
 
 
 TRANSIENT_CODES = frozenset(
@@ -217,8 +193,25 @@ class _Stop(tenacity.stop.stop_base):
         return self.by_deadline
 
 
-def _wait(policy: RetryPolicy) -> tenacity.wait.wait_base:
-    return tenacity.wait_random_exponential(multiplier=policy.backoff, max=policy.backoff_max)
+def _retrying(
+    policy: RetryPolicy, end: float, transient: Callable[[BaseException], bool], stats: Counter[str] | None,
+    log_what: str | None = None,
+) -> tuple[_Stop, dict[str, Any]]:
+    """tenacity's arguments for :func:`call_async` and :func:`call_sync`: each retry is counted
+    (and logged, given ``log_what``); the stop reports whether the deadline ended the retries."""
+
+    def before_sleep(rs: tenacity.RetryCallState) -> None:
+        _count("retries")
+        if stats is not None:
+            stats["retries"] += 1
+        if log_what is not None:
+            exc = rs.outcome.exception() if rs.outcome else None
+            log.info("ckptlib: %s: attempt %d failed (%r); retrying", log_what, rs.attempt_number, exc)
+
+    stop = _Stop(policy, end)
+    wait = tenacity.wait_random_exponential(multiplier=policy.backoff, max=policy.backoff_max)
+    return stop, {"stop": stop, "wait": wait, "retry": tenacity.retry_if_exception(transient), "reraise": True,
+                  "before_sleep": before_sleep}
 
 
 def _final_error(
@@ -266,23 +259,11 @@ async def call_async(
             raise StorageTimeoutError(errno.ETIMEDOUT, "no time left")
         return await asyncio.wait_for(fn(), min(policy.attempt_timeout, left))
 
-    def before_sleep(rs: tenacity.RetryCallState) -> None:
-        _count_retry(stats)
-        exc = rs.outcome.exception() if rs.outcome else None
-        log.info("ckptlib: %s: attempt %d failed (%r); retrying", what, rs.attempt_number, exc)
-
-    stop = _Stop(policy, end)
-    extra: dict[str, Any] = {"sleep": policy.sleep} if policy.sleep is not None else {}
-    retrying = tenacity.AsyncRetrying(
-        stop=stop,
-        wait=_wait(policy),
-        retry=tenacity.retry_if_exception(transient),
-        reraise=True,
-        before_sleep=before_sleep,
-        **extra,
-    )
+    stop, kw = _retrying(policy, end, transient, stats, what)
+    if policy.sleep is not None:
+        kw["sleep"] = policy.sleep
     try:
-        return await retrying(attempt)
+        return await tenacity.AsyncRetrying(**kw)(attempt)
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -314,20 +295,9 @@ def call_sync(
         attempts += 1
         return fn()
 
-    def before_sleep(rs: tenacity.RetryCallState) -> None:
-        _count_retry(stats)
-
-    stop = _Stop(policy, end)
-    retrying = tenacity.Retrying(
-        stop=stop,
-        wait=_wait(policy),
-        retry=tenacity.retry_if_exception(transient),
-        reraise=True,
-        before_sleep=before_sleep,
-        sleep=policy.sleep or time.sleep,
-    )
+    stop, kw = _retrying(policy, end, transient, stats)
     try:
-        return retrying(attempt)
+        return tenacity.Retrying(**kw, sleep=policy.sleep or time.sleep)(attempt)
     except (FileNotFoundError, FileExistsError, CheckpointError):
         raise
     except Exception as e:

@@ -5,20 +5,10 @@ with a create-only conditional put (``If-None-Match: *``) when ``supports_condit
 (the default; set the storage option ``ckptlib_conditional_put=False`` for servers without
 it, and the commit falls back to put + read-back, see ``ckptlib.engine.commit``).
 
-Threads: every public method is called on a ckptlib thread (the caller's, a writer or reader
-pool thread, or the manager's background save thread) and blocks it; the requests themselves
-run as coroutines on fsspec's I/O event-loop thread, each wrapped by
-:func:`ckptlib.backends.retry.call_async` (exponential backoff with jitter for transient
-errors, none for fatal ones, a timeout per attempt, a deadline per operation, and the
-storage's :meth:`S3Storage.deadline` scope for whole saves). Nothing runs on the loop thread
-that could block it.
-
-Writes: :meth:`S3Storage.open_write` returns a stream that buffers ``part_size`` bytes and
-then switches to a multipart upload whose parts go out in parallel (at most
-``parts_in_flight`` per stream); ``close()`` waits for every part and completes the upload;
-``abort()`` (or any failure) aborts it, so no incomplete upload is left behind by a save that
-could talk to the server. A file smaller than one part is a single ``PutObject``.
-
+Threads: every public method blocks the calling ckptlib thread; the requests run as coroutines
+on fsspec's I/O event-loop thread, each wrapped by :func:`ckptlib.backends.retry.call_async`
+(the retry rules and deadlines are there). Nothing that could block runs on the loop thread.
+Writes: :meth:`S3Storage.open_write` returns a multipart upload stream (:mod:`.s3_upload`).
 Reads: ranged GETs; a read larger than ``read_split`` is split into ranges fetched in
 parallel. Listings go straight to ``ListObjectsV2`` (no listings cache: a stale cache must
 never hide or resurrect a step).
@@ -40,14 +30,15 @@ import contextlib
 import errno
 import functools
 import io
-import logging
-from collections import Counter, deque
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+from ckptlib.backends.base import Entry, RangeRead, ReadHandle, Storage, WriteStream, join
 from ckptlib.backends.retry import (
     DeadlineScope,
     FatalStorageError,
@@ -56,27 +47,17 @@ from ckptlib.backends.retry import (
     call_async,
     error_code,
 )
-from ckptlib.errors import CorruptCheckpointError, StorageError
-
-log = logging.getLogger("ckptlib.storage")
+from ckptlib.backends.s3_upload import CLEANUP_ATTEMPT, CLEANUP_DEADLINE, S3Write, missing, numbered
+from ckptlib.errors import StorageError
 
 T = TypeVar("T")
 
 MIN_PART = 5 << 20
 DEFAULT_PART = 16 << 20
-CLEANUP_DEADLINE = 10.0
-"""Abort/cleanup calls after a failure get their own short budget (the save's may be spent);
-what they cannot remove in time is left to ``retire.clean_debris``."""
-CLEANUP_ATTEMPT = 5.0
 
 
 class _ShortBody(ConnectionError):
     """A GET returned fewer bytes than asked (a cut connection): transient."""
-
-
-def _missing(e: BaseException) -> bool:
-    code, status = error_code(e)
-    return status == 404 or code in ("404", "NoSuchKey", "NotFound", "NoSuchUpload")
 
 
 def _fatal(e: BaseException, what: str) -> BaseException | None:
@@ -100,166 +81,6 @@ def _flag(value: Any) -> bool:
             return True
         raise ValueError(f"not a boolean: {value!r}")
     return bool(value)
-
-
-class _S3Write(WriteStream):
-    """A payload object being written (see the module docstring). One writer thread."""
-
-    def __init__(self, store: S3Storage, path: str) -> None:
-        self.store = store
-        self.path = path
-        self.key = store._key(path)
-        self.buf = bytearray()
-        self.size = 0
-        self.upload_id: str | None = None
-        self.parts: dict[int, str] = {}
-        self.inflight: deque[tuple[int, cf.Future[Any]]] = deque()
-        self.next_part = 1
-        self.state = "open"
-        self.put_tried = False
-
-    def _check(self) -> None:
-        if self.state != "open":
-            raise StorageError(f"write to {self.store.url}/{self.path} after it was {self.state}")
-
-    def write(self, data) -> None:
-        self._check()
-        mv = memoryview(data).cast("B")
-        part = self.store.part_size
-        try:
-            while mv:
-                take = min(len(mv), part - len(self.buf))
-                self.buf += mv[:take]
-                mv = mv[take:]
-                self.size += take
-                if len(self.buf) >= part:
-                    self._send_part()
-        except BaseException:
-            self.state = "failed"
-            raise
-
-    def _send_part(self) -> None:
-        s = self.store
-        if self.upload_id is None:
-            resp = s._run(
-                s._call(lambda: s.client.create_multipart_upload(Bucket=s.bucket, Key=self.key), self.path),
-                f"start upload of {self.path}",
-            )
-            self.upload_id = resp["UploadId"]
-        body, self.buf = bytes(self.buf), bytearray()
-        num = self.next_part
-        self.next_part += 1
-        upload_id = self.upload_id
-
-        async def put() -> Any:
-            return await s.client.upload_part(
-                Bucket=s.bucket, Key=self.key, UploadId=upload_id, PartNumber=num, Body=io.BytesIO(body)
-            )
-
-        self.inflight.append((num, s._submit(s._call(put, self.path), f"upload part {num} of {self.path}")))
-        while len(self.inflight) >= s.parts_in_flight:
-            self._wait_one()
-
-    def _wait_one(self) -> None:
-        num, fut = self.inflight.popleft()
-        resp = self.store._result(fut, f"upload part {num} of {self.path}")
-        self.parts[num] = resp["ETag"]
-
-    def close(self) -> None:
-        if self.state == "closed":
-            return
-        self._check()
-        s = self.store
-        try:
-            if self.upload_id is None:
-                data = bytes(self.buf)
-                self.put_tried = True
-                s._run(
-                    s._call(lambda: s.client.put_object(Bucket=s.bucket, Key=self.key, Body=io.BytesIO(data)), self.path),
-                    f"put {self.path}",
-                )
-            else:
-                if self.buf:
-                    self._send_part()
-                while self.inflight:
-                    self._wait_one()
-                self._complete()
-        except BaseException:
-            self.state = "failed"
-            raise
-        self.buf = bytearray()
-        self.state = "closed"
-
-    def _complete(self) -> None:
-        s = self.store
-        parts = [{"PartNumber": n, "ETag": self.parts[n]} for n in sorted(self.parts)]
-        tries = 0
-
-        async def complete() -> Any:
-            nonlocal tries
-            tries += 1
-            try:
-                return await s.client.complete_multipart_upload(
-                    Bucket=s.bucket, Key=self.key, UploadId=self.upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
-            except Exception as e:
-                # A retry after a completion whose response was lost finds no upload: the
-                # object is there if its size is ours.
-                if tries > 1 and _missing(e):
-                    head = await s.client.head_object(Bucket=s.bucket, Key=self.key)
-                    if int(head["ContentLength"]) == self.size:
-                        return head
-                raise
-
-        s._run(complete, f"complete upload of {self.path}")
-
-    def abort(self) -> None:
-        if self.state in ("closed", "aborted"):
-            return
-        self.state = "aborted"
-        s = self.store
-        for _, fut in self.inflight:
-            fut.cancel()
-        for _, fut in self.inflight:
-            try:
-                fut.result(timeout=CLEANUP_DEADLINE)
-            except BaseException:  # cancelled or failed parts are expected here
-                pass
-        self.inflight.clear()
-        self.buf = bytearray()
-        try:
-            if self.upload_id is not None:
-                s.abort_upload(self.path, self.upload_id)
-            elif self.put_tried:  # a put whose answer was lost may still have landed
-                s._run(
-                    lambda: s.client.delete_object(Bucket=s.bucket, Key=self.key),
-                    f"delete partial {self.path}", cleanup=True,
-                )
-        except Exception as e:
-            log.warning("ckptlib: could not clean up %s/%s (a later cleanup will): %s", s.url, self.path, e)
-
-
-class _S3Read(ReadHandle):
-    def __init__(self, store: S3Storage, path: str, size: int) -> None:
-        self.store = store
-        self.path = path
-        self.key = store._key(path)
-        self.size = size
-
-    def read_into(self, start: int, out: memoryview) -> None:
-        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
-        n = len(out)
-        if start + n > self.size:
-            raise CorruptCheckpointError(
-                f"file is shorter than expected (needed bytes up to {start + n}, has {self.size})",
-                f"{self.store.url}/{self.path}",
-            )
-        if n:
-            self.store._read_ranges(self.key, self.path, start, out)
-
-    def close(self) -> None:
-        pass
 
 
 class S3Storage(Storage):
@@ -303,16 +124,18 @@ class S3Storage(Storage):
     def _key(self, path: str) -> str:
         return join(self.prefix, path) if path else self.prefix
 
+    def _folder_key(self, path: str) -> str:
+        """The key prefix of everything under folder ``path`` ("" for the bucket's root)."""
+        key = self._key(path)
+        return key + "/" if key else ""
+
     def _submit(
         self, fn: Callable[[], Awaitable[T]], what: str, *, cleanup: bool = False
     ) -> cf.Future[T]:
         policy = self.policy
         if cleanup:
-            policy = RetryPolicy(
-                attempts=policy.attempts, attempt_timeout=min(policy.attempt_timeout, CLEANUP_ATTEMPT),
-                deadline=min(policy.deadline, CLEANUP_DEADLINE), backoff=policy.backoff,
-                backoff_max=policy.backoff_max,
-            )
+            policy = replace(policy, attempt_timeout=min(policy.attempt_timeout, CLEANUP_ATTEMPT),
+                             deadline=min(policy.deadline, CLEANUP_DEADLINE), sleep=None, clock=time.monotonic)
         self.stats[what.split(" ", 1)[0]] += 1
         coro = call_async(
             fn, f"{what} ({self.url})", policy, scope=None if cleanup else self._deadline, stats=self.stats
@@ -331,6 +154,17 @@ class S3Storage(Storage):
     def _run(self, fn: Callable[[], Awaitable[T]], what: str, *, cleanup: bool = False) -> T:
         return self._result(self._submit(fn, what, cleanup=cleanup), what)
 
+    def _request(self, op: str, path: str, what: str, *, body: bytes | None = None, cleanup: bool = False,
+                 **kw: Any) -> Any:
+        """One client call ``op`` on ``path``'s object, with retries (a fresh ``Body`` per attempt)."""
+        key = self._key(path)
+
+        async def go() -> Any:
+            extra = {} if body is None else {"Body": io.BytesIO(body)}
+            return await getattr(self.client, op)(Bucket=self.bucket, Key=key, **kw, **extra)
+
+        return self._run(self._call(go, path), what, cleanup=cleanup)
+
     def _call(self, fn: Callable[[], Awaitable[T]], what: str) -> Callable[[], Awaitable[T]]:
         """Wrap one request so fatal S3 answers become ckptlib errors inside the retry loop."""
 
@@ -341,7 +175,7 @@ class S3Storage(Storage):
                 fatal = _fatal(e, what)
                 if fatal is not None:
                     raise fatal from e
-                if _missing(e):
+                if missing(e):
                     raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{what}") from None
                 raise
 
@@ -349,26 +183,18 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ writing
     def open_write(self, path: str) -> WriteStream:
-        return _S3Write(self, path)
+        return S3Write(self, path)
 
     def put_atomic(self, path: str, data: bytes) -> None:
-        key = self._key(path)
-        body = bytes(data)
-        self._run(
-            self._call(lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=io.BytesIO(body)), path),
-            f"put {path}",
-        )
+        self._request("put_object", path, f"put {path}", body=bytes(data))
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         if not self.supports_conditional_put:
             super().put_if_absent(path, data)
         key = self._key(path)
         body = bytes(data)
-        tries = 0
 
-        async def put() -> Any:
-            nonlocal tries
-            tries += 1
+        async def put(tries: int) -> Any:
             try:
                 return await self.client.put_object(
                     Bucket=self.bucket, Key=key, Body=io.BytesIO(body), IfNoneMatch="*"
@@ -379,18 +205,13 @@ class S3Storage(Storage):
                     if tries > 1 and await self._same_bytes(key, body):
                         return None  # our own earlier attempt landed; its answer was lost
                     raise FileExistsError(errno.EEXIST, "already exists", f"{self.url}/{path}") from None
-                fatal = _fatal(e, path)
-                if fatal is not None:
-                    raise fatal from e
                 raise
 
-        self._run(put, f"create {path}")
+        self._run(self._call(numbered(put), path), f"create {path}")
 
     async def _same_bytes(self, key: str, body: bytes) -> bool:
         try:
-            resp = await self.client.get_object(Bucket=self.bucket, Key=key)
-            async with resp["Body"] as stream:
-                return await stream.read() == body
+            return await self._get(key) == body
         except Exception:
             return False
 
@@ -406,45 +227,39 @@ class S3Storage(Storage):
                 code, status = error_code(e)
                 if status == 404 or code in ("NoSuchBucket", "404"):
                     raise FatalStorageError(errno.ENOENT, f"bucket {self.bucket!r} does not exist") from None
-                fatal = _fatal(e, f"bucket {self.bucket}")
-                if fatal is not None:
-                    raise fatal from e
                 raise
 
-        self._run(head, "check bucket")
+        self._run(self._call(head, f"bucket {self.bucket}"), "check bucket")
 
     # ------------------------------------------------------------------ reading
     def open_read(self, path: str) -> ReadHandle:
         size = self.size(path)
         if size is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{path}")
-        return _S3Read(self, path, size)
+        return RangeRead(self, path, size)
 
     def read(self, path: str) -> bytes:
         key = self._key(path)
+        return self._run(self._call(lambda: self._get(key), path), f"get {path}")
 
-        async def get() -> bytes:
-            resp = await self.client.get_object(Bucket=self.bucket, Key=key)
-            async with resp["Body"] as stream:
-                data = await stream.read()
-            if len(data) != int(resp["ContentLength"]):
-                raise _ShortBody(f"got {len(data)} of {resp['ContentLength']} bytes")
-            return data
+    async def _get(self, key: str, **kw: Any) -> bytes:
+        """One GET's body; one shorter than its ``ContentLength`` (a cut connection) is transient."""
+        resp = await self.client.get_object(Bucket=self.bucket, Key=key, **kw)
+        async with resp["Body"] as stream:
+            data = await stream.read()
+        if len(data) != int(resp["ContentLength"]):
+            raise _ShortBody(f"got {len(data)} of {resp['ContentLength']} bytes")
+        return data
 
-        return self._run(self._call(get, path), f"get {path}")
-
-    def _read_ranges(self, key: str, path: str, start: int, out: memoryview) -> None:
+    def _read_range(self, path: str, start: int, out: memoryview) -> None:
+        key = self._key(path)
         n = len(out)
         step = self.read_split
         ranges = [(a, min(a + step, n)) for a in range(0, n, step)]
 
         def one(a: int, b: int) -> Callable[[], Awaitable[None]]:
             async def get() -> None:
-                resp = await self.client.get_object(
-                    Bucket=self.bucket, Key=key, Range=f"bytes={start + a}-{start + b - 1}"
-                )
-                async with resp["Body"] as stream:
-                    data = await stream.read()
+                data = await self._get(key, Range=f"bytes={start + a}-{start + b - 1}")
                 if len(data) != b - a:
                     raise _ShortBody(f"got {len(data)} of {b - a} bytes")
                 out[a:b] = data
@@ -463,23 +278,14 @@ class S3Storage(Storage):
 
     def _head(self, path: str) -> dict[str, Any] | None:
         """HEAD of one object, or None if there is none."""
-        key = self._key(path)
         try:
-            return self._run(
-                self._call(lambda: self.client.head_object(Bucket=self.bucket, Key=key), path),
-                f"head {path}",
-            )
+            return self._request("head_object", path, f"head {path}")
         except FileNotFoundError:
             return None
 
     def size(self, path: str) -> int | None:
         head = self._head(path)
         return None if head is None else int(head["ContentLength"])
-
-    def modified(self, path: str) -> float | None:
-        """Last-modified time (Unix seconds) of one object, or None if there is none."""
-        head = self._head(path)
-        return None if head is None else head["LastModified"].timestamp()
 
     async def _list(self, prefix: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
         """Raw ListObjectsV2 pages' ``Contents`` and ``CommonPrefixes`` under ``prefix``."""
@@ -501,16 +307,14 @@ class S3Storage(Storage):
                 return out
 
     def _list_sync(self, path: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
-        prefix = self._key(path)
-        prefix = prefix + "/" if prefix else ""
+        prefix = self._folder_key(path)
         return self._run(self._call(lambda: self._list(prefix, delimiter, limit), path or "/"), f"list {path or '/'}")
 
     def listdir(self, path: str = "") -> list[Entry]:
         """Entries under ``path``. A folder is listed only if some object is under it: servers
         such as SeaweedFS keep empty folder entries after their objects are deleted, and a
         deleted step must not come back as an empty "incomplete" one."""
-        prefix = self._key(path)
-        prefix = prefix + "/" if prefix else ""
+        prefix = self._folder_key(path)
 
         async def go() -> list[dict[str, Any]]:
             items = await self._list(prefix, "/")
@@ -528,8 +332,7 @@ class S3Storage(Storage):
             return items
 
         items = self._run(self._call(go, path or "/"), f"list {path or '/'}")
-        base = self._key(path)
-        cut = len(base) + 1 if base else 0
+        cut = len(prefix)
         out: dict[str, Entry] = {}
         for it in items:
             name = it["Key"][cut:].rstrip("/")
@@ -544,7 +347,6 @@ class S3Storage(Storage):
         return list(out.values())
 
     def tree_modified(self, path: str) -> float | None:
-        """Newest last-modified time of any object under folder ``path`` (None: empty)."""
         items = self._list_sync(path, None)
         times = [it["LastModified"].timestamp() for it in items if not it["dir"]]
         return max(times, default=None)
@@ -560,12 +362,8 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ deleting
     def delete(self, path: str) -> None:
-        key = self._key(path)
         try:
-            self._run(
-                self._call(lambda: self.client.delete_object(Bucket=self.bucket, Key=key), path),
-                f"delete {path}",
-            )
+            self._request("delete_object", path, f"delete {path}")
         except FileNotFoundError:
             pass
 
@@ -587,12 +385,7 @@ class S3Storage(Storage):
 
     # ------------------------------------------------------------------ multipart uploads
     def list_uploads(self, path: str = "") -> list[tuple[str, str, float]]:
-        """Incomplete multipart uploads under folder ``path``: ``(path, upload id, started)``.
-
-        ``path`` of each upload is relative to the storage root; ``started`` is Unix seconds.
-        """
-        prefix = self._key(path)
-        prefix = prefix + "/" if prefix else ""
+        prefix = self._folder_key(path)
         cut = len(self.prefix) + 1 if self.prefix else 0
 
         async def go() -> list[tuple[str, str, float]]:
@@ -610,17 +403,8 @@ class S3Storage(Storage):
         return self._run(self._call(go, path or "/"), f"list uploads {path or '/'}")
 
     def abort_upload(self, path: str, upload_id: str) -> None:
-        """Abort one multipart upload (an upload that is already gone is fine)."""
-        key = self._key(path)
         try:
-            self._run(
-                self._call(
-                    lambda: self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
-                    path,
-                ),
-                f"abort upload of {path}",
-                cleanup=True,
-            )
+            self._request("abort_multipart_upload", path, f"abort upload of {path}", cleanup=True, UploadId=upload_id)
         except FileNotFoundError:
             pass
 

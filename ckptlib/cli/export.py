@@ -13,7 +13,7 @@ import argparse
 import re
 from typing import Any
 
-from .output import CliError, Output, human_bytes
+from .output import CliError, Output, Progress, human_bytes
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
@@ -50,40 +50,18 @@ def cmd_export(args: argparse.Namespace, out: Output) -> int:
         total = sum(i.nbytes for i in view.tensors(args.select))
         if not total and not view.tensors(args.select):
             raise CliError(f"no tensors under {args.select!r} in {view.where}")
-        with _progress(out, total) as advance:
+        with Progress(out, total, "export", stderr=True) as progress:
             if args.to_format == "zarr3":
                 from ckptlib.read.to_zarr3 import export_zarr3
 
-                summary = export_zarr3(view, args.out, args.select, advance)
+                summary = export_zarr3(view, args.out, args.select, progress.advance)
             else:
                 from ckptlib.read.to_safetensors import export_safetensors
 
-                summary = export_safetensors(view, args.out, args.select, args.max_shard_size, advance)
+                summary = export_safetensors(view, args.out, args.select, args.max_shard_size, progress.advance)
     out.print(f"exported {summary['tensors']} tensors ({human_bytes(summary['bytes'])}) of step "
               f"{summary['step'] if summary['step'] is not None else '-'} to {args.out} as {args.to_format}")
     out.emit(summary)
     out.exit_code = 0
     return 0
 
-
-class _progress:
-    """A rich progress bar over ``total`` bytes on a terminal; a no-op elsewhere."""
-
-    def __init__(self, out: Output, total: int) -> None:
-        self.bar: Any = None
-        if out.interactive:
-            from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
-
-            self.bar = Progress(*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn(),
-                                console=out.err)
-            self.task = self.bar.add_task("export", total=total)
-
-    def __enter__(self) -> Any:
-        if self.bar is None:
-            return None
-        self.bar.start()
-        return lambda n: self.bar.advance(self.task, n)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Collection, Sized
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -88,6 +89,46 @@ class Output:
         if self.json_mode:
             sys.stdout.write(json.dumps(jsonable(document), indent=2, allow_nan=False) + "\n")
             sys.stdout.flush()
+
+
+@dataclass
+class Progress:
+    """A rich progress bar over ``total`` bytes, or nothing (``--json``, or not a terminal).
+    ``verify`` draws it on stdout (transient), ``export`` on stderr."""
+
+    out: Output
+    total: int
+    label: str
+    stderr: bool = False
+    bar: Any = None
+    task: Any = None
+    done: int = 0
+
+    def __enter__(self) -> Progress:
+        if self.out.interactive and self.total:
+            from rich import progress as rp
+
+            self.bar = rp.Progress(
+                rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn(binary_units=True),
+                rp.TransferSpeedColumn(), rp.TimeRemainingColumn(),
+                console=self.out.err if self.stderr else self.out.console, transient=not self.stderr,
+            )  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def describe(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.advance(self.task, n)
 
 
 def has_rows(out: Output, rows: Sized, empty: str) -> bool:

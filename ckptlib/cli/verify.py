@@ -8,7 +8,7 @@ terminal only) is advanced from that thread by :func:`ckptlib.engine.scan.check_
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rich.text import Text
@@ -16,7 +16,7 @@ from rich.text import Text
 from ckptlib.engine.scan import StepInfo, check_step
 from ckptlib.format.manifest import Manifest
 
-from .output import Output, has_rows, human_bytes, status_text, table
+from .output import Output, Progress, has_rows, human_bytes, status_text, table
 from .target import (
     ANY_HINT,
     EXIT_BAD,
@@ -45,50 +45,6 @@ class _Check:
     step: int | None
     result: StepInfo | None = None
     checked_bytes: int = 0
-
-
-@dataclass
-class _Progress:
-    """A rich progress bar with bytes, or nothing (``--json``, or stdout not a terminal)."""
-
-    out: Output
-    total: int
-    bar: Any = None
-    task: Any = None
-    done: int = field(default=0)
-
-    def __enter__(self) -> _Progress:
-        if self.out.interactive and self.total:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                TransferSpeedColumn(), TimeRemainingColumn(),
-                console=self.out.console, transient=True,
-            )
-            self.bar.__enter__()
-            self.task = self.bar.add_task("verifying", total=self.total)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-
-    def describe(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, description=text)
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.advance(self.task, n)
 
 
 def _plan_verify(args: argparse.Namespace, target: Target) -> list[_Check]:
@@ -125,7 +81,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     try:
         checks = _plan_verify(args, target)
         total = sum(_stored_bytes(c.info.manifest) for c in checks if c.info.status == "committed")
-        with _Progress(out, total) as progress:
+        with Progress(out, total, "verifying") as progress:
             for c in checks:
                 if c.info.status != "committed":
                     c.result = c.info  # the quick check already failed: say why

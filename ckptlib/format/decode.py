@@ -170,12 +170,7 @@ def _decode_packs(
         p = v.lst(p, pw)
         if len(p) != 6:
             raise v.fail(f"{pw} must have 6 fields")
-        if not files:
-            raise v.fail(f"{pw} references a file but none are listed")
-        fidx = v.int_(p[0], f"{pw} file", 0, len(files) - 1)
-        start = v.int_(p[1], f"{pw} start")
-        length = v.int_(p[2], f"{pw} length")
-        digest = v.str_(p[3], f"{pw} checksum", 64)
+        fidx, start, length, digest = _file_range(p, pw, files, v)
         codec = p[4]
         if codec not in ("raw", "zstd"):
             raise v.fail(f"{pw}: unknown codec {codec!r:.40}")
@@ -243,19 +238,22 @@ def _decode_chunk(
     if type(c) is not list or len(c) != 7:
         raise v.fail(f"tensor {name!r:.200} chunk {j} must be a list of 7 fields")
     cw = f"chunk {j}"
-    if not files:
-        raise v.fail(f"tensor {name!r:.200} {cw} references a file but none are listed")
-    fidx = v.int_(c[0], f"tensor {name!r:.200} {cw} file", 0, len(files) - 1)
-    start = v.int_(c[1], f"tensor {name!r:.200} {cw} start")
-    length = v.int_(c[2], f"tensor {name!r:.200} {cw} length")
-    digest = v.str_(c[3], f"tensor {name!r:.200} {cw} checksum", 64)
+    where = f"tensor {name!r:.200} {cw}"
+    fidx, start, length, digest = _file_range(c, where, files, v)
     offset, cshape = _box(name, cw, c[4], c[5], shape, v)
     codec = c[6]
     if codec not in CODECS:
-        raise v.fail(f"tensor {name!r:.200} {cw}: unknown codec {codec!r:.40}")
-    raw = volume(cshape) * itemsize
-    _check_stored(f"tensor {name!r:.200} {cw}", name, codec, start, length, raw, fidx, files, ranges, v)
+        raise v.fail(f"{where}: unknown codec {codec!r:.40}")
+    _check_stored(where, name, codec, start, length, volume(cshape) * itemsize, fidx, files, ranges, v)
     return Chunk(fidx, start, length, digest, offset, cshape, codec)
+
+
+def _file_range(row: list[Any], where: str, files: list[FileEntry], v: Checker) -> tuple[int, int, int, str]:
+    """A chunk's or pack's first four fields: file index, start, length, checksum."""
+    if not files:
+        raise v.fail(f"{where} references a file but none are listed")
+    return (v.int_(row[0], f"{where} file", 0, len(files) - 1), v.int_(row[1], f"{where} start"),
+            v.int_(row[2], f"{where} length"), v.str_(row[3], f"{where} checksum", 64))  # fmt: skip
 
 
 def _check_stored(

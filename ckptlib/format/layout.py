@@ -1,17 +1,9 @@
 """Names on storage: step folders, temporary folders, markers. Pure.
 
-Under a CheckpointManager root::
-
-    step-000000001200/                 a committed step (rename-capable storage)
-        manifest.json                  the commit point
-        .ckptlib                       ownership marker
-        <save_id>/r00000-0.bin         payload files, one set per rank (:func:`payload_name`)
-    step-000000001300.tmp-<save_id>/   a save in progress (or the debris of a crashed one)
-    step-000000001100.del-<save_id>/   a step being deleted by retention
-
-On object storage there is no rename: payloads go straight to ``step-N/<save_id>/`` and the
-manifest is written last. A manifest naming another save id makes other ``<save_id>/``
-prefixes in that step debris.
+The layout (step folders ``step-<12 digits>``, ``.tmp-<save_id>`` saves in progress,
+``.del-<save_id>`` steps being deleted, ``<save_id>/r<rank>...bin`` payloads, the ``.ckptlib``
+marker) is documented in docs/format.md, section 1; on object storage there is no rename and
+the manifest is written last.
 """
 
 from __future__ import annotations

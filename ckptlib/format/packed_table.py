@@ -9,6 +9,7 @@ Columnar, because a checkpoint may hold tens of thousands of small tensors. Who 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,20 +22,12 @@ TABLE_KEY = "packed_tensors"
 TABLE_COLUMNS = ("name", "dtype", "ndim", "dims", "pack", "offset")
 
 
+@dataclass(slots=True)
 class PackedTable:
-    """The ``packed_tensors`` table being built: one row per tensor stored whole in a pack.
+    """The table being built (see the module docstring); ``json()`` gives the manifest value."""
 
-    Columnar, because a checkpoint may hold tens of thousands of small tensors: the reader
-    validates whole columns at once (:func:`decode_table`) instead of one JSON object per
-    tensor. Filled by :func:`ckptlib.format.build.build_body` and
-    :func:`ckptlib.format.build.to_body`; ``json()`` gives the manifest value.
-    """
-
-    __slots__ = ("rows",)
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, str, tuple[int, ...], int, int]] = []
-        """``(name, dtype, shape, pack index, raw offset)`` per row, appended by the caller."""
+    rows: list[tuple[str, str, tuple[int, ...], int, int]] = field(default_factory=list)
+    """``(name, dtype, shape, pack index, raw offset)`` per row, appended by the caller."""
 
     def json(self) -> dict[str, list[Any]]:
         if not self.rows:

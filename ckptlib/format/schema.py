@@ -12,6 +12,9 @@ from typing import Any, NamedTuple
 
 from ckptlib.format.dtypes import ITEMSIZE
 
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Chunk", "FileEntry", "Manifest", "Pack", "Piece",
+           "TensorEntry"]  # fmt: skip
+
 FORMAT_NAME = "ckptlib"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -1,16 +1,8 @@
 """Decode the manifest's tree of values (untrusted input) back into Python objects. Pure.
 
-Node schema (written by :mod:`ckptlib.plan.flatten`):
-- JSON ``null``/``true``/``false``/numbers/strings stand for themselves;
-- ``{"t": "float", "v": "nan" | "inf" | "-inf"}``;
-- ``{"t": "bytes", "b64": ...}`` (inline) or ``{"t": "bytes", "ref": NAME}`` (stored as a
-  uint8 tensor);
-- ``{"t": "dtype", "v": NAME}``;
-- ``{"t": "tensor", "ref": NAME}``;
-- ``{"t": "dict", "items": [[key, node], ...]}`` with str or int keys, in order;
-- ``{"t": "list" | "tuple", "items": [node, ...]}``;
-- ``{"t": "stateful", "type": "...", "v": node}`` (a state dict of a module/optimizer/...);
-- ``{"t": "per_rank", "ranks": [node_rank0, node_rank1, ...]}`` (a ``ckptlib.PerRank`` value).
+Nodes are written by :mod:`ckptlib.plan.flatten`; their schema is in docs/format.md, section 3.6
+(JSON scalars stand for themselves; ``{"t": KIND, ...}`` for floats, bytes, dtypes, tensors,
+dicts, lists/tuples, stateful objects and ``per_rank`` values).
 
 :func:`decode` turns nodes into values with :class:`TensorRef`/:class:`BytesRef` placeholders
 for payload data (the engine's reader resolves them); it rejects unknown node kinds, excessive

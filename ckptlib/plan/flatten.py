@@ -91,11 +91,9 @@ def encode_scalar(x: Any, path: str) -> Any:
 
 def flatten(state: Any, rank: int = 0, *, inline_bytes: bool = False) -> FlatState:
     """``inline_bytes=True`` keeps every bytes value in the tree (used for metadata)."""
-    items: list[TensorItem] = []
-    f = _Flattener(items, rank)
-    f.inline_bytes = inline_bytes
+    f = _Flattener([], rank, inline_bytes)
     tree = f.encode(state, "", 0)
-    return FlatState(tree, items, f.saw_per_rank)
+    return FlatState(tree, f.items, f.saw_per_rank)
 
 
 def _key(k: Any, path: str) -> Any:
@@ -110,15 +108,15 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _ZEROS = [(0,) * n for n in range(MAX_NDIM + 1)]  # global offsets of whole tensors, by ndim
 
 
+@dataclass(slots=True)
 class _Flattener:
     """One walk over the state. Hot for states with many tensors: keep per-leaf work small."""
 
-    def __init__(self, items: list[TensorItem], rank: int) -> None:
-        self.items = items
-        self.rank = rank
-        self.in_per_rank = 0
-        self.saw_per_rank = False
-        self.inline_bytes = False
+    items: list[TensorItem]
+    rank: int
+    inline_bytes: bool
+    in_per_rank: int = 0
+    saw_per_rank: bool = False
 
     def encode(self, x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -134,7 +132,8 @@ class _Flattener:
             return x if math.isfinite(x) else {"t": "float", "v": repr(x)}
         if isinstance(x, torch.Tensor):
             if is_dtensor(x):
-                return self.dtensor(x, path)
+                local, global_shape, offset = dtensor_piece(x, path)
+                return self.tensor(local, path, global_shape, offset, False)
             return self.tensor(x, path, None, None, True)
         if isinstance(x, Shard):
             return self.tensor(x.local, path, tuple(x.global_shape), tuple(x.global_offset), False)
@@ -205,10 +204,6 @@ class _Flattener:
         assert global_offset is not None  # callers pass a shape and its offset together
         self.items.append(TensorItem(name, t, global_shape, global_offset, replicated and not self.in_per_rank))
         return {"t": "tensor", "ref": name}
-
-    def dtensor(self, x: Any, path: str) -> dict[str, Any]:
-        local, global_shape, offset = dtensor_piece(x, path)
-        return self.tensor(local, path, global_shape, offset, False)
 
 
 def is_dtensor(x: Any) -> bool:

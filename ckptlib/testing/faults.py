@@ -208,9 +208,15 @@ class FaultInjector:
 
 
 class _VerifyOnExit:
-    """``with wrapper:`` checks on a clean exit that every configured fault fired."""
+    """What both wrappers share: ``with wrapper:`` checks on a clean exit that every configured
+    fault fired; :meth:`_read` applies a read's faults."""
 
     injector: FaultInjector
+
+    def _read(self, op: str, path: str) -> None:
+        self.injector.before(op, path)
+        if self.injector.hidden(path):
+            raise FileNotFoundError(path)
 
     def __enter__(self) -> Any:
         return self
@@ -240,24 +246,17 @@ class FaultyFileSystem(_VerifyOnExit, AbstractFileSystem):
         self.protocol = fs.protocol  # capability checks see the wrapped filesystem's protocol
         self.injector = FaultInjector(faults, **kw)
 
-
-    def _hide(self, path: str) -> None:
-        if self.injector.hidden(path):
-            raise FileNotFoundError(path)
-
     def pipe_file(self, path, value, **kw):
         chosen = self.injector.before("pipe_file", path)
         self.fs.pipe_file(path, self.injector.truncate(chosen, bytes(value)), **kw)
         self.injector.wrote("pipe_file", path)
 
     def cat_file(self, path, start=None, end=None, **kw):
-        self.injector.before("cat_file", path)
-        self._hide(path)
+        self._read("cat_file", path)
         return self.fs.cat_file(path, start=start, end=end, **kw)
 
     def info(self, path, **kw):
-        self.injector.before("info", path)
-        self._hide(path)
+        self._read("info", path)
         return self.fs.info(path, **kw)
 
     def exists(self, path, **kw):
@@ -293,9 +292,10 @@ class FaultyFileSystem(_VerifyOnExit, AbstractFileSystem):
         return self.fs.mkdir(path, create_parents=create_parents, **kw)
 
     def _open(self, path, mode="rb", **kw):
-        self.injector.before("open", path)
         if "r" in mode:
-            self._hide(path)
+            self._read("open", path)
+        else:
+            self.injector.before("open", path)
         return self.fs._open(path, mode=mode, **kw)
 
 
@@ -341,7 +341,6 @@ class FaultyStorage(_VerifyOnExit, Storage):
         self.supports_conditional_put = inner.supports_conditional_put
         self.injector = FaultInjector(faults, **kw)
 
-
     def __getattr__(self, name: str) -> Any:  # backend-specific attributes (stats, fs, ...)
         return getattr(self.inner, name)
 
@@ -357,10 +356,6 @@ class FaultyStorage(_VerifyOnExit, Storage):
 
     def deadline(self, seconds: float) -> contextlib.AbstractContextManager[Any]:
         return self.inner.deadline(seconds)
-
-    def _miss(self, path: str) -> None:
-        if self.injector.hidden(path):
-            raise FileNotFoundError(path)
 
     def open_write(self, path: str) -> WriteStream:
         self.injector.before("open_write", path)
@@ -388,13 +383,11 @@ class FaultyStorage(_VerifyOnExit, Storage):
         self.inner.sync_dir(path)
 
     def open_read(self, path: str) -> ReadHandle:
-        self.injector.before("open_read", path)
-        self._miss(path)
+        self._read("open_read", path)
         return self.inner.open_read(path)
 
     def read(self, path: str) -> bytes:
-        self.injector.before("read", path)
-        self._miss(path)
+        self._read("read", path)
         return self.inner.read(path)
 
     def size(self, path: str) -> int | None:

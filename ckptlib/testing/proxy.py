@@ -20,6 +20,7 @@ and joins with a deadline. Loopback only.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import struct
@@ -53,15 +54,13 @@ class _Closed(Exception):
     pass
 
 
-def _rst(sock: socket.socket) -> None:
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    try:
+def _close_quietly(sock: socket.socket, reset: bool = False) -> None:
+    """Close ``sock``; ``reset``: with a TCP RST (zero linger) instead of a FIN."""
+    with contextlib.suppress(OSError):
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
         sock.close()
-    except OSError:
-        pass
 
 
 class FaultProxy:
@@ -104,7 +103,7 @@ class FaultProxy:
         with self._lock:
             socks = list(self._socks)
         for s in socks:
-            _rst(s)
+            _close_quietly(s, reset=True)
         deadline = time.monotonic() + timeout
         for t in [self._accepter, *self._threads]:
             if t.is_alive():
@@ -150,7 +149,7 @@ class FaultProxy:
             try:
                 upstream = socket.create_connection(self.upstream, timeout=5)
             except OSError:
-                _rst(client)  # the server is down: the client sees a reset, as it would
+                _close_quietly(client, reset=True)  # the server is down: the client sees a reset, as it would
                 continue
             for s in (client, upstream):
                 s.settimeout(0.2)
@@ -167,13 +166,7 @@ class FaultProxy:
         for s in socks:
             with self._lock:
                 self._socks.discard(s)
-            if reset:
-                _rst(s)
-            else:
-                try:
-                    s.close()
-                except OSError:
-                    pass
+            _close_quietly(s, reset)
 
     def _recv(self, sock: socket.socket) -> bytes:
         while not self._stop.is_set():
