@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptlib.backends import Storage, open_storage
-from ckptlib.engine.resume import Candidate, resume_newest
-from ckptlib.engine.scan import check_files, read_manifest, scan
+from ckptlib.engine.resume import Candidate, resume_newest, step_candidates
+from ckptlib.engine.scan import StepInfo, check_files, read_manifest
 from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.integrations.deepspeed.install import engine_of
@@ -54,22 +54,17 @@ def share(files: list[tuple[str, int]], world: int) -> list[list[int]]:
 def candidates(storage: Storage) -> list[Candidate]:
     """Every step (ckptlib's scan), newest first, ``extra`` = its tag; a committed step
     without a readable tag is ``corrupt``. Runs on the coordinator only."""
-    try:
-        infos = scan(storage)
-    except CheckpointNotFoundError:
-        return []
-    out = []
-    for i in infos:
-        status, reason, tag = i.status, i.reason, None
-        if status == "committed" and i.manifest is not None:
-            try:
-                tag = tag_of(i.manifest, f"{storage.url}/{i.path}")
-            except CorruptCheckpointError as e:
-                status, reason = "corrupt", str(e)
-            if tag is None and status == "committed":
-                status, reason = "corrupt", "not a DeepSpeed checkpoint (no tag in metadata)"
-        out.append(Candidate(i.step, i.path, status, reason, tag))
-    return out
+
+    def judge(i: StepInfo) -> tuple[str, str, Any]:
+        try:
+            tag = tag_of(i.manifest, f"{storage.url}/{i.path}") if i.manifest is not None else None
+        except CorruptCheckpointError as e:
+            return "corrupt", str(e), None
+        if tag is None:
+            return "corrupt", "not a DeepSpeed checkpoint (no tag in metadata)", None
+        return i.status, i.reason, tag
+
+    return step_candidates(storage, judge)
 
 
 def _damaged(e: BaseException) -> str | None:
