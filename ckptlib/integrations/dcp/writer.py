@@ -21,6 +21,7 @@ import dataclasses
 import io
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ ROUND_BYTES = 1 << 30
 """``write_data`` resolves (copies to CPU) and writes at most about this many bytes at a time."""
 
 
+@dataclass(eq=False, kw_only=True)
 class CkptlibWriter(Located, StorageWriter):
     """A DCP ``StorageWriter`` that saves one ckptlib checkpoint folder.
 
@@ -71,38 +73,20 @@ class CkptlibWriter(Located, StorageWriter):
     Instances are picklable before a save starts (``AsyncCheckpointerType.PROCESS``).
     """
 
-    def __init__(
-        self,
-        url: str | os.PathLike[str] | None = None,
-        *,
-        step: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        compression: str | None = None,
-        overwrite: bool = False,
-        allow_pickled_objects: bool = False,
-        num_files: int = 2,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout: float = 600.0,
-        clean_debris: bool = True,
-    ) -> None:
-        super().__init__()
-        SaveOptions(compression=compression)  # ValueError for an unknown codec, now
-        self.compression = compression
-        self.overwrite = overwrite
-        self.num_files = num_files
-        self.chunk_bytes = chunk_bytes
-        self.timeout = timeout
-        self.url = None if url is None else os.fspath(url)
-        self.step = step
-        self.storage_options = storage_options
-        self.allow_pickled_objects = allow_pickled_objects
-        self.clean_debris = clean_debris
-        self._storage = None
-        self._storage_url = None
-        self._session: SaveSession | None = None
-        self._results: list[dict[str, Any]] | None = None
-        self.last_save_id: str | None = None
-        """Save id of the last checkpoint this writer committed."""
+    compression: str | None = None
+    overwrite: bool = False
+    num_files: int = 2
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    timeout: float = 600.0
+    clean_debris: bool = True
+    last_save_id: str | None = field(default=None, init=False)
+    """Save id of the last checkpoint this writer committed."""
+    _session: SaveSession | None = field(default=None, init=False, repr=False)
+    _results: list[dict[str, Any]] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        SaveOptions(compression=self.compression)  # ValueError for an unknown codec, now
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -26,6 +26,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +67,7 @@ def engine_class() -> type:
     return _engine_cls
 
 
+@dataclass(eq=False)
 class EngineMixin:
     """DeepSpeed ``CheckpointEngine`` storing through ckptlib (build one with :func:`install`).
 
@@ -74,33 +76,24 @@ class EngineMixin:
     every rank (collective: the ckptlib save), and ``load(path)`` per file when loading.
     """
 
-    def __init__(
-        self,
-        url: str | None,
-        *,
-        coordinator: Coordinator,
-        step_fn: Callable[[str], int],
-        previous: Any,
-        manager_options: dict[str, Any],
-        storage_options: dict[str, Any] | None,
-    ) -> None:
-        self.name = "CkptlibCheckpointEngine"
-        self.url = url
-        self.coordinator = coordinator
-        self.step_fn = step_fn
-        self.previous = previous
-        """The engine this one replaced (used for files outside a tag folder)."""
-        self.manager_options = manager_options
-        self.storage_options = storage_options
-        self.last_save_seconds = 0.0
-        self.last_resume: ResumeResult | None = None
-        self._managers: dict[str, CheckpointManager] = {}
-        self._info: Any = None
-        self._pending: dict[str, Any] = {}
-        self._views: dict[tuple[str, str], TagView] = {}
-        self._token_dir: str | None = None
-        self._tokens: dict[str, tuple[str, str, str]] = {}
-        self._loaded: dict[str, Any] = {}
+    url: str | None
+    _: KW_ONLY
+    coordinator: Coordinator
+    step_fn: Callable[[str], int]
+    previous: Any
+    """The engine this one replaced (used for files outside a tag folder)."""
+    manager_options: dict[str, Any]
+    storage_options: dict[str, Any] | None
+    name: str = field(default="CkptlibCheckpointEngine", init=False)
+    last_save_seconds: float = field(default=0.0, init=False)
+    last_resume: ResumeResult | None = field(default=None, init=False)
+    _managers: dict[str, CheckpointManager] = field(default_factory=dict, init=False, repr=False)
+    _info: Any = field(default=None, init=False, repr=False)
+    _pending: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _views: dict[tuple[str, str], TagView] = field(default_factory=dict, init=False, repr=False)
+    _token_dir: str | None = field(default=None, init=False, repr=False)
+    _tokens: dict[str, tuple[str, str, str]] = field(default_factory=dict, init=False, repr=False)
+    _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     # -- roots
     def root_for(self, save_dir: str) -> str:
