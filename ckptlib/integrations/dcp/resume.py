@@ -108,16 +108,12 @@ def load_latest(
 ) -> int | None:
     """Resume: ``dcp.load`` the newest consistent step under ``root`` into ``state_dict``.
 
-    Collective when torch.distributed is initialized: every rank calls it, and the ranks
-    agree through ckptlib's coordinator (the whole job; each step bounded by its deadline, so a
-    rank that died or froze fails the others with a :class:`~ckptlib.errors.CheckpointError`
-    instead of hanging them). ``process_group`` is passed to ``dcp.load``. Newest first:
-    incomplete steps (crashed saves) are skipped; a step whose load finds damage (a checksum
-    mismatch, a truncated or missing payload) on any rank is skipped by all ranks, and the next
-    older one is loaded. Returns the step loaded, or None when there is no checkpoint. Raises
-    ``CorruptCheckpointError`` when checkpoints exist but none is usable, and
-    ``StateMismatchError`` / ``CheckpointError`` (DCP's exception as the cause) on every rank
-    for other load failures (a state that does not match the checkpoint).
+    Collective when torch.distributed is initialized (every rank calls it), on ckptlib's
+    resume loop (module docstring): a step whose load finds damage on any rank is skipped by
+    all ranks. ``process_group`` is passed to ``dcp.load``. Returns the step loaded, or None
+    when there is no checkpoint. Raises ``CorruptCheckpointError`` when checkpoints exist but
+    none is usable, and ``StateMismatchError`` / ``CheckpointError`` (DCP's exception as the
+    cause) on every rank for other load failures.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

@@ -117,13 +117,10 @@ def resume(
 ) -> ResumeResult:
     """Load the newest consistent tag into ``engine`` (collective; every rank calls it).
 
-    Ignores DeepSpeed's ``latest`` file: the ranks agree on the candidates ckptlib's scan
-    finds, deep-verify the newest (each rank checks a byte-balanced share of its files), skip
-    it on every rank together if anything is wrong, and only then call
-    ``engine.load_checkpoint(load_dir, tag=..., **load_checkpoint_kwargs)``. With
-    ``verify=False`` the checksum pass is skipped (the load still verifies what it reads and
-    raises on a mismatch, but can no longer fall back). Returns a :class:`ResumeResult`
-    (``tag`` None: nothing saved yet, the engine is untouched).
+    Ignores DeepSpeed's ``latest`` file: :func:`newest_consistent` picks the tag, then
+    ``engine.load_checkpoint(load_dir, tag=..., **load_checkpoint_kwargs)`` loads it.
+    ``verify=False`` skips the checksum pass (the load still verifies what it reads, but can no
+    longer fall back). Returns a :class:`ResumeResult` (``tag`` None: nothing saved yet).
     """
     ce = engine_of(engine)
     tag, step, skipped = newest_consistent(engine, load_dir, verify=verify, timeout=timeout)
