@@ -20,7 +20,7 @@ from ckptlib import crashpoints
 from ckptlib.backends import Storage
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import load as load_flow
-from ckptlib.engine.scan import scan
+from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -129,13 +129,21 @@ def resume_newest(
     return None
 
 
-def step_candidates(storage: Storage) -> list[Candidate]:
-    """Every step under ``storage`` (scan: manifest, sizes), newest first."""
+def step_candidates(
+    storage: Storage, judge: Callable[[StepInfo], tuple[str, str, Any]] | None = None
+) -> list[Candidate]:
+    """Every step under ``storage`` (scan: manifest, sizes), newest first. ``judge(info)``,
+    called for committed steps only, returns ``(status, reason, extra)``: an integration's own
+    verdict (e.g. ``not_dcp``) and its caller data (a DeepSpeed tag, ...)."""
     try:
         infos = scan(storage)
     except CheckpointNotFoundError:
         return []
-    return [Candidate(i.step, i.path, i.status, i.reason) for i in infos]
+    return [
+        Candidate(i.step, i.path, *judge(i)) if judge is not None and i.status == "committed"
+        else Candidate(i.step, i.path, i.status, i.reason)
+        for i in infos
+    ]
 
 
 def restore(

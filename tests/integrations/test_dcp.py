@@ -17,7 +17,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -47,6 +46,7 @@ pytestmark = [
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "dcp_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 import dcp_worker  # noqa: E402
+import launcher  # noqa: E402
 
 
 def _model_opt(seed: int = 0, lr: float = 1e-3):
@@ -272,54 +272,21 @@ STEPS, KILL_AT = 4, 3
 
 
 def _launch(
-    root: Path, world: int, args: dict, scenario: str = "train", extra_env: dict | None = None
+    root: Path, world: int, args: dict, scenario: str = "train", extra_env: dict | None = None,
+    rank_env: dict[int, dict] | None = None,
 ) -> list[subprocess.Popen]:
     root.mkdir(parents=True, exist_ok=True)
-    port = dcp_worker_port()
-    env = dict(os.environ)
-    env.pop("CKPTLIB_TEST_KILL_AT", None)
-    env.update(extra_env or {})
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                scenario,
-                str(r),
-                str(world),
-                str(port),
-                str(root),
-                json.dumps(args),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for r in range(world)
-    ]
 
+    def argv(rank: int, port: str) -> list[str]:
+        return [str(WORKER), scenario, str(rank), str(world), port, str(root), json.dumps(args)]
 
-def dcp_worker_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return launcher.start(argv, world, env=extra_env, rank_env=rank_env)
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    end = time.monotonic() + timeout
-    out = []
-    for p in procs:
-        try:
-            log, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()  # only the processes this test started, by handle
-            log, _ = p.communicate(timeout=30)
-        out.append((p.returncode, log.decode(errors="replace")))
-    return out
+    """``(exit status, output)`` per rank; a hang kills every rank. Results: :func:`_result`."""
+    outcomes = launcher.finish("dcp_worker job", procs, lambda r: Path(os.devnull, "none"), timeout)
+    return [(o.returncode, o.log) for o in outcomes]
 
 
 def _result(root: Path, tag: str, rank: int, scenario: str = "train") -> dict:
@@ -429,8 +396,8 @@ def test_frozen_rank_during_load_latest_fails_the_others_within_the_deadline(tmp
         assert res["w"] == list(map(float, range(8)))
 
     kill_log = tmp_path / "kill.log"
-    env.update(CKPTLIB_TEST_KILL_AT="restore:1:STOP", CKPTLIB_TEST_KILL_LOG=str(kill_log))
-    procs = _launch(tmp_path, 2, {"tag": "stop"}, "load", env)
+    env.update(CKPTLIB_TEST_KILL_LOG=str(kill_log))
+    procs = _launch(tmp_path, 2, {"tag": "stop"}, "load", env, {1: {"CKPTLIB_TEST_KILL_AT": "restore:1:STOP"}})
     try:
         try:
             log0, _ = procs[0].communicate(timeout=240)

@@ -23,12 +23,12 @@ import importlib.util
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import launcher
 import pytest
 
 import ckptlib
@@ -43,12 +43,6 @@ needs_deepspeed = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(
     scenario: str,
     world: int,
@@ -57,52 +51,24 @@ def _job(
     timeout: float = 150,
     survivors: list[int] | None = None,
 ) -> tuple[list[int | None], list[dict]]:
-    """Run ``scenario`` on ``world`` ranks; wait for the ``survivors`` (default: all), then
-    SIGKILL any rank still there (a frozen one: its code is None)."""
-    port = str(_free_port())
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "CKPTLIB_COORD_TIMEOUT": "6",
-        "PYTHONWARNINGS": "ignore",
-    }
-    env.pop("CKPTLIB_TEST_KILL_AT", None)
-    procs = []
-    for rank in range(world):
-        with open(root / f"log-{scenario}-{rank}.txt", "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(WORKER),
-                        scenario,
-                        str(rank),
-                        str(world),
-                        port,
-                        str(root),
-                        json.dumps(args),
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    end = time.monotonic() + timeout
-    codes: list[int | None] = []
-    for rank, p in enumerate(procs):
-        if survivors is not None and rank not in survivors:
-            codes.append(p.poll())
-            continue
-        try:
-            codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-                    q.wait()
-            raise AssertionError(
-                f"{scenario} did not finish in {timeout}s; logs in {root}"
-            ) from None
+    """Run ``scenario`` on ``world`` ranks (output in ``root/log-<scenario>-<rank>.txt``); wait
+    for the ``survivors`` (default: all), then SIGKILL any rank still there (a frozen one: its
+    code is None)."""
+
+    def argv(rank: int, port: str) -> list[str]:
+        return [str(WORKER), scenario, str(rank), str(world), port, str(root), json.dumps(args)]
+
+    def spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with open(root / f"log-{scenario}-{env['RANK']}.txt", "w") as log:
+            return subprocess.Popen([sys.executable, *cmd], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    env = {"DS_ACCELERATOR": "cpu", "CKPTLIB_COORD_TIMEOUT": "6", "PYTHONWARNINGS": "ignore"}
+    procs = launcher.start(argv, world, env=env, spawn=spawn)
+    waited = list(range(world)) if survivors is None else survivors
+    if not launcher.wait_exit(procs, waited, timeout):
+        launcher.kill_all(procs)
+        raise AssertionError(f"{scenario} did not finish in {timeout}s; logs in {root}")
+    codes = [p.poll() for p in procs]
     for p in procs:
         if p.poll() is None:
             p.kill()

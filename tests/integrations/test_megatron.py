@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import launcher
 import numpy as np
 import pytest
 
@@ -32,50 +32,25 @@ TIMEOUT = 240.0
 ITERS, EVERY = 8, 2
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Job:
-    """One multi-rank worker job, started now; :meth:`results` waits (with a deadline)."""
+    """One multi-rank worker job (tests/launcher.py), started now; :meth:`results` waits (with a
+    deadline)."""
 
     def __init__(self, scenario: str, world: int, root: Path, args: dict) -> None:
         self.scenario, self.world, self.root = scenario, world, root
         root.mkdir(parents=True, exist_ok=True)
-        port = _port()
-        self.procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(WORKER),
-                    scenario,
-                    str(r),
-                    str(world),
-                    str(port),
-                    str(root),
-                    json.dumps(args),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-            for r in range(world)
-        ]
+
+        def argv(rank: int, port: str) -> list[str]:
+            return [str(WORKER), scenario, str(rank), str(world), port, str(root), json.dumps(args)]
+
+        self.procs = launcher.start(argv, world)
         self.end = time.monotonic() + TIMEOUT
 
-    def _kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-
     def wait_rank(self, rank: int) -> int:
-        try:
-            return self.procs[rank].wait(max(1.0, self.end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self._kill_all()
-            raise AssertionError(f"{self.scenario}: rank {rank} did not finish in time") from None
+        if not launcher.wait_exit(self.procs, [rank], max(1.0, self.end - time.monotonic())):
+            log = launcher.kill_all(self.procs)
+            raise AssertionError(f"{self.scenario}: rank {rank} did not finish in time\n{log}")
+        return self.procs[rank].returncode
 
     def sigkill_rest(self) -> None:
         for p in self.procs:
@@ -84,22 +59,14 @@ class Job:
                 p.wait(10)
 
     def results(self) -> list[dict]:
-        logs = []
-        for p in self.procs:
-            try:
-                out, _ = p.communicate(timeout=max(1.0, self.end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._kill_all()
-                raise AssertionError(f"{self.scenario} did not finish in {TIMEOUT}s") from None
-            logs.append(out.decode(errors="replace"))
-        res = []
-        for r in range(self.world):
-            path = self.root / f"result-{self.scenario}-{r}.json"
-            assert path.exists(), f"rank {r} of {self.scenario} wrote no result:\n{logs[r][-4000:]}"
-            data = json.loads(path.read_text())
-            assert "crash" not in data, f"rank {r} crashed:\n{data['crash']}\n{logs[r][-4000:]}"
-            res.append(data)
-        return res
+        outcomes = launcher.finish(
+            self.scenario, self.procs, lambda r: self.root / f"result-{self.scenario}-{r}.json",
+            max(1.0, self.end - time.monotonic()),
+        )
+        for o in outcomes:
+            assert o.result is not None, f"rank {o.rank} of {self.scenario} wrote no result:\n{o.log[-4000:]}"
+            assert "crash" not in o.result, f"rank {o.rank} crashed:\n{o.result['crash']}\n{o.log[-4000:]}"
+        return [o.result for o in outcomes]
 
 
 def _train_args(save_dir: Path, **kw) -> dict:

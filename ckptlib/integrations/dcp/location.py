@@ -7,6 +7,7 @@ Used by :mod:`~ckptlib.integrations.dcp.writer`, :mod:`~ckptlib.integrations.dcp
 from __future__ import annotations
 
 import os
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from ckptlib.api import split_url
@@ -32,18 +33,23 @@ def resolve(url: str | os.PathLike[str] | None, step: int | None) -> tuple[str, 
     return parent, name, layout.parse_step(name)
 
 
+@dataclass(eq=False)
 class Located:
-    """Where a writer or reader points: ``url`` (+ ``step``) and its storage, opened once.
-
-    Shared by :class:`CkptlibWriter` and :class:`CkptlibReader`; DCP calls them on the
+    """Where a writer or reader points: ``url`` (+ ``step``) and its storage, opened once; and
+    the options :class:`CkptlibWriter` and :class:`CkptlibReader` share. DCP calls them on the
     training thread (or an async-save thread), one save or load at a time per instance.
     """
 
-    url: str | None
-    step: int | None
-    storage_options: dict[str, Any] | None
-    _storage: Storage | None
-    _storage_url: str | None
+    url: str | os.PathLike[str] | None = None
+    _: KW_ONLY
+    step: int | None = None
+    storage_options: dict[str, Any] | None = None
+    allow_pickled_objects: bool = False
+    _storage: Storage | None = field(default=None, init=False, repr=False)
+    _storage_url: str | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.url = None if self.url is None else os.fspath(self.url)
 
     def open_target(self) -> tuple[Storage, str, int | None]:
         """(storage of the parent folder, checkpoint folder name, step); reopened on a new URL."""
@@ -57,4 +63,4 @@ class Located:
     def checkpoint_id(self) -> str | None:
         if self.url is None:
             return None
-        return step_url(self.url, self.step) if self.step is not None else self.url
+        return step_url(self.url, self.step) if self.step is not None else os.fspath(self.url)

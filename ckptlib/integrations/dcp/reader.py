@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptlib.backends import Storage, join
+from ckptlib.backends import join
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import check_files, read_manifest
 from ckptlib.errors import (
@@ -35,6 +36,7 @@ from ckptlib.integrations.dcp.location import Located
 from ckptlib.integrations.dcp.metadata import EXTRA_KEY, StoredItem, metadata_from_json
 
 
+@dataclass(eq=False, kw_only=True)
 class CkptlibReader(Located, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`CkptlibWriter`.
 
@@ -48,32 +50,14 @@ class CkptlibReader(Located, StorageReader):
     ``read_metadata`` into an ``AssertionError``).
     """
 
-    def __init__(
-        self,
-        url: str | os.PathLike[str] | None = None,
-        *,
-        step: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        verify: bool = True,
-        allow_pickled_objects: bool = False,
-        threads: int = 4,
-        timeout: float | None = 600.0,
-    ) -> None:
-        super().__init__()
-        self.url = None if url is None else os.fspath(url)
-        self.step = step
-        self.storage_options = storage_options
-        self.verify = verify
-        self.allow_pickled_objects = allow_pickled_objects
-        self.threads = threads
-        self.timeout = timeout
-        self.last_error: BaseException | None = None
-        self.stats: dict[str, int] = {}
-        self._storage: Storage | None = None
-        self._storage_url: str | None = None
-        self._manifest: mf.Manifest | None = None
-        self._values: dict[str, Any] = {}
-        self._stored: dict[MetadataIndex, StoredItem] = {}
+    verify: bool = True
+    threads: int = 4
+    timeout: float | None = 600.0
+    last_error: BaseException | None = field(default=None, init=False, repr=False)
+    stats: dict[str, int] = field(default_factory=dict, init=False)
+    _manifest: mf.Manifest | None = field(default=None, init=False, repr=False)
+    _values: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _stored: dict[MetadataIndex, StoredItem] = field(default_factory=dict, init=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

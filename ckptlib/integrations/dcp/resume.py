@@ -10,16 +10,16 @@ on the caller's thread, every rank in the same order; each attempt is a ``dcp.lo
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ckptlib.backends import open_storage
 from ckptlib.coord.coordinator import default_coordinator
-from ckptlib.engine.resume import Candidate, resume_newest
-from ckptlib.engine.scan import scan
-from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.engine.resume import Candidate, resume_newest, step_candidates
+from ckptlib.engine.scan import StepInfo
+from ckptlib.errors import CheckpointError, CorruptCheckpointError
 from ckptlib.integrations.dcp.metadata import EXTRA_KEY
 from ckptlib.integrations.dcp.reader import CkptlibReader
 
@@ -41,21 +41,18 @@ class DcpCheckpoint:
     """Newer steps that were passed over, with the reason."""
 
 
+def _judge(i: StepInfo) -> tuple[str, str, Any]:
+    """``step_candidates``' judge: ``extra`` is ``[save_id, world_size]``; a committed step
+    without DCP metadata becomes ``not_dcp``."""
+    if i.manifest is None or EXTRA_KEY not in i.manifest.extra:
+        return "not_dcp", "a ckptlib checkpoint without DCP metadata", None
+    return i.status, i.reason, [i.save_id, i.world_size]
+
+
 def candidates(root: str, storage_options: dict[str, Any] | None) -> list[Candidate]:
-    """Every step under ``root``, newest first; ``folder`` is the step's URL and ``extra`` is
-    ``[save_id, world_size]``. A committed step without DCP metadata has status ``not_dcp``."""
-    storage = open_storage(root, storage_options)
-    try:
-        infos = scan(storage)
-    except CheckpointNotFoundError:
-        return []
-    out = []
-    for i in infos:
-        status, reason = i.status, i.reason
-        if status == "committed" and (i.manifest is None or EXTRA_KEY not in i.manifest.extra):
-            status, reason = "not_dcp", "a ckptlib checkpoint without DCP metadata"
-        out.append(Candidate(i.step, root.rstrip("/") + "/" + i.path, status, reason, [i.save_id, i.world_size]))
-    return out
+    """Every step under ``root``, newest first; ``folder`` is the step's URL."""
+    return [replace(c, folder=f"{root.rstrip('/')}/{c.folder}")
+            for c in step_candidates(open_storage(root, storage_options), _judge)]
 
 
 def latest_checkpoint(
@@ -111,16 +108,12 @@ def load_latest(
 ) -> int | None:
     """Resume: ``dcp.load`` the newest consistent step under ``root`` into ``state_dict``.
 
-    Collective when torch.distributed is initialized: every rank calls it, and the ranks
-    agree through ckptlib's coordinator (the whole job; each step bounded by its deadline, so a
-    rank that died or froze fails the others with a :class:`~ckptlib.errors.CheckpointError`
-    instead of hanging them). ``process_group`` is passed to ``dcp.load``. Newest first:
-    incomplete steps (crashed saves) are skipped; a step whose load finds damage (a checksum
-    mismatch, a truncated or missing payload) on any rank is skipped by all ranks, and the next
-    older one is loaded. Returns the step loaded, or None when there is no checkpoint. Raises
-    ``CorruptCheckpointError`` when checkpoints exist but none is usable, and
-    ``StateMismatchError`` / ``CheckpointError`` (DCP's exception as the cause) on every rank
-    for other load failures (a state that does not match the checkpoint).
+    Collective when torch.distributed is initialized (every rank calls it), on ckptlib's
+    resume loop (module docstring): a step whose load finds damage on any rank is skipped by
+    all ranks. ``process_group`` is passed to ``dcp.load``. Returns the step loaded, or None
+    when there is no checkpoint. Raises ``CorruptCheckpointError`` when checkpoints exist but
+    none is usable, and ``StateMismatchError`` / ``CheckpointError`` (DCP's exception as the
+    cause) on every rank for other load failures.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

@@ -1,18 +1,11 @@
 """``CkptlibWriter``: a DCP ``StorageWriter`` that saves through ckptlib's save session.
 
-Who calls what (DCP drives; every method runs on the thread that called ``dcp.save`` -- for
-``dcp.async_save`` that is DCP's upload thread -- on every rank unless noted). The writer maps
-DCP's calls onto :class:`ckptlib.engine.save.SaveSession`, over ckptlib's coordinator
-(``default_coordinator()``: the whole job, its own gloo group, every wait with a deadline):
-
-``reset`` (only if a ``checkpoint_id`` is given) -> ``storage_meta`` -> ``set_up_storage_writer``
--> ``prepare_local_plan`` (every rank: :meth:`SaveSession.begin` -- save id agreed, liveness
-started, staging area opened, payload prefix known) -> ``prepare_global_plan`` (coordinator:
-stamps the save id into every plan, to refuse cached plans) -> ``write_data`` (every rank: its
-items through :meth:`SaveSession.write`, then :meth:`SaveSession.collect`: every rank done and
-alive, or :class:`CommitError` on every rank) -> ``finish`` (coordinator: the value tree and
-DCP's metadata as JSON in the manifest's ``extra["dcp"]``, committed by
-:meth:`SaveSession.publish` -- the commit point). DCP's own collectives carry the outcome.
+DCP drives, on the thread that called ``dcp.save`` (DCP's upload thread for ``async_save``),
+every rank unless noted: ``reset`` -> ``storage_meta`` -> ``set_up_storage_writer`` ->
+``prepare_local_plan`` (:meth:`SaveSession.begin`, collective over ``default_coordinator()``)
+-> ``prepare_global_plan`` (coordinator: stamps the save id into every plan) -> ``write_data``
+(:meth:`SaveSession.write`, then :meth:`SaveSession.collect`) -> ``finish`` (coordinator:
+:meth:`SaveSession.publish`, the commit point). The mapping table: docs/integrations/dcp.md.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ import dataclasses
 import io
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,58 +45,32 @@ ROUND_BYTES = 1 << 30
 """``write_data`` resolves (copies to CPU) and writes at most about this many bytes at a time."""
 
 
+@dataclass(eq=False, kw_only=True)
 class CkptlibWriter(Located, StorageWriter):
     """A DCP ``StorageWriter`` that saves one ckptlib checkpoint folder.
 
-    ``url`` is the checkpoint folder (any ckptlib URL: a local path, ``memory://...``,
-    ``s3://bucket/...``); with ``step`` it is the root and the folder is ``step-<step>``
-    under it (the layout :func:`load_latest` scans). ``dcp.save(checkpoint_id=...)`` replaces
-    ``url`` (a folder URL). One instance may be reused for several saves, one at a time.
-
-    ``allow_pickled_objects``: store non-plain values as DCP's ``torch.save`` bytes (see the
-    package docstring); off by default, such values raise ``UnsupportedValueError``.
-    ``overwrite``: replace a committed checkpoint already at the folder (else
-    ``StepExistsError``). ``clean_debris``: after a commit, remove the leftovers of crashed
-    saves under the root (as ``CheckpointManager`` does). ``timeout``: deadline of the whole
-    save, from ``prepare_local_plan`` to the commit.
-
-    The save's coordination runs over the whole job (ckptlib's coordinator): ``dcp.save``'s
-    ``process_group`` must span every rank, with DCP's coordinator on rank 0 (the defaults).
-    Instances are picklable before a save starts (``AsyncCheckpointerType.PROCESS``).
+    ``url`` is the checkpoint folder (any ckptlib URL); with ``step`` it is the root and the
+    folder is ``step-<step>`` under it (the layout :func:`load_latest` scans);
+    ``dcp.save(checkpoint_id=...)`` replaces ``url``. Options (``overwrite``, ``clean_debris``,
+    ``timeout`` of the whole save, ...): docs/integrations/dcp.md. One save at a time per
+    instance; ``dcp.save``'s ``process_group`` must span every rank, with DCP's coordinator
+    on rank 0. Picklable before a save starts (``AsyncCheckpointerType.PROCESS``).
     """
 
-    def __init__(
-        self,
-        url: str | os.PathLike[str] | None = None,
-        *,
-        step: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        compression: str | None = None,
-        overwrite: bool = False,
-        allow_pickled_objects: bool = False,
-        num_files: int = 2,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout: float = 600.0,
-        clean_debris: bool = True,
-    ) -> None:
-        super().__init__()
-        SaveOptions(compression=compression)  # ValueError for an unknown codec, now
-        self.compression = compression
-        self.overwrite = overwrite
-        self.num_files = num_files
-        self.chunk_bytes = chunk_bytes
-        self.timeout = timeout
-        self.url = None if url is None else os.fspath(url)
-        self.step = step
-        self.storage_options = storage_options
-        self.allow_pickled_objects = allow_pickled_objects
-        self.clean_debris = clean_debris
-        self._storage = None
-        self._storage_url = None
-        self._session: SaveSession | None = None
-        self._results: list[dict[str, Any]] | None = None
-        self.last_save_id: str | None = None
-        """Save id of the last checkpoint this writer committed."""
+    compression: str | None = None
+    overwrite: bool = False
+    num_files: int = 2
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    timeout: float = 600.0
+    clean_debris: bool = True
+    last_save_id: str | None = field(default=None, init=False)
+    """Save id of the last checkpoint this writer committed."""
+    _session: SaveSession | None = field(default=None, init=False, repr=False)
+    _results: list[dict[str, Any]] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        SaveOptions(compression=self.compression)  # ValueError for an unknown codec, now
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

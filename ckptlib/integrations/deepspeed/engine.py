@@ -1,19 +1,11 @@
 """The DeepSpeed ``CheckpointEngine`` that stores through ckptlib (built by :func:`.install`).
 
-- One DeepSpeed tag is one ckptlib step (``step-N`` under the root, ``N`` the engine's
-  ``global_steps`` unless ``step_fn`` says otherwise). The tag is in the manifest metadata.
-- Every file DeepSpeed asks to write under ``<save_dir>/<tag>/`` (``mp_rank_00_model_states.pt``,
-  ``zero_pp_rank_R_mp_rank_00_optim_states.pt``, ...) becomes one entry of the step's state:
-  ``{"files": PerRank({file name: state dict})}``; each rank writes the files it was given.
-- Nothing is written before ``commit(tag)``: DeepSpeed calls ``create`` -> ``save`` (per file)
-  -> ``commit`` on every rank (training thread), all inside one ``save_checkpoint`` call, and
-  the state dicts are held by reference until then (DeepSpeed does not mutate them in between).
-  ``commit`` (collective) converts values (:mod:`.codec`) and runs ckptlib's one save/commit
-  protocol, so the tag becomes visible all at once or not at all, and only *after* that does
-  DeepSpeed write its own ``latest`` file.
-- ``load(path)`` (per rank, per file) reads only that file's tensors, checksummed while
-  reading; a mismatch raises :class:`~ckptlib.errors.CorruptCheckpointError`. Tags are found
-  by :mod:`.tags`. ``deepspeed`` is imported by :func:`engine_class`, on the first install.
+One DeepSpeed tag is one ckptlib step holding ``{"files": PerRank({file name: state dict})}``.
+DeepSpeed calls ``create`` -> ``save`` (per file; held by reference, nothing written) ->
+``commit`` (collective: :mod:`.codec` conversion, then ckptlib's save/commit) on every rank's
+training thread, so a tag becomes visible all at once, before DeepSpeed writes ``latest``.
+``load(path)`` reads one file's tensors, checksummed. Tags are found by :mod:`.tags`;
+``deepspeed`` is imported by :func:`engine_class`. Details: docs/integrations/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -26,6 +18,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +59,7 @@ def engine_class() -> type:
     return _engine_cls
 
 
+@dataclass(eq=False)
 class EngineMixin:
     """DeepSpeed ``CheckpointEngine`` storing through ckptlib (build one with :func:`install`).
 
@@ -74,33 +68,24 @@ class EngineMixin:
     every rank (collective: the ckptlib save), and ``load(path)`` per file when loading.
     """
 
-    def __init__(
-        self,
-        url: str | None,
-        *,
-        coordinator: Coordinator,
-        step_fn: Callable[[str], int],
-        previous: Any,
-        manager_options: dict[str, Any],
-        storage_options: dict[str, Any] | None,
-    ) -> None:
-        self.name = "CkptlibCheckpointEngine"
-        self.url = url
-        self.coordinator = coordinator
-        self.step_fn = step_fn
-        self.previous = previous
-        """The engine this one replaced (used for files outside a tag folder)."""
-        self.manager_options = manager_options
-        self.storage_options = storage_options
-        self.last_save_seconds = 0.0
-        self.last_resume: ResumeResult | None = None
-        self._managers: dict[str, CheckpointManager] = {}
-        self._info: Any = None
-        self._pending: dict[str, Any] = {}
-        self._views: dict[tuple[str, str], TagView] = {}
-        self._token_dir: str | None = None
-        self._tokens: dict[str, tuple[str, str, str]] = {}
-        self._loaded: dict[str, Any] = {}
+    url: str | None
+    _: KW_ONLY
+    coordinator: Coordinator
+    step_fn: Callable[[str], int]
+    previous: Any
+    """The engine this one replaced (used for files outside a tag folder)."""
+    manager_options: dict[str, Any]
+    storage_options: dict[str, Any] | None
+    name: str = field(default="CkptlibCheckpointEngine", init=False)
+    last_save_seconds: float = field(default=0.0, init=False)
+    last_resume: ResumeResult | None = field(default=None, init=False)
+    _managers: dict[str, CheckpointManager] = field(default_factory=dict, init=False, repr=False)
+    _info: Any = field(default=None, init=False, repr=False)
+    _pending: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _views: dict[tuple[str, str], TagView] = field(default_factory=dict, init=False, repr=False)
+    _token_dir: str | None = field(default=None, init=False, repr=False)
+    _tokens: dict[str, tuple[str, str, str]] = field(default_factory=dict, init=False, repr=False)
+    _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     # -- roots
     def root_for(self, save_dir: str) -> str:
@@ -120,18 +105,14 @@ class EngineMixin:
         return mgr
 
     def _tag_dir(self) -> str | None:
-        info = self._info
-        return (
-            None if info is None else os.path.normpath(os.path.join(info.save_dir, str(info.tag)))
-        )
+        i = self._info
+        return None if i is None else os.path.normpath(os.path.join(i.save_dir, str(i.tag)))
 
     # -- save side (DeepSpeed's call order: create, makedirs/save..., commit)
     def create(self, info: Any) -> None:
         if self._pending:
-            log.warning(
-                "ckptlib: dropping %d unsaved DeepSpeed files of an earlier save",
-                len(self._pending),
-            )
+            log.warning("ckptlib: dropping %d unsaved DeepSpeed files of an earlier save",
+                        len(self._pending))
         self._info = info
         self._pending = {}
 
@@ -172,15 +153,10 @@ class EngineMixin:
             error = e
         mine = (bool(pending), None if error is None else str(error))
         everyone = coord.gather(mine, 60.0)
-        verdict = coord.agree(
-            None
-            if everyone is None
-            else {
-                "any": any(f for f, _ in everyone),
-                "errors": {str(r): msg for r, (_, msg) in enumerate(everyone) if msg},
-            },
-            60.0,
-        )
+        verdict = coord.agree(None if everyone is None else {
+            "any": any(f for f, _ in everyone),
+            "errors": {str(r): msg for r, (_, msg) in enumerate(everyone) if msg},
+        }, 60.0)
         if verdict["errors"]:
             if error is not None:
                 raise error

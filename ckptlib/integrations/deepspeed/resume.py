@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptlib.backends import Storage, open_storage
-from ckptlib.engine.resume import Candidate, resume_newest
-from ckptlib.engine.scan import check_files, read_manifest, scan
+from ckptlib.engine.resume import Candidate, resume_newest, step_candidates
+from ckptlib.engine.scan import StepInfo, check_files, read_manifest
 from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.integrations.deepspeed.install import engine_of
@@ -54,22 +54,17 @@ def share(files: list[tuple[str, int]], world: int) -> list[list[int]]:
 def candidates(storage: Storage) -> list[Candidate]:
     """Every step (ckptlib's scan), newest first, ``extra`` = its tag; a committed step
     without a readable tag is ``corrupt``. Runs on the coordinator only."""
-    try:
-        infos = scan(storage)
-    except CheckpointNotFoundError:
-        return []
-    out = []
-    for i in infos:
-        status, reason, tag = i.status, i.reason, None
-        if status == "committed" and i.manifest is not None:
-            try:
-                tag = tag_of(i.manifest, f"{storage.url}/{i.path}")
-            except CorruptCheckpointError as e:
-                status, reason = "corrupt", str(e)
-            if tag is None and status == "committed":
-                status, reason = "corrupt", "not a DeepSpeed checkpoint (no tag in metadata)"
-        out.append(Candidate(i.step, i.path, status, reason, tag))
-    return out
+
+    def judge(i: StepInfo) -> tuple[str, str, Any]:
+        try:
+            tag = tag_of(i.manifest, f"{storage.url}/{i.path}") if i.manifest is not None else None
+        except CorruptCheckpointError as e:
+            return "corrupt", str(e), None
+        if tag is None:
+            return "corrupt", "not a DeepSpeed checkpoint (no tag in metadata)", None
+        return i.status, i.reason, tag
+
+    return step_candidates(storage, judge)
 
 
 def _damaged(e: BaseException) -> str | None:
@@ -122,13 +117,10 @@ def resume(
 ) -> ResumeResult:
     """Load the newest consistent tag into ``engine`` (collective; every rank calls it).
 
-    Ignores DeepSpeed's ``latest`` file: the ranks agree on the candidates ckptlib's scan
-    finds, deep-verify the newest (each rank checks a byte-balanced share of its files), skip
-    it on every rank together if anything is wrong, and only then call
-    ``engine.load_checkpoint(load_dir, tag=..., **load_checkpoint_kwargs)``. With
-    ``verify=False`` the checksum pass is skipped (the load still verifies what it reads and
-    raises on a mismatch, but can no longer fall back). Returns a :class:`ResumeResult`
-    (``tag`` None: nothing saved yet, the engine is untouched).
+    Ignores DeepSpeed's ``latest`` file: :func:`newest_consistent` picks the tag, then
+    ``engine.load_checkpoint(load_dir, tag=..., **load_checkpoint_kwargs)`` loads it.
+    ``verify=False`` skips the checksum pass (the load still verifies what it reads, but can no
+    longer fall back). Returns a :class:`ResumeResult` (``tag`` None: nothing saved yet).
     """
     ce = engine_of(engine)
     tag, step, skipped = newest_consistent(engine, load_dir, verify=verify, timeout=timeout)

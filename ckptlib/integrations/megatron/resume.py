@@ -105,15 +105,11 @@ def load_latest(
 ) -> tuple[int | None, Any]:
     """Load the newest iteration that every rank can read intact; ``(None, None)`` if none.
 
-    Collective (every rank, same order). Rank 0 scans ``save_dir`` (:func:`iterations`) and
-    all ranks get the same candidate list; newest first, every rank loads its part through
-    ``dist_checkpointing.load`` with the ckptlib strategies, and the ranks agree: if any rank
-    hit a checksum mismatch (:class:`CorruptCheckpointError`), all move on to the next older
-    iteration. Other errors are raised on every rank, and a rank that dies or freezes fails
-    the others within the coordinator's deadline (``CKPTLIB_COORD_TIMEOUT``).
-    ``sharded_state_dict`` may be a callable returning a fresh one (needed when it holds
-    ShardedTensorFactories, which a load consumes); otherwise its containers are copied
-    before each attempt.
+    Collective (every rank, same order), on ckptlib's resume loop (module docstring): rank 0
+    lists :func:`iterations`; each rank's part is a ``dist_checkpointing.load`` with the
+    ckptlib strategies; a :class:`CorruptCheckpointError` on any rank moves every rank to the
+    next older iteration. ``sharded_state_dict`` may be a callable returning a fresh one (needed
+    with ShardedTensorFactories, which a load consumes); else its containers are copied per try.
     """
     from megatron.core import dist_checkpointing as mdc
 

@@ -1,19 +1,11 @@
 """The save strategy: Megatron ShardedTensors/ShardedObjects into one ckptlib checkpoint.
 
 Called by ``dist_checkpointing.save`` on the training thread of every rank, after Megatron
-wrote ``common.pt`` (rank 0): :meth:`SaveStrategy.save` (synchronous) or ``async_save``, which
-gathers the tensor keys of all ranks (one collective), copies this rank's main-replica pieces
-to CPU and returns an ``AsyncRequest`` whose ``async_fn`` writes and commits (ckptlib's save
-flow); run it with :func:`schedule` (a thread) or ``execute_sync()``. Megatron then appends
-its own finalize step that writes ``metadata.json``.
-
-Mapping: a ShardedTensor becomes one piece ``(key, global_offset, local box)`` of the global
-tensor ``key``; pieces whose ``replica_id`` is not main are not written; ``prepend_axis_num``
-axes are added as size-1 axes. ShardedObjects (main replicas) are stored in a per-rank node,
-found again by ``unique_key`` on load whatever the world size; their values must be
-JSON-typed (None, bool, int, float, str, bytes, list, tuple, dict with str/int keys) and may
-contain tensors. Anything else raises :class:`ckptlib.errors.UnsupportedValueError` before
-any I/O.
+wrote ``common.pt``: :meth:`SaveStrategy.save`, or ``async_save`` (one collective, this rank's
+main-replica pieces copied to CPU) whose ``AsyncRequest`` writes and commits -- run it with
+:func:`schedule` or ``execute_sync()``; Megatron's finalize then writes ``metadata.json``.
+Mapping (main replicas only, ShardedObjects per rank by ``unique_key``, JSON-typed values or
+``UnsupportedValueError`` before any I/O): docs/integrations/megatron.md.
 """
 
 from __future__ import annotations
@@ -56,13 +48,10 @@ def _tensor_name(key: str) -> str:
     return f"/tensors/{escape(key)}"
 
 
-def _build(
-    sd: ShardedStateDict, coord: Coordinator, timeout: float, copy: bool
-) -> tuple[FlatState, list[str]]:
+def _build(sd: ShardedStateDict, coord: Coordinator, timeout: float, copy: bool
+           ) -> tuple[FlatState, list[str]]:
     """FlatState for this rank: identical tree on every rank (union of keys), own pieces only.
-
-    Collective (one gather + one agree on ckptlib's group).
-    """
+    Collective (one gather + one agree on ckptlib's group)."""
     pieces: list[tuple[ShardedTensor, torch.Tensor]] = []
     objects: dict[str, Any] = {}
     keys: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -110,23 +99,15 @@ def _build(
     if "error" in answer:
         raise StateMismatchError(answer["error"])
     assert obj_flat is not None
-    items: list[TensorItem] = []
-    for st, t in pieces:
-        items.append(
-            TensorItem(
-                _tensor_name(st.key), t, tuple(st.global_shape), tuple(st.global_offset), False
-            )
-        )
-    items.extend(obj_flat.items)
+    items = [TensorItem(_tensor_name(st.key), t, tuple(st.global_shape), tuple(st.global_offset),
+                        False) for st, t in pieces] + obj_flat.items
     if copy:  # async: the training loop may change its tensors as soon as we return
         for it in items:
             it.tensor = it.tensor.detach().to("cpu", copy=True)
     # The tree is identical on every rank (the union of keys); each rank writes only its own
     # main-replica pieces (Megatron guarantees every piece has exactly one main replica).
-    tensors_node = {
-        "t": "dict",
-        "items": [[k, {"t": "tensor", "ref": _tensor_name(k)}] for k in answer["keys"]],
-    }
+    refs = [[k, {"t": "tensor", "ref": _tensor_name(k)}] for k in answer["keys"]]
+    tensors_node = {"t": "dict", "items": refs}
     tree = {"t": "dict", "items": [["tensors", tensors_node], *obj_flat.tree["items"]]}
     return FlatState(tree, items, obj_flat.per_rank), list(answer["keys"])
 
@@ -139,14 +120,8 @@ class SaveStrategy(mbase.AsyncSaveShardedStrategy):
     async save before starting the next.
     """
 
-    def __init__(
-        self,
-        backend: str = BACKEND,
-        version: int = VERSION,
-        *,
-        compression: str | None = None,
-        timeout: float = 600.0,
-    ) -> None:
+    def __init__(self, backend: str = BACKEND, version: int = VERSION, *,
+                 compression: str | None = None, timeout: float = 600.0) -> None:
         super().__init__(backend, version)
         self.options = save_flow.SaveOptions(compression=compression, timeout=timeout)
         self._idle = threading.Event()  # no persist of this strategy is running
@@ -160,18 +135,16 @@ class SaveStrategy(mbase.AsyncSaveShardedStrategy):
         """Synchronous save: returns once the ckptlib checkpoint is committed (every rank)."""
         self._prepare(sharded_state_dict, checkpoint_dir, copy=False)()
 
-    def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
-    ) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+                   ) -> AsyncRequest:
         """Snapshot this rank's pieces to CPU now; the returned request's ``async_fn`` writes
         and commits (collective on ckptlib's gloo group: run it on every rank, in a thread of
         the training process or synchronously, not in a forked process)."""
         fn = self._prepare(sharded_state_dict, checkpoint_dir, copy=True)
         return AsyncRequest(fn, (), [])
 
-    def _prepare(
-        self, sd: ShardedStateDict, checkpoint_dir: str | Path, *, copy: bool
-    ) -> Callable[[], None]:
+    def _prepare(self, sd: ShardedStateDict, checkpoint_dir: str | Path, *, copy: bool
+                 ) -> Callable[[], None]:
         checkpoint_dir = os.fspath(checkpoint_dir)
         # A previous async save of this strategy still writing would share ckptlib's
         # coordination group with the collectives below: let it finish first.
@@ -179,40 +152,23 @@ class SaveStrategy(mbase.AsyncSaveShardedStrategy):
             raise CommitError("the previous async save did not finish within the save timeout")
         coord = default_coordinator()
         flat, _ = _build(sd, coord, self.options.timeout, copy)
-        meta = None
-        if coord.is_coordinator:
-            meta = {
-                "megatron": {
-                    "backend": BACKEND,
-                    "version": VERSION,
-                    "common": common_record(checkpoint_dir),
-                    "megatron_core": _megatron_version(),
-                }
-            }
-        meta = coord.agree(meta, self.options.timeout)
+        meta = coord.agree({"megatron": {
+            "backend": BACKEND, "version": VERSION, "common": common_record(checkpoint_dir),
+            "megatron_core": _megatron_version(),
+        }} if coord.is_coordinator else None, self.options.timeout)
         step = iteration_of(checkpoint_dir)
         storage = open_storage(checkpoint_dir)
-        options = self.options
-
-        idle = self._idle
+        options, idle = self.options, self._idle
 
         def persist() -> None:
             try:
                 storage.makedirs("")
-                save_flow.persist(
-                    storage,
-                    FOLDER,
-                    flat,
-                    step=step,
-                    metadata=meta,
-                    options=options,
-                    coordinator=coord,
-                )
+                save_flow.persist(storage, FOLDER, flat, step=step, metadata=meta, options=options,
+                                  coordinator=coord)
             finally:
                 idle.set()
 
         idle.clear()
-
         return persist
 
 
