@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 import torch
+from chaos.corpus import ENTRIES, build, judge, make_templates
+from chaos.load_one import check
 from helpers import (
     add_payload,
     add_row,
@@ -973,6 +975,24 @@ def test_check_step_deep_reports_corrupt(tmp_path: Path, case: Case) -> None:
     info = check_step(open_storage(str(tmp_path)), "ck", deep=True)
     assert info.status == "corrupt", (info.status, info.reason)
     assert named in info.reason, info.reason
+
+
+# --------------------------------------------------------------------------- the corpus, in-process
+
+
+@pytest.fixture(scope="module")
+def corpus_templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_templates(tmp_path_factory.mktemp("corpus-templates"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.isolated], ids=lambda e: e.name)
+def test_corpus_entry_in_process(tmp_path: Path, corpus_templates: dict[str, Path], entry: Any) -> None:
+    """The hostile corpus (``tests/chaos/corpus.py``), judged here by the same rule as in
+    ``tests/chaos/test_malicious.py`` but in this process, without memory or CPU limits (the
+    ``isolated`` bombs run only there)."""
+    root = build(entry, tmp_path, corpus_templates)
+    assert not judge(entry, {"ops": check(root)})
 
 
 # --------------------------------------------------------------------------- specific checks

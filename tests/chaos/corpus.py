@@ -1357,6 +1357,64 @@ ENTRIES: list[Entry] = _entries()
 BY_NAME: dict[str, Entry] = {e.name: e for e in ENTRIES}
 
 
+# --------------------------------------------------------------------------- judging
+
+
+AS_LIMIT_MB = 2048
+"""RLIMIT_AS of the loading processes (torch alone maps about 0.9 GiB of it)."""
+SLOW_S = 20.0
+"""An entry point slower than this on one hostile input is a failure (a quadratic check, a spin)."""
+
+
+def judge(entry: Entry, r: dict[str, Any]) -> list[str]:
+    """Every way ``r`` (``load_one.py``'s line for ``entry``) is wrong; empty: refused as it must be.
+
+    ``ckptlib.load`` raises one of ``entry.expect`` (or, for ``load_ok`` damage that only the
+    manager or ``load_metadata`` sees, returns exactly the saved state); ``load_metadata``,
+    ``check_step`` (deep), ``CheckpointManager.steps()`` and ``restore`` raise nothing but ckptlib
+    errors, and whatever succeeds returns exact data; the deep check does not call a damaged step
+    committed (except ``tree_only`` damage, which only ``load`` decodes); the manager never
+    restores a step whose load fails; nothing is slow; peak RSS (if measured) stays under the cap.
+    """
+    ops = r["ops"]
+    bad = []
+
+    def foreign(op: str) -> None:
+        o = ops[op]
+        if o["outcome"] == "error" and not o["ckptlib"]:
+            bad.append(f"{op}: foreign {o['cls']}: {o['msg'][:200]}")
+
+    load = ops["load"]
+    if load["outcome"] == "ok":
+        if not (entry.load_ok and load.get("exact")):
+            bad.append(f"load succeeded (exact={load.get('exact')}): a hostile input was accepted")
+    elif not load["ckptlib"] or not set(entry.expect) & set(load["mro"]):
+        bad.append(f"load: {load['cls']} is not one of {entry.expect}: {load['msg'][:200]}")
+    for op in ("load_metadata", "steps", "restore", "verify"):
+        foreign(op)
+    if ops["load_metadata"]["outcome"] == "ok" and not ops["load_metadata"].get("exact"):
+        bad.append("load_metadata returned wrong metadata")
+    verify = ops["verify"]
+    loads_exactly = load["outcome"] == "ok" and load.get("exact")
+    if verify.get("status") == "committed" and not (entry.tree_only or loads_exactly):
+        bad.append("check_step(deep=True) calls the damaged step committed")
+    restore = ops["restore"]
+    if (
+        restore["outcome"] == "ok"
+        and restore.get("value") == STEP
+        and not (loads_exactly and verify.get("status") == "committed")
+    ):
+        bad.append("restore() restored the hostile step")
+    slow = {op: o["s"] for op, o in ops.items() if o.get("s", 0) > SLOW_S}
+    if slow:
+        bad.append(f"too slow: {slow}")
+    cap = entry.as_mb or AS_LIMIT_MB
+    if r.get("rss_peak_mb", 0) >= cap:
+        bad.append(f"peak RSS {r['rss_peak_mb']} MB reached the {cap} MB cap")
+    return bad
+
+
+
 # --------------------------------------------------------------------------- building
 
 
