@@ -500,13 +500,15 @@ def resize_payload(delta: int) -> Callable[[Path], None]:
 
 
 def manifest_over_limit(ck: Path) -> None:
-    """A sparse manifest one byte over the 1 GiB limit: refused by its size, never read."""
+    """A sparse 1 GiB + 1 byte manifest, far over ``MAX_MANIFEST_BYTES`` (256 MiB): refused by
+    its size, never read."""
     with open(ck / MANIFEST_NAME, "r+b") as f:
         f.truncate((1 << 30) + 1)
 
 
 def manifest_sparse(size: int) -> Callable[[Path], None]:
-    """A sparse manifest of ``size`` NUL bytes: under the size limit, so it is read and parsed."""
+    """A sparse manifest of ``size`` NUL bytes; over ``MAX_MANIFEST_BYTES`` (256 MiB) it is
+    refused by its size before reading, under it it is read and parsed."""
 
     def tamper(ck: Path) -> None:
         with open(ck / MANIFEST_NAME, "wb") as f:
@@ -1272,7 +1274,8 @@ def _entries() -> list[Entry]:
         E(
             "manifest-sparse-400mib",
             "huge-manifest",
-            "sparse manifest.json of 400 MiB of NUL bytes, read under a 1.5 GiB address-space cap",
+            "sparse manifest.json of 400 MiB of NUL bytes (over the 256 MiB limit: refused by size "
+            "before reading), under a 1.5 GiB address-space cap",
             manifest_sparse(400 << 20),
             expect=("CorruptCheckpointError", "CheckpointError"),
             isolated=True,
