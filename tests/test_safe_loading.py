@@ -142,7 +142,7 @@ def test_legacy_packed_dict_form_still_loads(tmp_path: Path) -> None:
 # One list (``chaos.corpus.ENTRIES``) for this file and tests/chaos/test_malicious.py. The unit
 # entries (``match`` set) are checked here for their message and the file it names.
 
-UNIT = [pytest.param(e, id=e.description) for e in ENTRIES if e.match]
+UNIT = [pytest.param(e, id=e.name) for e in ENTRIES if e.match]
 
 
 def _apply(tmp_path: Path, entry: Entry) -> tuple[Path, str]:

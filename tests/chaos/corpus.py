@@ -509,16 +509,6 @@ def flip(name: str, *, pack: bool = False) -> Callable[[Path], None]:
     return tamper
 
 
-def resize_payload(delta: int) -> Callable[[Path], None]:
-    def tamper(ck: Path) -> None:
-        p = payload(ck, body_of(ck))
-        size = p.stat().st_size
-        with open(p, "r+b") as f:
-            f.truncate(size + delta if delta > -size else size // 2)
-
-    return tamper
-
-
 def manifest_over_limit(ck: Path) -> None:
     """A sparse 1 GiB + 1 byte manifest, far over ``MAX_MANIFEST_BYTES`` (256 MiB): refused by
     its size, never read."""
@@ -622,7 +612,8 @@ class Entry:
     as_mb: int = 0
     """Address-space cap for this entry's own process (0: the test's default; isolated only)."""
     match: str = ""
-    """What ``load``'s message must match (``tests/test_safe_loading.py``; unit entries only)."""
+    """What ``load``'s message must match in ``tests/test_safe_loading.py``, which also checks that
+    it names the file the tamper returns (default manifest.json); empty: not checked there."""
 
 
 def _entries() -> list[Entry]:
@@ -683,6 +674,7 @@ def _entries() -> list[Entry]:
             "checksum",
             "head names crc32c instead of xxh3_64",
             raw_manifest(lambda d: d.replace(b'"checksum":"xxh3_64:', b'"checksum":"crc32c:', 1)),
+            match="checksum",
         ),
         E(
             "version-future",
@@ -815,12 +807,14 @@ def _entries() -> list[Entry]:
             "fields",
             "files is an object",
             edit_body(lambda b: b.__setitem__("files", {})),
+            match="files",
         ),
         E(
             "tensors-not-object",
             "fields",
             "tensors is a list",
             edit_body(lambda b: b.__setitem__("tensors", [])),
+            match="tensors",
         ),
         E(
             "step-mismatch",
@@ -835,18 +829,21 @@ def _entries() -> list[Entry]:
             "traversal",
             "payload path ../outside.bin (a valid copy lies there)",
             set_path(lambda ck, b: (outside_copy(ck, b), "../outside.bin")[1]),
+            match="plain relative path",
         ),
         E(
             "path-absolute",
             "traversal",
             "payload path is the absolute path of a valid copy",
             set_path(lambda ck, b: str(outside_copy(ck, b))),
+            match="plain relative path",
         ),
         E(
             "path-dotdot-inside",
             "traversal",
             "payload path <id>/../<id>/r00000-0.bin",
-            set_path(lambda ck, b: f"{SAVE_ID}/../{b['files'][0][0]}"),
+            set_path(lambda ck, b: f"{b['save_id']}/../{b['files'][0][0]}"),
+            match="plain relative path",
         ),
         E(
             "path-backslash",
@@ -859,12 +856,14 @@ def _entries() -> list[Entry]:
             "traversal",
             "payload path with a NUL byte",
             set_path(lambda ck, b: b["files"][0][0] + "\x00"),
+            match="plain relative path",
         ),
         E(
             "path-manifest",
             "traversal",
             "payload path is manifest.json",
             set_path(lambda ck, b: MANIFEST_NAME),
+            match="manifest",
         ),
         E(
             "path-dev-zero",
@@ -882,13 +881,15 @@ def _entries() -> list[Entry]:
             "path-is-directory",
             "traversal",
             "payload path names the payload folder",
-            set_path(lambda ck, b: SAVE_ID),
+            path_to_directory,
+            match="regular file",
         ),
         E(
             "path-5-levels",
             "traversal",
             "payload path 5 components deep",
             set_path(lambda ck, b: "a/b/c/d/e.bin"),
+            match="plain relative path",
         ),
         # ---- symlinks, FIFOs, folders
         E(
@@ -941,6 +942,7 @@ def _entries() -> list[Entry]:
             "no manifest.json (never committed)",
             lambda ck: (ck / MANIFEST_NAME).unlink(),
             expect=("CheckpointNotFoundError",),
+            match="no manifest",
         ),
         E(
             "step-is-file",
@@ -958,6 +960,7 @@ def _entries() -> list[Entry]:
             "dtype",
             'dtype "torch.float32"',
             set_tensor("/big", "dtype", "torch.float32"),
+            match="allowlist",
         ),
         E("dtype-int", "dtype", "dtype 5", set_tensor("/big", "dtype", 5)),
         E(
@@ -985,6 +988,7 @@ def _entries() -> list[Entry]:
             "a bytes node referencing a bfloat16 tensor",
             set_tree("name", {"t": "bytes", "ref": "/small2"}),
             tree_only=True,
+            match="bytes|uint8|dtype",
         ),
         # ---- giant declared shapes
         E(
@@ -1005,12 +1009,14 @@ def _entries() -> list[Entry]:
             "giant-shape",
             "shape [-1, 1024]",
             set_tensor("/big", "shape", [-1, 1024]),
+            match="shape",
         ),
         E(
             "shape-100-dims",
             "giant-shape",
             "100 dimensions",
             set_tensor("/big", "shape", [1] * 100),
+            match="dimensions",
         ),
         E(
             "shape-zero-times-huge",
@@ -1072,6 +1078,7 @@ def _entries() -> list[Entry]:
             "fields",
             "ndim [2, 1, 1] for dims [16, 4, 4, 5120]: same sum, /small [16, 4] over /small2",
             edit_body(lambda b: b[TABLE_KEY].__setitem__("ndim", [2, 1, 1])),
+            match="overlap",
         ),
         E(
             "table-pack-bool",
@@ -1090,6 +1097,7 @@ def _entries() -> list[Entry]:
             "dtype",
             'a packed-table dtype ["float32"] (unhashable)',
             set_table("dtype", "/small", ["float32"]),
+            match=r"\['float32'\] is not in the dtype allowlist",
         ),
         E(
             "table-name-twice",
@@ -1131,18 +1139,20 @@ def _entries() -> list[Entry]:
         ),
         E("chunk-gap", "overlap", "/big's chunk leaves its last row uncovered", chunk_gap),
         E("chunk-listed-twice", "overlap", "/big's chunk listed twice", chunk_listed_twice),
-        E("scalar-two-chunks", "overlap", "a scalar with two chunks", scalar_two_chunks),
+        E("scalar-two-chunks", "overlap", "a scalar with two chunks", scalar_two_chunks, match="cover|scalar"),
         E(
             "range-past-eof",
             "overlap",
             "a chunk ends past its file's recorded size",
             range_past_eof,
+            match="past the end",
         ),
         E(
             "pack-members-overlap",
             "overlap",
             "two packed tensors share raw bytes",
             edit_body(pack_members_overlap),
+            match="overlap",
         ),
         E(
             "table-overlap-across-forms",
@@ -1161,6 +1171,7 @@ def _entries() -> list[Entry]:
             "overlap",
             "chunk box offset [1, 0] pushes it outside the tensor",
             set_chunk("/big", 4, [1, 0]),
+            match="outside",
         ),
         E(
             "tiling-too-fragmented",
@@ -1272,14 +1283,15 @@ def _entries() -> list[Entry]:
             "one bit flipped in the pack holding /small",
             flip("/small", pack=True),
         ),
-        E("payload-truncated", "payload", "payload file cut in half", resize_payload(-(1 << 62))),
-        E("payload-extended", "payload", "payload file grew by 64 bytes", resize_payload(64)),
         E(
-            "payload-missing",
+            "payload-truncated",
             "payload",
-            "payload file deleted",
-            lambda ck: payload(ck, body_of(ck)).unlink(),
+            "payload file cut in half",
+            truncate_payload,
+            match="size|shorter",
         ),
+        E("payload-extended", "payload", "payload file grew by 64 bytes", extend_payload, match="size"),
+        E("payload-missing", "payload", "payload file deleted", remove_payload, match="missing|no such"),
         # ---- huge manifests
         E(
             "manifest-over-limit",
@@ -1378,9 +1390,6 @@ def _entries() -> list[Entry]:
     return out
 
 
-_CORPUS_NAMES = {e.name for e in _entries()}
-
-
 def file_of(folder: Path, body: dict[str, Any], index: int) -> Path:
     return folder / body["files"][index][0]
 
@@ -1402,7 +1411,7 @@ def unit(
     (default: manifest.json), ``match`` is what the message must match, ``tree``: the damage
     is in the value tree (decoded by ``load`` only)."""
     return Entry(
-        name if name not in _CORPUS_NAMES else f"{name}-u",
+        name,
         "unit",
         name,
         tamper,
@@ -1542,21 +1551,6 @@ def set_file_path(make: Callable[[Path, str], str]) -> Callable[[Path], None]:
     return tamper
 
 
-def _outside_copy(folder: Path, rel: str) -> Path:
-    dst = folder.parent / "outside.bin"
-    shutil.copyfile(folder / rel, dst)
-    return dst
-
-
-def dotdot_path(folder: Path, rel: str) -> str:
-    _outside_copy(folder, rel)
-    return "../outside.bin"
-
-
-def absolute_path(folder: Path, rel: str) -> str:
-    return str(_outside_copy(folder, rel))
-
-
 def dot_prefix(folder: Path, rel: str) -> str:
     return "./" + rel
 
@@ -1568,11 +1562,6 @@ def backslashes(folder: Path, rel: str) -> str:
 
 def double_slash(folder: Path, rel: str) -> str:
     return rel.replace("/", "//")
-
-
-def dotdot_inside(folder: Path, rel: str) -> str:
-    d, f = rel.split("/")
-    return f"{d}/../{d}/{f}"
 
 
 def dot_inside(folder: Path, rel: str) -> str:
@@ -1834,11 +1823,10 @@ UNIT_ENTRIES: list[Entry] = [
     unit("null", raw_edit(lambda d: b"null"), "object"),
     unit("checksum-mismatch", forged_checksum, "checksum mismatch"),
     unit("bit-flip-in-manifest", flip_in_manifest_body, "checksum mismatch|save_id"),
-    unit("checksum-algorithm", raw_edit(text_sub('"checksum":"xxh3_64:', '"checksum":"crc32c:')), "checksum"),
     unit("checksum-not-string", raw_edit(text_sub('"checksum":"xxh3_64:', '"checksum":5,"x":"')), "checksum"),
     unit("format-marker", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), fmt="other")), "format marker"),
     unit("version-2", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=2)), "format_version 2 is newer", error=ckptlib.ManifestVersionError),
-    unit("version-huge", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=10**6)), "newer", error=ckptlib.ManifestVersionError),
+    unit("version-10**6", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=10**6)), "newer", error=ckptlib.ManifestVersionError),
     *[
         unit(f"version-{v!r}", lambda f, v=v: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=v)), "format_version")
         for v in (0, -1, "1", 1.0, True, None)
@@ -1858,8 +1846,6 @@ UNIT_ENTRIES: list[Entry] = [
     unit("step-negative", set_body_field("step", -1), "step"),
     unit("step-string", set_body_field("step", "5"), "step"),
     unit("created-string", set_body_field("created", "now"), "created"),
-    unit("files-not-list", set_body_field("files", {}), "files"),
-    unit("tensors-not-object", set_body_field("tensors", []), "tensors"),
     unit("extra-not-object", set_body_field("extra", []), "extra"),
     unit("files-missing", body_edit(lambda b: b.pop("files")), "files"),
     # ---- value tree
@@ -1878,21 +1864,17 @@ UNIT_ENTRIES: list[Entry] = [
     tree_case({"t": "float", "v": "1e5"}, "float", "float-node"),
     tree_case({"t": "stateful", "v": [1]}, "stateful|unexpected", "stateful-list"),
     tree_case([1, 2], "unexpected list", "bare-json-list"),
-    tree_case({"t": "bytes", "ref": "/small2"}, "bytes|uint8|dtype", "bytes-ref-bf16"),
     # ---- tensor entries
     unit("unknown-dtype", set_tensor_field("/big", "dtype", "float128"), "allowlist"),
     unit("quantized-dtype", set_tensor_field("/big", "dtype", "qint8"), "allowlist"),
-    unit("dtype-prefixed", set_tensor_field("/big", "dtype", "torch.float32"), "allowlist"),
     unit("dtype-null", set_tensor_field("/big", "dtype", None), "allowlist"),
     unit("shape-2**62", set_tensor_field("/big", "shape", [2**62]), "2\\^62"),
     unit("shape-2**31-squared", set_tensor_field("/big", "shape", [2**31, 2**31]), "2\\^62"),
     unit("shape-2**70", set_tensor_field("/big", "shape", [2**70]), "2\\^62"),
-    unit("shape-negative", set_tensor_field("/big", "shape", [-1, 1024]), "shape"),
     unit("shape-float", set_tensor_field("/big", "shape", [64.0, 1024]), "shape"),
     unit("shape-string", set_tensor_field("/big", "shape", ["64", 1024]), "shape"),
     unit("shape-bool", set_tensor_field("/big", "shape", [True, 1024]), "shape"),
     unit("shape-null", set_tensor_field("/big", "shape", [None, 1024]), "shape"),
-    unit("shape-100-dims", set_tensor_field("/big", "shape", [1] * 100), "dimensions"),
     unit("shape-not-list", set_tensor_field("/big", "shape", "64x1024"), "shape"),
     unit("shape-larger", set_tensor_field("/big", "shape", [64, 1025]), "cover"),
     unit("no-chunks", set_tensor_field("/big", "chunks", []), "cover"),
@@ -1906,30 +1888,20 @@ UNIT_ENTRIES: list[Entry] = [
     unit("file-index-bool", set_chunk_field("/big", 0, True), "file"),
     unit("start-negative", set_chunk_field("/big", 1, -64), "start"),
     unit("chunk-checksum-not-string", set_chunk_field("/big", 3, 12345), "checksum"),
-    unit("box-outside", set_chunk_field("/big", 4, [1, 0]), "outside"),
     unit("offset-rank", set_chunk_field("/big", 4, [0]), "rank"),
     unit("chunk-6-fields", body_edit(lambda b: chunk0(b, "/big").pop()), "7 fields"),
     unit("raw-length-mismatch", raw_length_mismatch, "raw size"),
-    unit("range-past-eof", range_past_eof, "past the end"),
     unit("ranges-overlap-between-tensors", overlapping_tensors, "overlap"),
     unit("chunks-leave-gap", chunk_gap, "cover"),
     unit("chunks-overlap-in-tensor", chunks_overlap_in_tensor, "overlap or leave gaps"),
-    unit("scalar-two-chunks", scalar_two_chunks, "cover|scalar"),
     # ---- files and paths
-    unit("path-dotdot", set_file_path(dotdot_path), "plain relative path"),
-    unit("path-absolute", set_file_path(absolute_path), "plain relative path"),
     unit("path-dot-prefix", set_file_path(dot_prefix), "plain relative path"),
     unit("path-backslashes", set_file_path(backslashes), "plain relative path"),
     unit("path-double-slash", set_file_path(double_slash), "plain relative path"),
-    unit("path-dotdot-inside", set_file_path(dotdot_inside), "plain relative path"),
     unit("path-dot-inside", set_file_path(dot_inside), "plain relative path"),
     unit("path-empty", set_file_path(lambda f, r: ""), "plain relative path"),
-    unit("path-manifest", set_file_path(lambda f, r: MANIFEST_NAME), "manifest"),
     unit("path-marker", set_file_path(lambda f, r: ".ckptlib"), "plain relative path"),
-    unit("path-5-levels", set_file_path(lambda f, r: "a/b/c/d/e.bin"), "plain relative path"),
-    unit("path-nul", set_file_path(lambda f, r: r + "\x00"), "plain relative path"),
     unit("path-tilde", set_file_path(lambda f, r: "~/x.bin"), "plain relative path"),
-    unit("path-is-directory", path_to_directory, "regular file"),
     unit("file-listed-twice", duplicate_file, "twice"),
     unit("file-entry-short", body_edit(lambda b: b["files"][0].pop()), "path, size"),
     unit("file-size-negative", body_edit(lambda b: b["files"][0].__setitem__(1, -1)), "size"),
@@ -1941,12 +1913,9 @@ UNIT_ENTRIES: list[Entry] = [
     unit("bit-flip-small-tensor", flip_payload("/small"), "checksum mismatch"),
     unit("bit-flip-zstd", flip_payload("/big"), "checksum mismatch", compression="zstd"),
     unit("bit-flip-small-zstd", flip_payload("/small"), "checksum mismatch", compression="zstd"),
-    unit("payload-truncated", truncate_payload, "size|shorter"),
-    unit("payload-extended", extend_payload, "size"),
     unit("payload-size-recorded-larger", manifest_size_edit(+1), "size"),
     unit("payload-size-recorded-smaller", manifest_size_edit(-1), "past the end|size"),
     unit("payload-and-manifest-truncated", truncate_payload_and_manifest, "past the end"),
-    unit("payload-missing", remove_payload, "missing|no such"),
     unit("payload-symlink", symlink_payload, "symlink"),
     unit("payload-dir-symlink", symlink_payload_dir, "symlink"),
     unit("payload-fifo", fifo_payload, "regular file"),
@@ -1955,19 +1924,17 @@ UNIT_ENTRIES: list[Entry] = [
     unit("manifest-symlink", symlink_manifest, "symlink"),
     unit("manifest-fifo", fifo_manifest, "regular file"),
     unit("manifest-directory", directory_manifest, "regular file"),
-    unit("manifest-missing", lambda f: manifest_path(f).unlink(), "no manifest", error=ckptlib.CheckpointNotFoundError),
     unit("folder-missing", lambda f: shutil.rmtree(f), "no checkpoint|no manifest", error=ckptlib.CheckpointNotFoundError),
     # ---- zstd
     unit("zstd-claims-more", replace_big_with_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=RAW_CLAIM + 512)), "declares"),
     unit("zstd-expands-more", replace_big_with_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=None)), "expands past"),
     unit("zstd-expands-less", replace_big_with_stored(zstd_frame(bytes(100), declared=None)), "expands to 100"),
-    unit("zstd-claims-less", replace_big_with_stored(zstd_frame(bytes(100), declared=100)), "declares|expands"),
-    unit("zstd-garbage", replace_big_with_stored(b"\x28\xb5\x2f\xfd" + os.urandom(200)), "zstd"),
+    unit("zstd-claims-less-raw", replace_big_with_stored(zstd_frame(bytes(100), declared=100)), "declares|expands"),
+    unit("zstd-garbage-raw", replace_big_with_stored(b"\x28\xb5\x2f\xfd" + os.urandom(200)), "zstd"),
     unit("zstd-no-magic", replace_big_with_stored(b"not zstd at all" * 10), "zstd"),
     unit("zstd-bomb-declared", replace_big_with_stored(zstd_bomb(1 << 30, declared=True)), "declares"),
     unit("zstd-bomb", replace_big_with_stored(zstd_bomb(1 << 30, declared=False)), "expands past"),
     # ---- packs
-    unit("pack-members-overlap", pack_edit(pack_overlap), "overlap"),
     unit("pack-piece-past-end", pack_edit(piece_past_pack), "past the end"),
     unit("pack-raw-length", pack_edit(pack_bad_raw_length), "length"),
     unit("pack-codec", pack_edit(pack_codec), "codec"),
@@ -1992,10 +1959,9 @@ UNIT_ENTRIES: list[Entry] = [
     unit("table-ndim-short", set_cell("ndim", 1, 1), "dims holds 4 values, ndim adds up to 3"),
     unit("table-row-without-dims", table_edit(extra_row_without_dims), "dims holds 4 values, ndim adds up to 5"),
     # same sum(ndim), rows regrouped: /small becomes [16, 4] (256 bytes) over /small2's bytes
-    unit("table-ndim-regrouped", set_column("ndim", [2, 1, 1]), "overlap"),
     unit("table-ndim-65", set_cell("ndim", 0, 65), r"ndim holds an integer outside \[0, 64\]"),
     unit("table-ndim-negative", set_cell("ndim", 0, -1), r"ndim holds an integer outside"),
-    unit("table-pack-bool", set_cell("pack", 0, True), "pack must be a list of integers"),
+    unit("table-pack-bool-row0", set_cell("pack", 0, True), "pack must be a list of integers"),
     unit("table-ndim-bool", set_cell("ndim", 2, False), "ndim must be a list of integers"),
     unit("table-dims-bool", set_cell("dims", 0, True), "dims must be a list of integers"),
     unit("table-offset-float", set_cell("offset", 0, 0.0), "offset must be a list of integers"),
@@ -2039,7 +2005,6 @@ UNIT_ENTRIES: list[Entry] = [
     unit("table-name-not-list", set_column("name", "/small"), "name must be a list of strings"),
     unit("table-dtype-float128", set_cell("dtype", 0, "float128"), "'float128' is not in the dtype allowlist"),
     unit("table-dtype-prefixed", set_cell("dtype", 1, "torch.bfloat16"), "not in the dtype allowlist"),
-    unit("table-dtype-list", set_cell("dtype", 0, ["float32"]), r"\['float32'\] is not in the dtype allowlist"),
     unit("table-dtype-object", set_cell("dtype", 0, {"float32": 1}), "not in the dtype allowlist"),
     unit("table-dtype-null", set_cell("dtype", 2, None), "None is not in the dtype allowlist"),
     unit("table-dtype-int", set_cell("dtype", 2, 1), "not in the dtype allowlist"),
