@@ -37,7 +37,7 @@ from chaos.corpus import (
     overlapping_tensors,
     replace_big_with_stored,
     set_cell,
-    set_tree_value,
+    set_tree,
     symlink_payload,
     table_edit,
 )
@@ -162,7 +162,7 @@ def test_load_refuses(tmp_path: Path, entry: Entry) -> None:
 
 def test_value_tree_errors_name_the_manifest(tmp_path: Path) -> None:
     ck = make_checkpoint(tmp_path)
-    set_tree_value("name", {"t": "pickle"})(ck)
+    set_tree("name", {"t": "pickle"})(ck)
     with pytest.raises(ckptlib.CorruptCheckpointError, match="unknown node kind") as ei:
         ckptlib.load(ck)
     assert MANIFEST in str(ei.value)

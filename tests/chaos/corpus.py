@@ -1422,20 +1422,6 @@ def unit(
     )
 
 
-def raw_edit(fn: Callable[[bytes], bytes]) -> Callable[[Path], None]:
-    def tamper(folder: Path) -> None:
-        write_manifest_bytes(folder, fn(manifest_path(folder).read_bytes()))
-
-    return tamper
-
-
-def body_edit(fn: Callable[[dict[str, Any]], Any]) -> Callable[[Path], None]:
-    def tamper(folder: Path) -> None:
-        rewrite_manifest(folder, fn)
-
-    return tamper
-
-
 def text_sub(old: str, new: str) -> Callable[[bytes], bytes]:
     def fn(data: bytes) -> bytes:
         text = data.decode("ascii")
@@ -1451,37 +1437,16 @@ def created_sub(new: str) -> Callable[[Path], None]:
 
     def tamper(folder: Path) -> None:
         value = json.dumps(body_of(folder)["created"])
-        raw_edit(text_sub(f'"created":{value}', f'"created":{new}'))(folder)
+        raw_manifest(text_sub(f'"created":{value}', f'"created":{new}'))(folder)
 
     return tamper
-
-
-def set_tree_value(key: str, node: Any) -> Callable[[Path], None]:
-    def edit(body: dict[str, Any]) -> None:
-        tree_item(body, key)[1] = node
-
-    return body_edit(edit)
-
-
-def set_tensor_field(name: str, field: str, value: Any) -> Callable[[Path], None]:
-    def edit(body: dict[str, Any]) -> None:
-        body["tensors"][name][field] = value
-
-    return body_edit(edit)
-
-
-def set_chunk_field(name: str, index: int, value: Any) -> Callable[[Path], None]:
-    def edit(body: dict[str, Any]) -> None:
-        chunk0(body, name)[index] = value
-
-    return body_edit(edit)
 
 
 def set_body_field(field: str, value: Any) -> Callable[[Path], None]:
     def edit(body: dict[str, Any]) -> None:
         body[field] = value
 
-    return body_edit(edit)
+    return edit_body(edit)
 
 
 
@@ -1500,7 +1465,7 @@ def nested_json(levels: int) -> Callable[[Path], None]:
     """10,000 levels of raw JSON nesting in the tree (no checksum: the parser must refuse)."""
 
     def tamper(folder: Path) -> None:
-        raw_edit(text_sub('["name","x"]', '["name",' + "[" * levels + "]" * levels + "]"))(folder)
+        raw_manifest(text_sub('["name","x"]', '["name",' + "[" * levels + "]" * levels + "]"))(folder)
 
     return tamper
 
@@ -1773,7 +1738,7 @@ def table_edit(fn: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Callable[
         assert table_rows(body) == ROWS, body.get(TABLE_KEY)  # the cases rely on this layout
         fn(body[TABLE_KEY], body)
 
-    return body_edit(edit)
+    return edit_body(edit)
 
 
 def set_cell(column: str, row: int, value: Any) -> Callable[[Path], None]:
@@ -1808,22 +1773,22 @@ def extra_row_without_dims(t: dict[str, Any], body: dict[str, Any]) -> None:
 
 
 def tree_case(node: Any, match: str, name: str) -> Entry:
-    return unit(name, set_tree_value("name", node), match, tree=True)
+    return unit(name, set_tree("name", node), match, tree=True)
 
 
 UNIT_ENTRIES: list[Entry] = [
     # ---- manifest bytes
-    unit("garbled-head", raw_edit(lambda d: d[:30] + b"#garbage#" + d[45:]), "format"),
-    unit("garbled-body", raw_edit(lambda d: d[: len(d) // 2] + b"\x00}]{[" + d[len(d) // 2 + 5 :]), "invalid JSON|checksum"),
-    unit("not-utf8", raw_edit(lambda d: b"\xff\xfe" + d[2:]), "UTF-8"),
-    unit("empty", raw_edit(lambda d: b""), "invalid JSON"),
-    unit("truncated-half", raw_edit(lambda d: d[: len(d) // 2]), "invalid JSON"),
-    unit("truncated-1-byte", raw_edit(lambda d: d[:-1]), "invalid JSON"),
-    unit("not-an-object", raw_edit(lambda d: b"[1, 2, 3]"), "object"),
-    unit("null", raw_edit(lambda d: b"null"), "object"),
+    unit("garbled-head", raw_manifest(lambda d: d[:30] + b"#garbage#" + d[45:]), "format"),
+    unit("garbled-body", raw_manifest(lambda d: d[: len(d) // 2] + b"\x00}]{[" + d[len(d) // 2 + 5 :]), "invalid JSON|checksum"),
+    unit("not-utf8", raw_manifest(lambda d: b"\xff\xfe" + d[2:]), "UTF-8"),
+    unit("empty", raw_manifest(lambda d: b""), "invalid JSON"),
+    unit("truncated-half", raw_manifest(lambda d: d[: len(d) // 2]), "invalid JSON"),
+    unit("truncated-1-byte", raw_manifest(lambda d: d[:-1]), "invalid JSON"),
+    unit("not-an-object", raw_manifest(lambda d: b"[1, 2, 3]"), "object"),
+    unit("null", raw_manifest(lambda d: b"null"), "object"),
     unit("checksum-mismatch", forged_checksum, "checksum mismatch"),
     unit("bit-flip-in-manifest", flip_in_manifest_body, "checksum mismatch|save_id"),
-    unit("checksum-not-string", raw_edit(text_sub('"checksum":"xxh3_64:', '"checksum":5,"x":"')), "checksum"),
+    unit("checksum-not-string", raw_manifest(text_sub('"checksum":"xxh3_64:', '"checksum":5,"x":"')), "checksum"),
     unit("format-marker", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), fmt="other")), "format marker"),
     unit("version-2", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=2)), "format_version 2 is newer", error=ckptlib.ManifestVersionError),
     unit("version-10**6", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=10**6)), "newer", error=ckptlib.ManifestVersionError),
@@ -1831,8 +1796,8 @@ UNIT_ENTRIES: list[Entry] = [
         unit(f"version-{v!r}", lambda f, v=v: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=v)), "format_version")
         for v in (0, -1, "1", 1.0, True, None)
     ],
-    unit("duplicate-keys", raw_edit(text_sub('"body":{', '"body":{"step":1,')), "duplicate"),
-    unit("duplicate-top-keys", raw_edit(text_sub('"format":"ckptlib"', '"format":"ckptlib","format":"ckptlib"')), "duplicate"),
+    unit("duplicate-keys", raw_manifest(text_sub('"body":{', '"body":{"step":1,')), "duplicate"),
+    unit("duplicate-top-keys", raw_manifest(text_sub('"format":"ckptlib"', '"format":"ckptlib","format":"ckptlib"')), "duplicate"),
     unit("nan-literal", created_sub("NaN"), "NaN"),
     unit("infinity-literal", created_sub("Infinity"), "Infinity"),
     unit("minus-infinity-literal", created_sub("-Infinity"), "Infinity"),
@@ -1847,7 +1812,7 @@ UNIT_ENTRIES: list[Entry] = [
     unit("step-string", set_body_field("step", "5"), "step"),
     unit("created-string", set_body_field("created", "now"), "created"),
     unit("extra-not-object", set_body_field("extra", []), "extra"),
-    unit("files-missing", body_edit(lambda b: b.pop("files")), "files"),
+    unit("files-missing", edit_body(lambda b: b.pop("files")), "files"),
     # ---- value tree
     unit("deep-tree-300", deep_tree(300), "deeper", tree=True),
     tree_case({"t": "pickle", "v": "gASVAA=="}, "unknown node kind", "unknown-node-kind"),
@@ -1865,31 +1830,31 @@ UNIT_ENTRIES: list[Entry] = [
     tree_case({"t": "stateful", "v": [1]}, "stateful|unexpected", "stateful-list"),
     tree_case([1, 2], "unexpected list", "bare-json-list"),
     # ---- tensor entries
-    unit("unknown-dtype", set_tensor_field("/big", "dtype", "float128"), "allowlist"),
-    unit("quantized-dtype", set_tensor_field("/big", "dtype", "qint8"), "allowlist"),
-    unit("dtype-null", set_tensor_field("/big", "dtype", None), "allowlist"),
-    unit("shape-2**62", set_tensor_field("/big", "shape", [2**62]), "2\\^62"),
-    unit("shape-2**31-squared", set_tensor_field("/big", "shape", [2**31, 2**31]), "2\\^62"),
-    unit("shape-2**70", set_tensor_field("/big", "shape", [2**70]), "2\\^62"),
-    unit("shape-float", set_tensor_field("/big", "shape", [64.0, 1024]), "shape"),
-    unit("shape-string", set_tensor_field("/big", "shape", ["64", 1024]), "shape"),
-    unit("shape-bool", set_tensor_field("/big", "shape", [True, 1024]), "shape"),
-    unit("shape-null", set_tensor_field("/big", "shape", [None, 1024]), "shape"),
-    unit("shape-not-list", set_tensor_field("/big", "shape", "64x1024"), "shape"),
-    unit("shape-larger", set_tensor_field("/big", "shape", [64, 1025]), "cover"),
-    unit("no-chunks", set_tensor_field("/big", "chunks", []), "cover"),
-    unit("chunks-not-list", set_tensor_field("/big", "chunks", "x"), "list"),
+    unit("unknown-dtype", set_tensor("/big", "dtype", "float128"), "allowlist"),
+    unit("quantized-dtype", set_tensor("/big", "dtype", "qint8"), "allowlist"),
+    unit("dtype-null", set_tensor("/big", "dtype", None), "allowlist"),
+    unit("shape-2**62", set_tensor("/big", "shape", [2**62]), "2\\^62"),
+    unit("shape-2**31-squared", set_tensor("/big", "shape", [2**31, 2**31]), "2\\^62"),
+    unit("shape-2**70", set_tensor("/big", "shape", [2**70]), "2\\^62"),
+    unit("shape-float", set_tensor("/big", "shape", [64.0, 1024]), "shape"),
+    unit("shape-string", set_tensor("/big", "shape", ["64", 1024]), "shape"),
+    unit("shape-bool", set_tensor("/big", "shape", [True, 1024]), "shape"),
+    unit("shape-null", set_tensor("/big", "shape", [None, 1024]), "shape"),
+    unit("shape-not-list", set_tensor("/big", "shape", "64x1024"), "shape"),
+    unit("shape-larger", set_tensor("/big", "shape", [64, 1025]), "cover"),
+    unit("no-chunks", set_tensor("/big", "chunks", []), "cover"),
+    unit("chunks-not-list", set_tensor("/big", "chunks", "x"), "list"),
     unit("uint8-2**62-bytes", huge_uint8_tensor, "huge.bin"),
     # ---- chunks
-    unit("unknown-codec", set_chunk_field("/big", 6, "lz4"), "codec"),
-    unit("codec-null", set_chunk_field("/big", 6, None), "codec"),
-    unit("file-index-out-of-range", set_chunk_field("/big", 0, 99), "file"),
-    unit("file-index-negative", set_chunk_field("/big", 0, -1), "file"),
-    unit("file-index-bool", set_chunk_field("/big", 0, True), "file"),
-    unit("start-negative", set_chunk_field("/big", 1, -64), "start"),
-    unit("chunk-checksum-not-string", set_chunk_field("/big", 3, 12345), "checksum"),
-    unit("offset-rank", set_chunk_field("/big", 4, [0]), "rank"),
-    unit("chunk-6-fields", body_edit(lambda b: chunk0(b, "/big").pop()), "7 fields"),
+    unit("unknown-codec", set_chunk("/big", 6, "lz4"), "codec"),
+    unit("codec-null", set_chunk("/big", 6, None), "codec"),
+    unit("file-index-out-of-range", set_chunk("/big", 0, 99), "file"),
+    unit("file-index-negative", set_chunk("/big", 0, -1), "file"),
+    unit("file-index-bool", set_chunk("/big", 0, True), "file"),
+    unit("start-negative", set_chunk("/big", 1, -64), "start"),
+    unit("chunk-checksum-not-string", set_chunk("/big", 3, 12345), "checksum"),
+    unit("offset-rank", set_chunk("/big", 4, [0]), "rank"),
+    unit("chunk-6-fields", edit_body(lambda b: chunk0(b, "/big").pop()), "7 fields"),
     unit("raw-length-mismatch", raw_length_mismatch, "raw size"),
     unit("ranges-overlap-between-tensors", overlapping_tensors, "overlap"),
     unit("chunks-leave-gap", chunk_gap, "cover"),
@@ -1903,10 +1868,10 @@ UNIT_ENTRIES: list[Entry] = [
     unit("path-marker", set_file_path(lambda f, r: ".ckptlib"), "plain relative path"),
     unit("path-tilde", set_file_path(lambda f, r: "~/x.bin"), "plain relative path"),
     unit("file-listed-twice", duplicate_file, "twice"),
-    unit("file-entry-short", body_edit(lambda b: b["files"][0].pop()), "path, size"),
-    unit("file-size-negative", body_edit(lambda b: b["files"][0].__setitem__(1, -1)), "size"),
-    unit("file-size-string", body_edit(lambda b: b["files"][0].__setitem__(1, "9")), "size"),
-    unit("file-path-int", body_edit(lambda b: b["files"][0].__setitem__(0, 5)), "path"),
+    unit("file-entry-short", edit_body(lambda b: b["files"][0].pop()), "path, size"),
+    unit("file-size-negative", edit_body(lambda b: b["files"][0].__setitem__(1, -1)), "size"),
+    unit("file-size-string", edit_body(lambda b: b["files"][0].__setitem__(1, "9")), "size"),
+    unit("file-path-int", edit_body(lambda b: b["files"][0].__setitem__(0, 5)), "path"),
     # ---- payload files
     unit("bit-flip-chunk", flip_payload("/big"), "checksum mismatch"),
     unit("bit-flip-chunk-2", flip_payload("/big2"), "checksum mismatch"),
@@ -1946,7 +1911,7 @@ UNIT_ENTRIES: list[Entry] = [
     unit("table-not-object", set_body_field(TABLE_KEY, [["/small", "float32", 1, 16, 0, 0]]), "packed_tensors must be an object"),
     unit("table-string", set_body_field(TABLE_KEY, "rows"), "packed_tensors must be an object"),
     unit("table-null", set_body_field(TABLE_KEY, None), "packed_tensors must be an object"),
-    unit("table-missing", body_edit(lambda b: b.pop(TABLE_KEY)), "names no tensor", tree=True),
+    unit("table-missing", edit_body(lambda b: b.pop(TABLE_KEY)), "names no tensor", tree=True),
     unit("table-row-dropped", table_edit(lambda t, b: drop_row(b, "/small2")), "names no tensor", tree=True),
     unit("table-column-missing", table_edit(lambda t, b: t.pop("ndim")), "exactly the columns"),
     unit("table-column-extra", table_edit(lambda t, b: t.__setitem__("checksum", ["0"] * 3)), "exactly the columns"),
@@ -1994,7 +1959,7 @@ UNIT_ENTRIES: list[Entry] = [
     unit("table-pack-index-1", set_cell("pack", 1, 1), r"pack holds an integer outside \[0, 0\]"),
     unit("table-pack-index-7", set_cell("pack", 0, 7), r"pack holds an integer outside \[0, 0\]"),
     unit("table-pack-negative", set_cell("pack", 0, -1), "pack holds an integer outside"),
-    unit("table-no-packs", body_edit(lambda b: b.__setitem__("packs", [])), r"pack holds an integer outside \[0, -1\]"),
+    unit("table-no-packs", edit_body(lambda b: b.__setitem__("packs", [])), r"pack holds an integer outside \[0, -1\]"),
     unit("table-name-duplicate", set_cell("name", 1, "/small"), "a tensor name is listed twice"),
     unit("table-name-also-in-tensors", set_cell("name", 0, "/big"), "'/big' is listed twice"),
     unit("table-row-also-dict-form", table_edit(row_also_in_tensors), "'/small' is listed twice"),
