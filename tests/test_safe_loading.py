@@ -29,13 +29,13 @@ from chaos.corpus import (
     CORRUPT,
     ENTRIES,
     Entry,
+    big_as_stored,
     build,
     flip_payload,
     huge_uint8_tensor,
     judge,
     make_templates,
     overlapping_tensors,
-    replace_big_with_stored,
     set_cell,
     set_tree,
     symlink_payload,
@@ -377,7 +377,7 @@ def test_zstd_bomb_memory_stays_small(tmp_path: Path, content_size: bool) -> Non
     """A 1 GiB zstd bomb with a manifest claiming 4 KiB: refused, and the process that reads it
     (a fresh one, so its peak RSS is its own) grows by far less than the bomb."""
     ck = make_checkpoint(tmp_path, "zstd")
-    replace_big_with_stored(zstd_bomb(1 << 30, declared=content_size))(ck)
+    big_as_stored(zstd_bomb(1 << 30, declared=content_size))(ck)
     out = _probe_in_fresh_process(tmp_path)
     assert out["load"].startswith("ckptlib.errors.CorruptCheckpointError"), out
     assert "evil.bin" in out["load"]

@@ -210,12 +210,12 @@ def big_as_stored(
     codec: str = "zstd",
     dtype: str = "uint8",
     name: str = "evil.bin",
-) -> Callable[[Path], None]:
+) -> Callable[[Path], str]:
     """Make ``/big`` a ``dtype`` tensor of ``claim`` bytes stored as ``stored`` (correct checksum),
-    in a new payload file: only decoding can catch what is wrong. ``stored`` may be a function
-    making the bytes (bombs are built only when the entry is)."""
+    in a new payload file named ``name`` (returned): only decoding can catch what is wrong.
+    ``stored`` may be a function making the bytes (bombs are built only when the entry is)."""
 
-    def tamper(ck: Path) -> None:
+    def tamper(ck: Path) -> str:
         body = body_of(ck)
         data = stored() if callable(stored) else stored
         idx = add_file(ck, body, name, data)
@@ -231,6 +231,7 @@ def big_as_stored(
             codec=codec,
         )
         write_body(ck, body)
+        return name
 
     return tamper
 
@@ -1655,20 +1656,6 @@ def directory_manifest(folder: Path) -> None:
 RAW_CLAIM = 4096  # what the manifest says the chunk decodes to
 
 
-def replace_big_with_stored(stored: bytes, codec: str = "zstd", name: str = "evil.bin") -> Callable[[Path], str]:
-    """Make ``/big`` a uint8 tensor of RAW_CLAIM bytes stored as ``stored`` in a new payload
-    file, with a checksum that matches (so decoding is what must catch the problem)."""
-
-    def tamper(folder: Path) -> str:
-        body = body_of(folder)
-        idx = add_payload(folder, body, stored, name)
-        set_single_chunk(body, "/big", file=idx, stored=stored, dtype="uint8", shape=[RAW_CLAIM], codec=codec)
-        write_manifest_bytes(folder, encode_manifest(body))
-        return name
-
-    return tamper
-
-
 # -- packs (small tensors)
 
 
@@ -1891,14 +1878,14 @@ UNIT_ENTRIES: list[Entry] = [
     unit("manifest-directory", directory_manifest, "regular file"),
     unit("folder-missing", lambda f: shutil.rmtree(f), "no checkpoint|no manifest", error=ckptlib.CheckpointNotFoundError),
     # ---- zstd
-    unit("zstd-claims-more", replace_big_with_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=RAW_CLAIM + 512)), "declares"),
-    unit("zstd-expands-more", replace_big_with_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=None)), "expands past"),
-    unit("zstd-expands-less", replace_big_with_stored(zstd_frame(bytes(100), declared=None)), "expands to 100"),
-    unit("zstd-claims-less-raw", replace_big_with_stored(zstd_frame(bytes(100), declared=100)), "declares|expands"),
-    unit("zstd-garbage-raw", replace_big_with_stored(b"\x28\xb5\x2f\xfd" + os.urandom(200)), "zstd"),
-    unit("zstd-no-magic", replace_big_with_stored(b"not zstd at all" * 10), "zstd"),
-    unit("zstd-bomb-declared", replace_big_with_stored(zstd_bomb(1 << 30, declared=True)), "declares"),
-    unit("zstd-bomb", replace_big_with_stored(zstd_bomb(1 << 30, declared=False)), "expands past"),
+    unit("zstd-claims-more", big_as_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=RAW_CLAIM + 512)), "declares"),
+    unit("zstd-expands-more", big_as_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=None)), "expands past"),
+    unit("zstd-expands-less", big_as_stored(zstd_frame(bytes(100), declared=None)), "expands to 100"),
+    unit("zstd-claims-less-raw", big_as_stored(zstd_frame(bytes(100), declared=100)), "declares|expands"),
+    unit("zstd-garbage-raw", big_as_stored(b"\x28\xb5\x2f\xfd" + bytes(random_tensor((200,), torch.uint8, 6).tolist())), "zstd"),
+    unit("zstd-no-magic", big_as_stored(b"not zstd at all" * 10), "zstd"),
+    unit("zstd-bomb-declared", big_as_stored(lambda: zstd_bomb(1 << 30, declared=True)), "declares"),
+    unit("zstd-bomb", big_as_stored(lambda: zstd_bomb(1 << 30, declared=False)), "expands past"),
     # ---- packs
     unit("pack-piece-past-end", pack_edit(piece_past_pack), "past the end"),
     unit("pack-raw-length", pack_edit(pack_bad_raw_length), "length"),
