@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import ckptlib
@@ -87,12 +88,6 @@ def restored(root, step: int | None = None) -> dict[str, torch.Tensor]:
     return all_tensors(target)
 
 
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 class SlowCopy:
     """Holds every staging copy after the first ``fast`` ones until ``delay`` seconds after
     the first held copy started (a timer opens the gate), so a test can act while the
@@ -136,7 +131,7 @@ def test_mutating_every_tensor_right_after_save(tmp_path, budget):
         names = [f for _, _, fs in os.walk(tmp_path / layout.step_dir(1)) for f in fs]
         assert any("p1-" in f for f in names), names
     mgr.close()
-    assert_same(before, restored(tmp_path))
+    assert_same(restored(tmp_path), before)
 
 
 def test_streaming_splits_big_tensors_into_rounds(tmp_path):
@@ -202,7 +197,7 @@ def test_overlap_step_waits_for_snapshot(tmp_path, monkeypatch):
     assert len(_global_optimizer_pre_hooks) == 0  # removed on the training thread
     mgr.close()
     assert slow.calls >= 2
-    assert_same(before, restored(tmp_path))
+    assert_same(restored(tmp_path), before)
 
 
 def test_overlap_hook_fires_for_optimizer_from_other_code_path(tmp_path, monkeypatch):
@@ -218,7 +213,7 @@ def test_overlap_hook_fires_for_optimizer_from_other_code_path(tmp_path, monkeyp
     assert h.snapshot_done()
     mutate_all(state)
     mgr.close()
-    assert_same(before, restored(tmp_path))
+    assert_same(restored(tmp_path), before)
 
 
 def test_overlap_custom_loop_uses_wait_for_snapshot(tmp_path, monkeypatch):
@@ -232,7 +227,7 @@ def test_overlap_custom_loop_uses_wait_for_snapshot(tmp_path, monkeypatch):
     assert h.snapshot_done() and len(_global_optimizer_pre_hooks) == 0
     mutate_all(state)
     mgr.close()
-    assert_same(before, restored(tmp_path))
+    assert_same(restored(tmp_path), before)
 
 
 def test_overlap_snapshot_deadline_abandons_the_save_not_training(tmp_path, monkeypatch):
@@ -348,7 +343,7 @@ def test_close_with_save_in_flight_commits_and_releases(tmp_path, monkeypatch):
     mgr.close()
     assert h.done() and ckpt_threads() == [] and mgr._stager.nbytes == 0
     monkeypatch.undo()
-    assert_same(before, restored(tmp_path, 7))
+    assert_same(restored(tmp_path, 7), before)
 
 
 def _rss() -> int:
@@ -565,7 +560,7 @@ def test_overlap_with_streaming_budget(tmp_path, monkeypatch):
         mutate_all(state)
         h.wait(timeout=60)
         assert mgr._stager.nbytes <= 32 << 10
-    assert_same(before, restored(tmp_path))
+    assert_same(restored(tmp_path), before)
 
 
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs per-thread nice (Linux)")
@@ -618,4 +613,4 @@ def test_async_saves_on_object_store_commit_mode(memory_url, budget):
         h.wait(timeout=60)
         target = make_state(99)
         assert mgr.restore(target) == 1
-    assert_same(before, all_tensors(target))
+    assert_same(all_tensors(target), before)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import flip_bit
 
 import ckptlib
 from ckptlib.backends import open_storage
@@ -73,14 +74,6 @@ def payload_path(root: str, step: int) -> tuple[str, str]:
     m = manifest_of(root, step)
     rel = f"{layout.step_dir(step)}/{m.files[m.tensors['/big'].chunks[0].file].path}"
     return os.path.join(root, rel), rel
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def crash_debris(root: str, step: int, save_id: str, created: float | None) -> str:
@@ -336,7 +329,7 @@ def test_verify_names_the_step_and_file_with_a_flipped_byte(
     root = make_root(tmp_path / "run")
     path, rel = payload_path(root, 2)
     chunk = manifest_of(root, 2).tensors["/big"].chunks[0]
-    flip_byte(path, chunk.start + 1000)
+    flip_bit(path, chunk.start + 1000)
 
     code, out, _ = run(capsys, "verify", root, "--step", "2")
     assert code == 1
@@ -377,7 +370,7 @@ def test_verify_detects_a_flipped_byte_in_a_packed_small_tensor(
         start = small.chunks[0].start
     else:
         start = m.packs[small.pieces[0].pack].start
-    flip_byte(path, start)
+    flip_bit(path, start)
     with ckptlib.CheckpointManager(root) as mgr, pytest.raises(ckptlib.CorruptCheckpointError):
         mgr.restore(make_state(0))
     code, doc = run_json(capsys, "verify", root)
@@ -399,11 +392,11 @@ def test_verify_checks_every_stored_byte(
     assert len(regions) >= 2
     for file, start, length in regions:
         path = os.path.join(url, m.files[file].path)
-        flip_byte(path, start + length // 2)
+        flip_bit(path, start + length // 2)
         code, doc = run_json(capsys, "verify", str(url))
         assert code == 1, (file, start, length)
         assert "mismatch" in doc["steps"][0]["reason"]
-        flip_byte(path, start + length // 2)  # repair
+        flip_bit(path, start + length // 2)  # repair
     assert run(capsys, "verify", str(url))[0] == 0
 
 
@@ -471,7 +464,7 @@ def test_verify_single_checkpoint_folder(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 0
     assert doc["kind"] == "checkpoint"
     m = read_manifest(open_storage(url), "")
-    flip_byte(os.path.join(url, m.files[0].path), m.tensors["/big"].chunks[0].start)
+    flip_bit(os.path.join(url, m.files[0].path), m.tensors["/big"].chunks[0].start)
     code, doc = run_json(capsys, "verify", str(url))
     assert code == 1
     assert doc["steps"][0]["status"] == "corrupt"
@@ -650,7 +643,7 @@ def test_real_subprocess(tmp_path: Path) -> None:
     assert [r["step"] for r in json.loads(p.stdout)["steps"]] == [1, 2]
 
     path, _ = payload_path(root, 2)
-    flip_byte(path, manifest_of(root, 2).tensors["/big"].chunks[0].start)
+    flip_bit(path, manifest_of(root, 2).tensors["/big"].chunks[0].start)
     p = subprocess.run([*cmd, "verify", root], capture_output=True, text=True, env=env,
                        timeout=120, check=False)
     assert p.returncode == 1, p.stdout + p.stderr

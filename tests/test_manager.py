@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers import flip_bit, payload_files
 
 import ckptlib
 from ckptlib.backends.posix import PosixStorage
@@ -32,12 +33,6 @@ def weights(state: dict) -> list[torch.Tensor]:
     return [p.detach().clone() for p in state["model"].parameters()]
 
 
-def payload_files(root, step: int) -> list[str]:
-    folder = os.path.join(root, layout.step_dir(step))
-    out = []
-    for dirpath, _, files in os.walk(folder):
-        out += [os.path.join(dirpath, f) for f in files if f.endswith(".bin")]
-    return sorted(out)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -75,12 +70,8 @@ def test_restore_falls_back_when_newest_is_corrupt(tmp_path, caplog):
     with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
         mgr.save(1, make_state(1))
         mgr.save(2, make_state(2))
-    victim = payload_files(tmp_path, 2)[0]
-    with open(victim, "r+b") as f:  # flip one bit in the middle of the payload
-        f.seek(os.path.getsize(victim) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    victim = payload_files(tmp_path / layout.step_dir(2))[0]
+    flip_bit(victim, os.path.getsize(victim) // 2, 4)  # one bit in the middle of the payload
     target = make_state(3)
     with caplog.at_level(logging.WARNING, logger="ckptlib"):
         assert ckptlib.CheckpointManager(tmp_path).restore(target) == 1
@@ -93,7 +84,7 @@ def test_truncated_payload_is_reported_and_skipped(tmp_path):
     with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
         mgr.save(1, make_state(1))
         mgr.save(2, make_state(2))
-    victim = payload_files(tmp_path, 2)[0]
+    victim = payload_files(tmp_path / layout.step_dir(2))[0]
     os.truncate(victim, os.path.getsize(victim) - 7)
     mgr = ckptlib.CheckpointManager(tmp_path)
     infos = {i.step: i for i in mgr.steps()}

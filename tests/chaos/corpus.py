@@ -1,9 +1,13 @@
-"""A corpus of hand-made hostile checkpoints, generated on demand (never committed as binaries).
+"""The one list of hand-made hostile checkpoints (:data:`ENTRIES`), built on demand.
 
-Who calls what: ``tests/chaos/test_malicious.py`` calls :func:`build_all` (or :func:`build`
-for one entry) into a pytest tmp folder, then runs ``tests/chaos/load_one.py`` on the result
-in subprocesses. ``python -m tests.chaos.corpus OUT`` writes the same corpus for a human to
-look at. Everything runs on the caller's thread.
+Long (over 2,000 lines) because it is the whole hostile-input list and its forging helpers, in one place.
+
+Who calls what: ``tests/chaos/test_malicious.py`` calls :func:`build_all` into a pytest tmp
+folder and runs ``tests/chaos/load_one.py`` on the result in subprocesses under memory and CPU
+limits; ``tests/test_safe_loading.py`` builds each non-isolated entry and runs the same
+:func:`judge` in-process, and checks the message of the entries that carry ``match`` (the
+unit list, :data:`UNIT_ENTRIES`). ``python -m tests.chaos.corpus OUT`` writes the corpus for a
+human to look at. Everything runs on the caller's thread. A new hostile input is one entry here.
 
 Each entry is a CheckpointManager *root* ``OUT/<name>/`` holding the hostile step folder
 ``step-000000000007/`` and, next to it, whatever the attack points at (``outside.bin``, a
@@ -39,19 +43,34 @@ import torch
 import ckptlib
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import checksum
-from ckptlib.format.manifest import MANIFEST_NAME, TABLE_KEY
+from ckptlib.format.manifest import MANIFEST_NAME, TABLE_COLUMNS, TABLE_KEY
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # load_one.py, python -m
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import (
+    add_payload,
     base_state,
     body_of,
     body_text,
     chunk0,
+    drop_row,
     encode_manifest,
+    flip_bit,
     frame,
+    manifest_path,
+    packed_location,
+    payload_dir,
+    payload_files,
     random_tensor,
+    rewrite_manifest,
+    row_dims,
+    row_to_dict_form,
+    set_packed_location,
+    set_single_chunk,
+    table_rows,
+    tensor_ranges,
     tree_item,
+    write_manifest_bytes,
     zstd_bomb,
     zstd_frame,
 )
@@ -152,7 +171,7 @@ def add_file(
 ) -> int:
     """A new payload file next to the others (``sparse``: a hole of that many bytes), listed in
     ``body["files"]`` with its real size; returns its index."""
-    rel = f"{SAVE_ID}/{name}"
+    rel = f"{body['save_id']}/{name}"
     with open(ck / rel, "wb") as f:
         if data is not None:
             f.write(data)
@@ -191,12 +210,12 @@ def big_as_stored(
     codec: str = "zstd",
     dtype: str = "uint8",
     name: str = "evil.bin",
-) -> Callable[[Path], None]:
+) -> Callable[[Path], str]:
     """Make ``/big`` a ``dtype`` tensor of ``claim`` bytes stored as ``stored`` (correct checksum),
-    in a new payload file: only decoding can catch what is wrong. ``stored`` may be a function
-    making the bytes (bombs are built only when the entry is)."""
+    in a new payload file named ``name`` (returned): only decoding can catch what is wrong.
+    ``stored`` may be a function making the bytes (bombs are built only when the entry is)."""
 
-    def tamper(ck: Path) -> None:
+    def tamper(ck: Path) -> str:
         body = body_of(ck)
         data = stored() if callable(stored) else stored
         idx = add_file(ck, body, name, data)
@@ -212,6 +231,7 @@ def big_as_stored(
             codec=codec,
         )
         write_body(ck, body)
+        return name
 
     return tamper
 
@@ -397,13 +417,14 @@ def huge_file_claim(ck: Path) -> None:
     write_body(ck, body)
 
 
-def pack_bomb(ck: Path) -> None:
+def pack_bomb(ck: Path) -> str:
     body = body_of(ck)
     stored = zstd_bomb(256 << 20, declared=False)
     idx = add_file(ck, body, "packbomb.bin", stored)
     p = body["packs"][0]
     p[0], p[1], p[2], p[3], p[4] = idx, 0, len(stored), checksum(stored), "zstd"
     write_body(ck, body)
+    return "packbomb.bin"
 
 
 def outside_copy(ck: Path, body: dict[str, Any]) -> Path:
@@ -446,7 +467,7 @@ def _symlink_to_copy(ck: Path) -> str:
 
 
 def payload_dir_symlink(ck: Path) -> None:
-    d = ck / SAVE_ID
+    d = ck / body_of(ck)["save_id"]
     shutil.copytree(d, ck.parent / "outside-dir")
     shutil.rmtree(d)
     os.symlink(ck.parent / "outside-dir", d, target_is_directory=True)
@@ -489,24 +510,16 @@ def flip(name: str, *, pack: bool = False) -> Callable[[Path], None]:
     return tamper
 
 
-def resize_payload(delta: int) -> Callable[[Path], None]:
-    def tamper(ck: Path) -> None:
-        p = payload(ck, body_of(ck))
-        size = p.stat().st_size
-        with open(p, "r+b") as f:
-            f.truncate(size + delta if delta > -size else size // 2)
-
-    return tamper
-
-
 def manifest_over_limit(ck: Path) -> None:
-    """A sparse manifest one byte over the 1 GiB limit: refused by its size, never read."""
+    """A sparse 1 GiB + 1 byte manifest, far over ``MAX_MANIFEST_BYTES`` (256 MiB): refused by
+    its size, never read."""
     with open(ck / MANIFEST_NAME, "r+b") as f:
         f.truncate((1 << 30) + 1)
 
 
 def manifest_sparse(size: int) -> Callable[[Path], None]:
-    """A sparse manifest of ``size`` NUL bytes: under the size limit, so it is read and parsed."""
+    """A sparse manifest of ``size`` NUL bytes; over ``MAX_MANIFEST_BYTES`` (256 MiB) it is
+    refused by its size before reading, under it it is read and parsed."""
 
     def tamper(ck: Path) -> None:
         with open(ck / MANIFEST_NAME, "wb") as f:
@@ -599,6 +612,9 @@ class Entry:
     isolated: bool = False
     as_mb: int = 0
     """Address-space cap for this entry's own process (0: the test's default; isolated only)."""
+    match: str = ""
+    """What ``load``'s message must match in ``tests/test_safe_loading.py``, which also checks that
+    it names the file the tamper returns (default manifest.json); empty: not checked there."""
 
 
 def _entries() -> list[Entry]:
@@ -659,6 +675,7 @@ def _entries() -> list[Entry]:
             "checksum",
             "head names crc32c instead of xxh3_64",
             raw_manifest(lambda d: d.replace(b'"checksum":"xxh3_64:', b'"checksum":"crc32c:', 1)),
+            match="checksum",
         ),
         E(
             "version-future",
@@ -791,12 +808,14 @@ def _entries() -> list[Entry]:
             "fields",
             "files is an object",
             edit_body(lambda b: b.__setitem__("files", {})),
+            match="files",
         ),
         E(
             "tensors-not-object",
             "fields",
             "tensors is a list",
             edit_body(lambda b: b.__setitem__("tensors", [])),
+            match="tensors",
         ),
         E(
             "step-mismatch",
@@ -811,18 +830,21 @@ def _entries() -> list[Entry]:
             "traversal",
             "payload path ../outside.bin (a valid copy lies there)",
             set_path(lambda ck, b: (outside_copy(ck, b), "../outside.bin")[1]),
+            match="plain relative path",
         ),
         E(
             "path-absolute",
             "traversal",
             "payload path is the absolute path of a valid copy",
             set_path(lambda ck, b: str(outside_copy(ck, b))),
+            match="plain relative path",
         ),
         E(
             "path-dotdot-inside",
             "traversal",
             "payload path <id>/../<id>/r00000-0.bin",
-            set_path(lambda ck, b: f"{SAVE_ID}/../{b['files'][0][0]}"),
+            set_path(lambda ck, b: f"{b['save_id']}/../{b['files'][0][0]}"),
+            match="plain relative path",
         ),
         E(
             "path-backslash",
@@ -835,12 +857,14 @@ def _entries() -> list[Entry]:
             "traversal",
             "payload path with a NUL byte",
             set_path(lambda ck, b: b["files"][0][0] + "\x00"),
+            match="plain relative path",
         ),
         E(
             "path-manifest",
             "traversal",
             "payload path is manifest.json",
             set_path(lambda ck, b: MANIFEST_NAME),
+            match="manifest",
         ),
         E(
             "path-dev-zero",
@@ -858,13 +882,15 @@ def _entries() -> list[Entry]:
             "path-is-directory",
             "traversal",
             "payload path names the payload folder",
-            set_path(lambda ck, b: SAVE_ID),
+            path_to_directory,
+            match="regular file",
         ),
         E(
             "path-5-levels",
             "traversal",
             "payload path 5 components deep",
             set_path(lambda ck, b: "a/b/c/d/e.bin"),
+            match="plain relative path",
         ),
         # ---- symlinks, FIFOs, folders
         E(
@@ -917,6 +943,7 @@ def _entries() -> list[Entry]:
             "no manifest.json (never committed)",
             lambda ck: (ck / MANIFEST_NAME).unlink(),
             expect=("CheckpointNotFoundError",),
+            match="no manifest",
         ),
         E(
             "step-is-file",
@@ -934,6 +961,7 @@ def _entries() -> list[Entry]:
             "dtype",
             'dtype "torch.float32"',
             set_tensor("/big", "dtype", "torch.float32"),
+            match="allowlist",
         ),
         E("dtype-int", "dtype", "dtype 5", set_tensor("/big", "dtype", 5)),
         E(
@@ -961,6 +989,7 @@ def _entries() -> list[Entry]:
             "a bytes node referencing a bfloat16 tensor",
             set_tree("name", {"t": "bytes", "ref": "/small2"}),
             tree_only=True,
+            match="bytes|uint8|dtype",
         ),
         # ---- giant declared shapes
         E(
@@ -981,12 +1010,14 @@ def _entries() -> list[Entry]:
             "giant-shape",
             "shape [-1, 1024]",
             set_tensor("/big", "shape", [-1, 1024]),
+            match="shape",
         ),
         E(
             "shape-100-dims",
             "giant-shape",
             "100 dimensions",
             set_tensor("/big", "shape", [1] * 100),
+            match="dimensions",
         ),
         E(
             "shape-zero-times-huge",
@@ -1048,6 +1079,7 @@ def _entries() -> list[Entry]:
             "fields",
             "ndim [2, 1, 1] for dims [16, 4, 4, 5120]: same sum, /small [16, 4] over /small2",
             edit_body(lambda b: b[TABLE_KEY].__setitem__("ndim", [2, 1, 1])),
+            match="overlap",
         ),
         E(
             "table-pack-bool",
@@ -1066,6 +1098,7 @@ def _entries() -> list[Entry]:
             "dtype",
             'a packed-table dtype ["float32"] (unhashable)',
             set_table("dtype", "/small", ["float32"]),
+            match=r"\['float32'\] is not in the dtype allowlist",
         ),
         E(
             "table-name-twice",
@@ -1107,18 +1140,20 @@ def _entries() -> list[Entry]:
         ),
         E("chunk-gap", "overlap", "/big's chunk leaves its last row uncovered", chunk_gap),
         E("chunk-listed-twice", "overlap", "/big's chunk listed twice", chunk_listed_twice),
-        E("scalar-two-chunks", "overlap", "a scalar with two chunks", scalar_two_chunks),
+        E("scalar-two-chunks", "overlap", "a scalar with two chunks", scalar_two_chunks, match="cover|scalar"),
         E(
             "range-past-eof",
             "overlap",
             "a chunk ends past its file's recorded size",
             range_past_eof,
+            match="past the end",
         ),
         E(
             "pack-members-overlap",
             "overlap",
             "two packed tensors share raw bytes",
             edit_body(pack_members_overlap),
+            match="overlap",
         ),
         E(
             "table-overlap-across-forms",
@@ -1137,6 +1172,7 @@ def _entries() -> list[Entry]:
             "overlap",
             "chunk box offset [1, 0] pushes it outside the tensor",
             set_chunk("/big", 4, [1, 0]),
+            match="outside",
         ),
         E(
             "tiling-too-fragmented",
@@ -1248,14 +1284,15 @@ def _entries() -> list[Entry]:
             "one bit flipped in the pack holding /small",
             flip("/small", pack=True),
         ),
-        E("payload-truncated", "payload", "payload file cut in half", resize_payload(-(1 << 62))),
-        E("payload-extended", "payload", "payload file grew by 64 bytes", resize_payload(64)),
         E(
-            "payload-missing",
+            "payload-truncated",
             "payload",
-            "payload file deleted",
-            lambda ck: payload(ck, body_of(ck)).unlink(),
+            "payload file cut in half",
+            truncate_payload,
+            match="size|shorter",
         ),
+        E("payload-extended", "payload", "payload file grew by 64 bytes", extend_payload, match="size"),
+        E("payload-missing", "payload", "payload file deleted", remove_payload, match="missing|no such"),
         # ---- huge manifests
         E(
             "manifest-over-limit",
@@ -1272,7 +1309,8 @@ def _entries() -> list[Entry]:
         E(
             "manifest-sparse-400mib",
             "huge-manifest",
-            "sparse manifest.json of 400 MiB of NUL bytes, read under a 1.5 GiB address-space cap",
+            "sparse manifest.json of 400 MiB of NUL bytes (over the 256 MiB limit: refused by size "
+            "before reading), under a 1.5 GiB address-space cap",
             manifest_sparse(400 << 20),
             expect=("CorruptCheckpointError", "CheckpointError"),
             isolated=True,
@@ -1353,8 +1391,643 @@ def _entries() -> list[Entry]:
     return out
 
 
-ENTRIES: list[Entry] = _entries()
+def file_of(folder: Path, body: dict[str, Any], index: int) -> Path:
+    return folder / body["files"][index][0]
+
+
+# --------------------------------------------------------------------------- the unit list
+# Entries written for tests/test_safe_loading.py, with the message ``load`` must give.
+
+
+def unit(
+    name: str,
+    tamper: Callable[[Path], str | None],
+    match: str,
+    *,
+    compression: str | None = None,
+    error: type[Exception] = ckptlib.CorruptCheckpointError,
+    tree: bool = False,
+) -> Entry:
+    """An entry of the unit list: ``tamper`` may return the file name the error must mention
+    (default: manifest.json), ``match`` is what the message must match, ``tree``: the damage
+    is in the value tree (decoded by ``load`` only)."""
+    return Entry(
+        name,
+        "unit",
+        name,
+        tamper,
+        template="zstd" if compression else "raw",
+        expect=(error.__name__,),
+        tree_only=tree,
+        match=match,
+    )
+
+
+def text_sub(old: str, new: str) -> Callable[[bytes], bytes]:
+    def fn(data: bytes) -> bytes:
+        text = data.decode("ascii")
+        assert old in text, old
+        return text.replace(old, new, 1).encode("ascii")
+
+    return fn
+
+
+def created_sub(new: str) -> Callable[[Path], None]:
+    """Replace the ``created`` number in the manifest text (no re-checksum: parse errors come
+    first)."""
+
+    def tamper(folder: Path) -> None:
+        value = json.dumps(body_of(folder)["created"])
+        raw_manifest(text_sub(f'"created":{value}', f'"created":{new}'))(folder)
+
+    return tamper
+
+
+def set_body_field(field: str, value: Any) -> Callable[[Path], None]:
+    def edit(body: dict[str, Any]) -> None:
+        body[field] = value
+
+    return edit_body(edit)
+
+
+
+
+
+def flip_in_manifest_body(folder: Path) -> None:
+    data = manifest_path(folder).read_bytes()
+    i = data.index(b'"save_id":"') + len(b'"save_id":"')
+    flip_bit(manifest_path(folder), i, 0)  # '0'..'9a'..'f' -> another hex-ish character
+
+
+
+
+
+def nested_json(levels: int) -> Callable[[Path], None]:
+    """10,000 levels of raw JSON nesting in the tree (no checksum: the parser must refuse)."""
+
+    def tamper(folder: Path) -> None:
+        raw_manifest(text_sub('["name","x"]', '["name",' + "[" * levels + "]" * levels + "]"))(folder)
+
+    return tamper
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def raw_length_mismatch(folder: Path) -> None:
+    def edit(body: dict[str, Any]) -> None:
+        chunk0(body, "/big")[2] -= 4
+
+    rewrite_manifest(folder, edit)
+
+
+def huge_uint8_tensor(folder: Path) -> str:
+    """A 2**62-byte uint8 tensor in a file the manifest claims is that big (it is 64 bytes)."""
+    body = body_of(folder)
+    idx = add_payload(folder, body, b"\x00" * 64, "huge.bin")
+    body["files"][idx][1] = 2**62
+    set_single_chunk(body, "/big", file=idx, stored=b"", dtype="uint8", shape=[2**62])
+    chunk0(body, "/big")[2] = 2**62
+    write_manifest_bytes(folder, encode_manifest(body))
+    return "huge.bin"
+
+
+def set_file_path(make: Callable[[Path, str], str]) -> Callable[[Path], None]:
+    """Point files[0] at ``make(folder, current_path)``; a readable copy of the real payload is
+    put where a path-following reader would find it, so refusing is the only safe outcome."""
+
+    def tamper(folder: Path) -> None:
+        def edit(body: dict[str, Any]) -> None:
+            body["files"][0][0] = make(folder, body["files"][0][0])
+
+        rewrite_manifest(folder, edit)
+
+    return tamper
+
+
+def dot_prefix(folder: Path, rel: str) -> str:
+    return "./" + rel
+
+
+def backslashes(folder: Path, rel: str) -> str:
+    (folder / rel.replace("/", "\\")).write_bytes((folder / rel).read_bytes())
+    return rel.replace("/", "\\")
+
+
+def double_slash(folder: Path, rel: str) -> str:
+    return rel.replace("/", "//")
+
+
+def dot_inside(folder: Path, rel: str) -> str:
+    d, f = rel.split("/")
+    return f"{d}/./{f}"
+
+
+def to_directory(folder: Path, rel: str) -> str:
+    return rel.split("/")[0]  # the save-id folder itself
+
+
+def path_to_directory(folder: Path) -> str:
+    set_file_path(to_directory)(folder)
+    return body_of(folder)["files"][0][0]
+
+
+def duplicate_file(folder: Path) -> None:
+    def edit(body: dict[str, Any]) -> None:
+        body["files"].append(list(body["files"][0]))
+
+    rewrite_manifest(folder, edit)
+
+
+def manifest_size_edit(delta: int) -> Callable[[Path], str]:
+    def tamper(folder: Path) -> str:
+        body = rewrite_manifest(folder, lambda b: b["files"][0].__setitem__(1, b["files"][0][1] + delta))
+        return Path(body["files"][0][0]).name
+
+    return tamper
+
+
+def flip_payload(name: str) -> Callable[[Path], str]:
+    """Flip one bit in the middle of the stored bytes holding tensor ``name``."""
+
+    def tamper(folder: Path) -> str:
+        body = body_of(folder)
+        f, start, length = tensor_ranges(body, name)[0]
+        path = file_of(folder, body, f)
+        flip_bit(path, start + length // 2, 3)
+        return path.name
+
+    return tamper
+
+
+def truncate_payload(folder: Path) -> str:
+    path = payload_files(folder)[0]
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    return path.name
+
+
+def extend_payload(folder: Path) -> str:
+    path = payload_files(folder)[0]
+    with open(path, "ab") as f:
+        f.write(b"\x00" * 64)
+    return path.name
+
+
+def truncate_payload_and_manifest(folder: Path) -> None:
+    """Truncate the file and make the manifest agree on the new size: ranges now end past it."""
+    path = payload_files(folder)[0]
+    size = path.stat().st_size // 2
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    rewrite_manifest(folder, lambda b: b["files"][0].__setitem__(1, size))
+
+
+def remove_payload(folder: Path) -> str:
+    path = payload_files(folder)[0]
+    path.unlink()
+    return path.name
+
+
+def symlink_payload(folder: Path) -> str:
+    path = payload_files(folder)[0]
+    outside = folder.parent / "outside.bin"
+    shutil.copyfile(path, outside)
+    path.unlink()
+    path.symlink_to(outside)
+    return path.name
+
+
+def symlink_payload_dir(folder: Path) -> str:
+    d = payload_dir(folder, body_of(folder))
+    outside = folder.parent / "outside-dir"
+    shutil.copytree(d, outside)
+    shutil.rmtree(d)
+    d.symlink_to(outside, target_is_directory=True)
+    return d.name
+
+
+def fifo_payload(folder: Path) -> str:
+    path = payload_files(folder)[0]
+    path.unlink()
+    os.mkfifo(path)
+    return path.name
+
+
+def directory_payload(folder: Path) -> str:
+    path = payload_files(folder)[0]
+    path.unlink()
+    path.mkdir()
+    return path.name
+
+
+def symlink_manifest(folder: Path) -> None:
+    outside = folder.parent / "outside.json"
+    shutil.copyfile(manifest_path(folder), outside)
+    manifest_path(folder).unlink()
+    manifest_path(folder).symlink_to(outside)
+
+
+def fifo_manifest(folder: Path) -> None:
+    manifest_path(folder).unlink()
+    os.mkfifo(manifest_path(folder))
+
+
+def directory_manifest(folder: Path) -> None:
+    manifest_path(folder).unlink()
+    manifest_path(folder).mkdir()
+
+
+# -- zstd
+
+
+RAW_CLAIM = 4096  # what the manifest says the chunk decodes to
+
+
+# -- packs (small tensors)
+
+
+def pack_edit(fn: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def tamper(folder: Path) -> None:
+        assert body_of(folder).get("packs"), "the writer no longer packs small tensors"
+        rewrite_manifest(folder, fn)
+
+    return tamper
+
+
+def _small_is_a_row(body: dict[str, Any]) -> None:
+    assert packed_row(body, "/small") is not None and packed_row(body, "/small2") is not None
+
+
+def pack_overlap(body: dict[str, Any]) -> None:
+    # /small2 (32 bytes) now starts where /small (64 bytes) does: members overlap
+    _small_is_a_row(body)
+    set_packed_location(body, "/small2", offset=packed_location(body, "/small")[1])
+
+
+def pack_overlap_across_forms(body: dict[str, Any]) -> None:
+    """/small2 in the older dict form, /small a table row, overlapping: the overlap check
+    spans both forms."""
+    pack_overlap(body)
+    row_to_dict_form(body, "/small2")
+
+
+def piece_past_pack(body: dict[str, Any]) -> None:
+    # /small (64 bytes) starts 8 bytes before the end of its pack
+    _small_is_a_row(body)
+    pack, _ = packed_location(body, "/small")
+    set_packed_location(body, "/small", offset=body["packs"][pack][5] - 8)
+
+
+def pack_bad_raw_length(body: dict[str, Any]) -> None:
+    body["packs"][0][5] += 1
+
+
+def pack_codec(body: dict[str, Any]) -> None:
+    body["packs"][0][4] = "zstd-shuffle"
+
+
+def pack_index(body: dict[str, Any]) -> None:
+    _small_is_a_row(body)
+    set_packed_location(body, "/small", pack=7)
+
+
+
+
+
+
+
+
+# -- the packed table (``body[TABLE_KEY]``): one row per small tensor stored whole in a pack.
+# The base checkpoint's rows: 0 /small float32 [16] at 0, 1 /small2 bfloat16 [4, 4] at 64,
+# 2 /blob uint8 [5120] at 96, all in pack 0 (raw length 5216); dims = [16, 4, 4, 5120].
+
+ROWS = ["/small", "/small2", "/blob"]
+
+
+def table_edit(fn: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Callable[[Path], None]:
+    """``fn(table, body)`` edits the packed table; the manifest is rewritten with a valid
+    checksum so that the table's validation is what must refuse it."""
+
+    def edit(body: dict[str, Any]) -> None:
+        assert table_rows(body) == ROWS, body.get(TABLE_KEY)  # the cases rely on this layout
+        fn(body[TABLE_KEY], body)
+
+    return edit_body(edit)
+
+
+def set_cell(column: str, row: int, value: Any) -> Callable[[Path], None]:
+    return table_edit(lambda t, b: t[column].__setitem__(row, value))
+
+
+def set_column(column: str, value: Any) -> Callable[[Path], None]:
+    return table_edit(lambda t, b: t.__setitem__(column, value))
+
+
+def set_row_shape(row: int, shape: list[int]) -> Callable[[Path], None]:
+    """Row ``row`` declares ``shape`` (``ndim`` and ``dims`` kept consistent)."""
+
+    def fn(t: dict[str, Any], body: dict[str, Any]) -> None:
+        t["dims"][row_dims(body, row)] = shape
+        t["ndim"][row] = len(shape)
+
+    return table_edit(fn)
+
+
+def row_also_in_tensors(t: dict[str, Any], body: dict[str, Any]) -> None:
+    """/small is a table row and also a valid dict-form entry for the same bytes."""
+    pack, offset = packed_location(body, "/small")
+    body["tensors"]["/small"] = {"dtype": "float32", "shape": [16], "packed": [[pack, offset]]}
+
+
+def extra_row_without_dims(t: dict[str, Any], body: dict[str, Any]) -> None:
+    """A fourth row in every column but ``dims``: lengths agree, ``sum(ndim) != len(dims)``."""
+    for column, value in zip(TABLE_COLUMNS, ["/extra", "uint8", 1, None, 0, 5215], strict=True):
+        if column != "dims":
+            t[column].append(value)
+
+
+def tree_case(node: Any, match: str, name: str) -> Entry:
+    return unit(name, set_tree("name", node), match, tree=True)
+
+
+UNIT_ENTRIES: list[Entry] = [
+    # ---- manifest bytes
+    unit("garbled-head", raw_manifest(lambda d: d[:30] + b"#garbage#" + d[45:]), "format"),
+    unit("garbled-body", raw_manifest(lambda d: d[: len(d) // 2] + b"\x00}]{[" + d[len(d) // 2 + 5 :]), "invalid JSON|checksum"),
+    unit("not-utf8", raw_manifest(lambda d: b"\xff\xfe" + d[2:]), "UTF-8"),
+    unit("empty", raw_manifest(lambda d: b""), "invalid JSON"),
+    unit("truncated-half", raw_manifest(lambda d: d[: len(d) // 2]), "invalid JSON"),
+    unit("truncated-1-byte", raw_manifest(lambda d: d[:-1]), "invalid JSON"),
+    unit("not-an-object", raw_manifest(lambda d: b"[1, 2, 3]"), "object"),
+    unit("null", raw_manifest(lambda d: b"null"), "object"),
+    unit("checksum-mismatch", forged_checksum, "checksum mismatch"),
+    unit("bit-flip-in-manifest", flip_in_manifest_body, "checksum mismatch|save_id"),
+    unit("checksum-not-string", raw_manifest(text_sub('"checksum":"xxh3_64:', '"checksum":5,"x":"')), "checksum"),
+    unit("format-marker", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), fmt="other")), "format marker"),
+    unit("version-2", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=2)), "format_version 2 is newer", error=ckptlib.ManifestVersionError),
+    unit("version-10**6", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=10**6)), "newer", error=ckptlib.ManifestVersionError),
+    *[
+        unit(f"version-{v!r}", lambda f, v=v: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=v)), "format_version")
+        for v in (0, -1, "1", 1.0, True, None)
+    ],
+    unit("duplicate-keys", raw_manifest(text_sub('"body":{', '"body":{"step":1,')), "duplicate"),
+    unit("duplicate-top-keys", raw_manifest(text_sub('"format":"ckptlib"', '"format":"ckptlib","format":"ckptlib"')), "duplicate"),
+    unit("nan-literal", created_sub("NaN"), "NaN"),
+    unit("infinity-literal", created_sub("Infinity"), "Infinity"),
+    unit("minus-infinity-literal", created_sub("-Infinity"), "Infinity"),
+    unit("huge-int-literal", created_sub("9" * 5000), "invalid JSON"),
+    unit("nesting-10000", nested_json(10_000), "invalid JSON|deep|recursion"),
+    # ---- body fields
+    unit("save-id", set_body_field("save_id", "../../etc"), "save_id"),
+    unit("world-size", set_body_field("world_size", 0), "world_size"),
+    unit("commit-mode", set_body_field("commit", "yolo"), "commit"),
+    unit("checksum-algo", set_body_field("checksum_algorithm", "md5"), "checksum_algorithm"),
+    unit("step-negative", set_body_field("step", -1), "step"),
+    unit("step-string", set_body_field("step", "5"), "step"),
+    unit("created-string", set_body_field("created", "now"), "created"),
+    unit("extra-not-object", set_body_field("extra", []), "extra"),
+    unit("files-missing", edit_body(lambda b: b.pop("files")), "files"),
+    # ---- value tree
+    unit("deep-tree-300", deep_tree(300), "deeper", tree=True),
+    tree_case({"t": "pickle", "v": "gASVAA=="}, "unknown node kind", "unknown-node-kind"),
+    tree_case({"t": "tensor", "ref": "/nope"}, "names no tensor", "dangling-tensor-ref"),
+    tree_case({"t": "bytes", "ref": "/nope"}, "names no tensor", "dangling-bytes-ref"),
+    tree_case({"t": "tensor"}, "names no tensor", "ref-missing"),
+    tree_case({"t": "bytes", "b64": "!!not base64!!"}, "base64", "bad-base64"),
+    tree_case({"t": "dict", "items": [[1.5, 1]]}, "key", "float-key"),
+    tree_case({"t": "dict", "items": [[None, 1]]}, "key", "null-key"),
+    tree_case({"t": "dict", "items": [["a", 1], ["a", 2]]}, "duplicate", "duplicate-tree-keys"),
+    tree_case({"t": "dict", "items": [["a"]]}, "key, value", "bad-dict-item"),
+    tree_case({"t": "list", "items": "abc"}, "items", "items-not-list"),
+    tree_case({"t": "dtype", "v": "qint8"}, "allowlist", "dtype-node"),
+    tree_case({"t": "float", "v": "1e5"}, "float", "float-node"),
+    tree_case({"t": "stateful", "v": [1]}, "stateful|unexpected", "stateful-list"),
+    tree_case([1, 2], "unexpected list", "bare-json-list"),
+    # ---- tensor entries
+    unit("unknown-dtype", set_tensor("/big", "dtype", "float128"), "allowlist"),
+    unit("quantized-dtype", set_tensor("/big", "dtype", "qint8"), "allowlist"),
+    unit("dtype-null", set_tensor("/big", "dtype", None), "allowlist"),
+    unit("shape-2**62", set_tensor("/big", "shape", [2**62]), "2\\^62"),
+    unit("shape-2**31-squared", set_tensor("/big", "shape", [2**31, 2**31]), "2\\^62"),
+    unit("shape-2**70", set_tensor("/big", "shape", [2**70]), "2\\^62"),
+    unit("shape-float", set_tensor("/big", "shape", [64.0, 1024]), "shape"),
+    unit("shape-string", set_tensor("/big", "shape", ["64", 1024]), "shape"),
+    unit("shape-bool", set_tensor("/big", "shape", [True, 1024]), "shape"),
+    unit("shape-null", set_tensor("/big", "shape", [None, 1024]), "shape"),
+    unit("shape-not-list", set_tensor("/big", "shape", "64x1024"), "shape"),
+    unit("shape-larger", set_tensor("/big", "shape", [64, 1025]), "cover"),
+    unit("no-chunks", set_tensor("/big", "chunks", []), "cover"),
+    unit("chunks-not-list", set_tensor("/big", "chunks", "x"), "list"),
+    unit("uint8-2**62-bytes", huge_uint8_tensor, "huge.bin"),
+    # ---- chunks
+    unit("unknown-codec", set_chunk("/big", 6, "lz4"), "codec"),
+    unit("codec-null", set_chunk("/big", 6, None), "codec"),
+    unit("file-index-out-of-range", set_chunk("/big", 0, 99), "file"),
+    unit("file-index-negative", set_chunk("/big", 0, -1), "file"),
+    unit("file-index-bool", set_chunk("/big", 0, True), "file"),
+    unit("start-negative", set_chunk("/big", 1, -64), "start"),
+    unit("chunk-checksum-not-string", set_chunk("/big", 3, 12345), "checksum"),
+    unit("offset-rank", set_chunk("/big", 4, [0]), "rank"),
+    unit("chunk-6-fields", edit_body(lambda b: chunk0(b, "/big").pop()), "7 fields"),
+    unit("raw-length-mismatch", raw_length_mismatch, "raw size"),
+    unit("ranges-overlap-between-tensors", overlapping_tensors, "overlap"),
+    unit("chunks-leave-gap", chunk_gap, "cover"),
+    unit("chunks-overlap-in-tensor", chunks_overlap_in_tensor, "overlap or leave gaps"),
+    # ---- files and paths
+    unit("path-dot-prefix", set_file_path(dot_prefix), "plain relative path"),
+    unit("path-backslashes", set_file_path(backslashes), "plain relative path"),
+    unit("path-double-slash", set_file_path(double_slash), "plain relative path"),
+    unit("path-dot-inside", set_file_path(dot_inside), "plain relative path"),
+    unit("path-empty", set_file_path(lambda f, r: ""), "plain relative path"),
+    unit("path-marker", set_file_path(lambda f, r: ".ckptlib"), "plain relative path"),
+    unit("path-tilde", set_file_path(lambda f, r: "~/x.bin"), "plain relative path"),
+    unit("file-listed-twice", duplicate_file, "twice"),
+    unit("file-entry-short", edit_body(lambda b: b["files"][0].pop()), "path, size"),
+    unit("file-size-negative", edit_body(lambda b: b["files"][0].__setitem__(1, -1)), "size"),
+    unit("file-size-string", edit_body(lambda b: b["files"][0].__setitem__(1, "9")), "size"),
+    unit("file-path-int", edit_body(lambda b: b["files"][0].__setitem__(0, 5)), "path"),
+    # ---- payload files
+    unit("bit-flip-chunk", flip_payload("/big"), "checksum mismatch"),
+    unit("bit-flip-chunk-2", flip_payload("/big2"), "checksum mismatch"),
+    unit("bit-flip-small-tensor", flip_payload("/small"), "checksum mismatch"),
+    unit("bit-flip-zstd", flip_payload("/big"), "checksum mismatch", compression="zstd"),
+    unit("bit-flip-small-zstd", flip_payload("/small"), "checksum mismatch", compression="zstd"),
+    unit("payload-size-recorded-larger", manifest_size_edit(+1), "size"),
+    unit("payload-size-recorded-smaller", manifest_size_edit(-1), "past the end|size"),
+    unit("payload-and-manifest-truncated", truncate_payload_and_manifest, "past the end"),
+    unit("payload-symlink", symlink_payload, "symlink"),
+    unit("payload-dir-symlink", symlink_payload_dir, "symlink"),
+    unit("payload-fifo", fifo_payload, "regular file"),
+    unit("payload-directory", directory_payload, "regular file"),
+    # ---- the manifest file itself
+    unit("manifest-symlink", symlink_manifest, "symlink"),
+    unit("manifest-fifo", fifo_manifest, "regular file"),
+    unit("manifest-directory", directory_manifest, "regular file"),
+    unit("folder-missing", lambda f: shutil.rmtree(f), "no checkpoint|no manifest", error=ckptlib.CheckpointNotFoundError),
+    # ---- zstd
+    unit("zstd-claims-more", big_as_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=RAW_CLAIM + 512)), "declares"),
+    unit("zstd-expands-more", big_as_stored(zstd_frame(bytes(RAW_CLAIM + 512), declared=None)), "expands past"),
+    unit("zstd-expands-less", big_as_stored(zstd_frame(bytes(100), declared=None)), "expands to 100"),
+    unit("zstd-claims-less-raw", big_as_stored(zstd_frame(bytes(100), declared=100)), "declares|expands"),
+    unit("zstd-garbage-raw", big_as_stored(b"\x28\xb5\x2f\xfd" + bytes(random_tensor((200,), torch.uint8, 6).tolist())), "zstd"),
+    unit("zstd-no-magic", big_as_stored(b"not zstd at all" * 10), "zstd"),
+    unit("zstd-bomb-declared", big_as_stored(lambda: zstd_bomb(1 << 30, declared=True)), "declares"),
+    unit("zstd-bomb", big_as_stored(lambda: zstd_bomb(1 << 30, declared=False)), "expands past"),
+    # ---- packs
+    unit("pack-piece-past-end", pack_edit(piece_past_pack), "past the end"),
+    unit("pack-raw-length", pack_edit(pack_bad_raw_length), "length"),
+    unit("pack-codec", pack_edit(pack_codec), "codec"),
+    unit("pack-index", pack_edit(pack_index), "pack"),
+    unit("pack-overlaps-chunk", pack_edit(pack_over_chunk), "overlap"),
+    unit("pack-zstd-bomb", pack_bomb, "expands past"),
+    unit("pack-overlap-table-and-dict-form", pack_edit(pack_overlap_across_forms), "overlap"),
+    # ---- the packed table
+    unit("table-not-object", set_body_field(TABLE_KEY, [["/small", "float32", 1, 16, 0, 0]]), "packed_tensors must be an object"),
+    unit("table-string", set_body_field(TABLE_KEY, "rows"), "packed_tensors must be an object"),
+    unit("table-null", set_body_field(TABLE_KEY, None), "packed_tensors must be an object"),
+    unit("table-missing", edit_body(lambda b: b.pop(TABLE_KEY)), "names no tensor", tree=True),
+    unit("table-row-dropped", table_edit(lambda t, b: drop_row(b, "/small2")), "names no tensor", tree=True),
+    unit("table-column-missing", table_edit(lambda t, b: t.pop("ndim")), "exactly the columns"),
+    unit("table-column-extra", table_edit(lambda t, b: t.__setitem__("checksum", ["0"] * 3)), "exactly the columns"),
+    unit("table-column-renamed", table_edit(lambda t, b: t.__setitem__("Name", t.pop("name"))), "exactly the columns"),
+    unit("table-column-longer", table_edit(lambda t, b: t["pack"].append(0)), "different lengths"),
+    unit("table-column-shorter", table_edit(lambda t, b: t["offset"].pop()), "different lengths"),
+    unit("table-name-column-longer", table_edit(lambda t, b: t["name"].append("/extra")), "different lengths"),
+    unit("table-dtype-column-shorter", table_edit(lambda t, b: t["dtype"].pop()), "different lengths"),
+    unit("table-dims-longer-than-ndim", table_edit(lambda t, b: t["dims"].append(1)), "dims holds 5 values, ndim adds up to 4"),
+    unit("table-ndim-short", set_cell("ndim", 1, 1), "dims holds 4 values, ndim adds up to 3"),
+    unit("table-row-without-dims", table_edit(extra_row_without_dims), "dims holds 4 values, ndim adds up to 5"),
+    # same sum(ndim), rows regrouped: /small becomes [16, 4] (256 bytes) over /small2's bytes
+    unit("table-ndim-65", set_cell("ndim", 0, 65), r"ndim holds an integer outside \[0, 64\]"),
+    unit("table-ndim-negative", set_cell("ndim", 0, -1), r"ndim holds an integer outside"),
+    unit("table-pack-bool-row0", set_cell("pack", 0, True), "pack must be a list of integers"),
+    unit("table-ndim-bool", set_cell("ndim", 2, False), "ndim must be a list of integers"),
+    unit("table-dims-bool", set_cell("dims", 0, True), "dims must be a list of integers"),
+    unit("table-offset-float", set_cell("offset", 0, 0.0), "offset must be a list of integers"),
+    unit("table-dims-float", set_cell("dims", 0, 16.0), "dims must be a list of integers"),
+    unit("table-ndim-string", set_cell("ndim", 0, "1"), "ndim must be a list of integers"),
+    unit("table-pack-string", set_cell("pack", 0, "0"), "pack must be a list of integers"),
+    unit("table-dims-null", set_cell("dims", 3, None), "dims must be a list of integers"),
+    unit("table-offset-list", set_cell("offset", 1, [64]), "offset must be a list of integers"),
+    unit("table-offset-not-list", set_column("offset", 0), "offset must be a list of integers"),
+    unit("table-dims-object", set_column("dims", {"0": 16}), "dims must be a list of integers"),
+    unit("table-dims-2**64", set_cell("dims", 0, 2**64), "dims holds an integer outside"),
+    unit("table-dims-2**63", set_cell("dims", 0, 2**63), "dims holds an integer outside"),
+    unit("table-dims-10**40", set_cell("dims", 0, 10**40), "dims holds an integer outside"),
+    unit("table-dims-below-int64", set_cell("dims", 0, -(2**63) - 1), "dims holds an integer outside"),
+    unit("table-dims-2**62+1", set_cell("dims", 0, 2**62 + 1), "dims holds an integer outside"),
+    unit("table-offset-2**64", set_cell("offset", 0, 2**64), "offset holds an integer outside"),
+    unit("table-pack-2**70", set_cell("pack", 0, 2**70), "pack holds an integer outside"),
+    unit("table-dim-zero", set_cell("dims", 0, 0), r"dims holds an integer outside \[1, "),
+    unit("table-dim-negative", set_cell("dims", 3, -1), "dims holds an integer outside"),
+    unit("table-row-2**62-elements", set_cell("dims", 0, 2**62), "/small.*declares more than 2\\^62 bytes"),
+    unit("table-row-2**31-squared", set_row_shape(1, [2**31, 2**31]), "/small2.*declares more than 2\\^62 bytes"),
+    unit("table-row-64-dims-of-2", set_row_shape(0, [2] * 64), "/small.*declares more than 2\\^62 bytes"),
+    unit("table-row-2**63-elements", set_row_shape(0, [2**21] * 3), "/small.*declares more than 2\\^62 bytes"),
+    # exactly 2^62 bytes passes the size bound and must still fit in its pack
+    unit("table-row-2**62-bytes", set_row_shape(2, [2**62]), "/blob.*ends past the end of pack 0"),
+    unit("table-offset-at-pack-end", set_cell("offset", 2, 5216), "/blob.*ends past the end of pack 0"),
+    unit("table-offset-1-past", set_cell("offset", 2, 97), "/blob.*ends past the end of pack 0"),
+    unit("table-offset-2**62", set_cell("offset", 0, 2**62), "/small.*ends past the end of pack 0"),
+    unit("table-offset-negative", set_cell("offset", 0, -1), "offset holds an integer outside"),
+    unit("table-pack-index-1", set_cell("pack", 1, 1), r"pack holds an integer outside \[0, 0\]"),
+    unit("table-pack-index-7", set_cell("pack", 0, 7), r"pack holds an integer outside \[0, 0\]"),
+    unit("table-pack-negative", set_cell("pack", 0, -1), "pack holds an integer outside"),
+    unit("table-no-packs", edit_body(lambda b: b.__setitem__("packs", [])), r"pack holds an integer outside \[0, -1\]"),
+    unit("table-name-duplicate", set_cell("name", 1, "/small"), "a tensor name is listed twice"),
+    unit("table-name-also-in-tensors", set_cell("name", 0, "/big"), "'/big' is listed twice"),
+    unit("table-row-also-dict-form", table_edit(row_also_in_tensors), "'/small' is listed twice"),
+    unit("table-name-int", set_cell("name", 0, 5), "name must be a list of strings"),
+    unit("table-name-null", set_cell("name", 0, None), "name must be a list of strings"),
+    unit("table-name-list", set_cell("name", 0, ["/small"]), "name must be a list of strings"),
+    unit("table-name-too-long", set_cell("name", 0, "/" + "x" * 5000), "at most 4096 characters"),
+    unit("table-name-not-list", set_column("name", "/small"), "name must be a list of strings"),
+    unit("table-dtype-float128", set_cell("dtype", 0, "float128"), "'float128' is not in the dtype allowlist"),
+    unit("table-dtype-prefixed", set_cell("dtype", 1, "torch.bfloat16"), "not in the dtype allowlist"),
+    unit("table-dtype-object", set_cell("dtype", 0, {"float32": 1}), "not in the dtype allowlist"),
+    unit("table-dtype-null", set_cell("dtype", 2, None), "None is not in the dtype allowlist"),
+    unit("table-dtype-int", set_cell("dtype", 2, 1), "not in the dtype allowlist"),
+    unit("table-dtype-not-list", set_column("dtype", "float32"), "not in the dtype allowlist"),
+    # a wider dtype makes a row run over its neighbour or off the pack
+    unit("table-dtype-wider-overlaps", set_cell("dtype", 1, "float32"), "pack 0: members '/small2' and '/blob' overlap"),
+    unit("table-dtype-wider-past-end", set_cell("dtype", 2, "int64"), "/blob.*ends past the end of pack 0"),
+    unit("table-rows-overlap", table_edit(lambda t, b: t["offset"].__setitem__(1, 0)), "pack 0: members '/small' and '/small2' overlap"),
+]
+
+
+ENTRIES: list[Entry] = _entries() + UNIT_ENTRIES
 BY_NAME: dict[str, Entry] = {e.name: e for e in ENTRIES}
+
+
+# --------------------------------------------------------------------------- judging
+
+
+AS_LIMIT_MB = 2048
+"""RLIMIT_AS of the loading processes (torch alone maps about 0.9 GiB of it)."""
+SLOW_S = 20.0
+"""An entry point slower than this on one hostile input is a failure (a quadratic check, a spin)."""
+
+
+def judge(entry: Entry, r: dict[str, Any]) -> list[str]:
+    """Every way ``r`` (``load_one.py``'s line for ``entry``) is wrong; empty: refused as it must be.
+
+    ``ckptlib.load`` raises one of ``entry.expect`` (or, for ``load_ok`` damage that only the
+    manager or ``load_metadata`` sees, returns exactly the saved state); ``load_metadata``,
+    ``check_step`` (deep), ``CheckpointManager.steps()`` and ``restore`` raise nothing but ckptlib
+    errors, and whatever succeeds returns exact data; the deep check does not call a damaged step
+    committed (except ``tree_only`` damage, which only ``load`` decodes); the manager never
+    restores a step whose load fails; nothing is slow; peak RSS (if measured) stays under the cap.
+    """
+    ops = r["ops"]
+    bad = []
+
+    def foreign(op: str) -> None:
+        o = ops[op]
+        if o["outcome"] == "error" and not o["ckptlib"]:
+            bad.append(f"{op}: foreign {o['cls']}: {o['msg'][:200]}")
+
+    load = ops["load"]
+    if load["outcome"] == "ok":
+        if not (entry.load_ok and load.get("exact")):
+            bad.append(f"load succeeded (exact={load.get('exact')}): a hostile input was accepted")
+    elif not load["ckptlib"] or not set(entry.expect) & set(load["mro"]):
+        bad.append(f"load: {load['cls']} is not one of {entry.expect}: {load['msg'][:200]}")
+    for op in ("load_metadata", "steps", "restore", "verify"):
+        foreign(op)
+    if ops["load_metadata"]["outcome"] == "ok" and not ops["load_metadata"].get("exact"):
+        bad.append("load_metadata returned wrong metadata")
+    verify = ops["verify"]
+    loads_exactly = load["outcome"] == "ok" and load.get("exact")
+    if verify.get("status") == "committed" and not (entry.tree_only or loads_exactly):
+        bad.append("check_step(deep=True) calls the damaged step committed")
+    restore = ops["restore"]
+    if (
+        restore["outcome"] == "ok"
+        and restore.get("value") == STEP
+        and not (loads_exactly and verify.get("status") == "committed")
+    ):
+        bad.append("restore() restored the hostile step")
+    slow = {op: o["s"] for op, o in ops.items() if o.get("s", 0) > SLOW_S}
+    if slow:
+        bad.append(f"too slow: {slow}")
+    cap = entry.as_mb or AS_LIMIT_MB
+    if r.get("rss_peak_mb", 0) >= cap:
+        bad.append(f"peak RSS {r['rss_peak_mb']} MB reached the {cap} MB cap")
+    return bad
+
 
 
 # --------------------------------------------------------------------------- building

@@ -51,7 +51,9 @@ from ckptlib.format.checksum import checksum
 from ckptlib.format.manifest import TABLE_KEY
 
 from .corpus import (
+    AS_LIMIT_MB,
     MANIFEST_NAME,
+    SLOW_S,
     STEP,
     STEP_DIR,
     base_state,
@@ -504,7 +506,7 @@ def test_fuzz_zstd_frames(templates: dict[str, Path], kept: Path, workdir: Path)
 def test_fuzzed_inputs_under_memory_cap(kept: Path) -> None:
     """The kept mutated folders, loaded again in one load_one.py process under the cap: only
     ckptlib errors (or exact loads), bounded time, peak RSS under the cap."""
-    from .test_malicious import AS_LIMIT_MB, SLOW_S, run_batch
+    from .test_malicious import run_batch
 
     roots = sorted(p for p in kept.iterdir() if p.is_dir())
     if not roots:
