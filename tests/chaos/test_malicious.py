@@ -35,8 +35,10 @@ pytestmark = [pytest.mark.chaos]
 REPO = Path(__file__).resolve().parents[2]
 LOAD_ONE = Path(__file__).resolve().parent / "load_one.py"
 CPU_LIMIT_S = 120
-ENTRY_DEADLINE_S = 30.0
-"""Wall-clock seconds an entry may take (all five entry points) before it counts as a hang."""
+ENTRY_DEADLINE_S = float(CPU_LIMIT_S)
+"""Wall-clock seconds an entry may take (all five entry points) before it counts as a hang: as
+long as its CPU-time cap, since on a busy 2-core machine wall time runs well past CPU time (a
+real hang never answers at all; the report records each entry's actual time)."""
 READY_DEADLINE_S = 90.0
 """Interpreter start and ``import torch`` on a loaded 2-core CI machine."""
 PARALLEL = 3
