@@ -39,14 +39,9 @@ def install(
         url = os.fspath(url)
         if "://" not in url:
             url = os.path.abspath(url)
-    if step_fn is None:
 
-        def step_of(tag: str) -> int:
-            return int(engine.global_steps)
-    else:
-
-        def step_of(tag: str) -> int:
-            return int(step_fn(engine, tag))
+    def step_of(tag: str) -> int:
+        return int(engine.global_steps if step_fn is None else step_fn(engine, tag))
 
     cls = engine_class()
     ce = cls(
@@ -54,12 +49,8 @@ def install(
         coordinator=coordinator or default_coordinator(),
         step_fn=step_of,
         previous=getattr(engine, "checkpoint_engine", None),
-        manager_options={
-            "keep_last": keep_last,
-            "keep_every": keep_every,
-            "compression": compression,
-            "save_timeout": save_timeout,
-        },
+        manager_options={"keep_last": keep_last, "keep_every": keep_every,
+                         "compression": compression, "save_timeout": save_timeout},
         storage_options=storage_options,
     )
     engine.checkpoint_engine = ce
