@@ -10,13 +10,7 @@ from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
 from ckptlib.backends.retry import deadline_scope
 
 __all__ = [
-    "Entry",
-    "ReadHandle",
-    "Storage",
-    "WriteStream",
-    "deadline_scope",
-    "join",
-    "open_storage",
+    "Entry", "ReadHandle", "Storage", "WriteStream", "deadline_scope", "join", "open_storage",
 ]
 
 

@@ -53,14 +53,12 @@ def stats() -> dict[str, int]:
         return {"retries": _totals["retries"], "giveups": _totals["giveups"]}
 
 
-TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
-        "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
-        "BandwidthLimitExceeded", "OperationAborted", "ConditionalRequestConflict",
-        "500", "502", "503", "504", "429", "InternalServerError", "BadGateway", "GatewayTimeout",
-    }
-)
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
+    "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+    "BandwidthLimitExceeded", "OperationAborted", "ConditionalRequestConflict",
+    "500", "502", "503", "504", "429", "InternalServerError", "BadGateway", "GatewayTimeout",
+})
 """S3 error codes worth another attempt (ConditionalRequestConflict: a concurrent conditional
 write on the same key is still in flight; the retry then gets a definite answer)."""
 

@@ -13,13 +13,8 @@ Reads: ranged GETs; a read larger than ``read_split`` is split into ranges fetch
 parallel. Listings go straight to ``ListObjectsV2`` (no listings cache: a stale cache must
 never hide or resurrect a step).
 
-Storage options (everything else is passed to ``s3fs.S3FileSystem`` unchanged):
-``ckptlib_conditional_put`` (bool, default True), ``ckptlib_part_size`` (bytes, default 16 MiB,
-at least 5 MiB), ``ckptlib_parts_in_flight`` (default 4), ``ckptlib_read_split`` (bytes, default
-16 MiB), ``ckptlib_retry`` (a :class:`~ckptlib.backends.retry.RetryPolicy` or a dict of its
-fields). Unless given in ``config_kwargs``, botocore's own retries are turned off (ours take
-their place, so attempts do not multiply), its timeouts follow ``attempt_timeout``, and
-checksums are computed only where S3 requires them (ckptlib checksums every chunk itself).
+Storage options (``ckptlib_*``; the rest go to ``s3fs.S3FileSystem``) and the botocore settings
+ckptlib changes: docs/storage.md.
 """
 
 from __future__ import annotations

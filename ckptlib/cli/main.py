@@ -1,17 +1,7 @@
-"""``ckptlib``: look at, check and prune checkpoints from the shell (see docs/cli.md).
-
-    ckptlib ls URL                       one row per step: step, status, size, ranks, age
-    ckptlib inspect URL [--step N]       header and tensors: name, dtype, shape, sharding, bytes
-    ckptlib verify URL [--step N|--all]  deep check of checksums; exit 0 only if all good
-    ckptlib prune URL --keep-last N [--keep-every K] [--dry-run]
-    ckptlib export URL [--step N] --to zarr3|safetensors OUT [--select PREFIX]  (cli/export.py)
-    ckptlib diff URL_A URL_B [--step-a N] [--step-b M]                        (cli/diff.py)
-
-Every command takes ``--json`` (one JSON document on stdout) and ``--storage-option
-KEY=VALUE`` (repeatable; fsspec storage options, values parsed as JSON when they parse).
-Exit status: 0 ok; 1 only from ``verify``, when it found a corrupt or incomplete step, and
-from ``diff``, when the tensors differ;
-2 usage or access error (bad arguments, a missing root, unreadable storage).
+"""``ckptlib``: look at, check and prune checkpoints from the shell: ``ls``, ``inspect``,
+``verify``, ``prune`` here, ``export`` (cli/export.py) and ``diff`` (cli/diff.py). Arguments,
+the ``--json`` / ``--storage-option`` options every command takes, and exit statuses (1 only
+from ``verify`` and ``diff``, 2 for usage or access errors): docs/cli.md and docs/read.md.
 """
 
 from __future__ import annotations

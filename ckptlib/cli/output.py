@@ -24,10 +24,7 @@ PIPE_WIDTH = 200
 """Line width when stdout is not a terminal (and ``COLUMNS`` is unset): tables stay on one line."""
 
 STATUS_STYLE = {
-    "committed": "green",
-    "ok": "green",
-    "corrupt": "bold red",
-    "incomplete": "yellow",
+    "committed": "green", "ok": "green", "corrupt": "bold red", "incomplete": "yellow",
     "gone": "dim",
 }
 

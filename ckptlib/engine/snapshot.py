@@ -132,10 +132,7 @@ class Stager:
         sizes = [_aligned(it.tensor.numel() * it.tensor.element_size()) for it in items]
         total = sum(sizes)
         pinned = any(it.tensor.device.type == "cuda" for it in items)
-        groups = [
-            [i for i, d in enumerate(defer) if not d],
-            [i for i, d in enumerate(defer) if d],
-        ]
+        groups = [[i for i, d in enumerate(defer) if not d], [i for i, d in enumerate(defer) if d]]
         rounds: list[list[_Piece]] = []
         if self.budget is None or total <= self.budget:
             off = 0

@@ -26,9 +26,7 @@ for _name in _CANDIDATES:
     if isinstance(_dt, torch.dtype):
         DTYPES[_name] = _dt
 NAMES: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
-ITEMSIZE: dict[str, int] = {
-    name: dt.itemsize for name, dt in DTYPES.items()
-}
+ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,24 +1,9 @@
 """Fault injection for tests: a wrapper around any fsspec filesystem, and one around any
 :class:`~ckptlib.backends.Storage`, driven by the same :class:`Fault` rules.
 
-A :class:`Fault` picks calls by operation name, a glob on the path, optionally a rank, and
-either explicit call numbers (``calls=(2,)``: the second matching call) or a steady rate
-(``every=5``: every fifth matching call). What it does:
-
-- ``error``: raise ``error`` (an exception instance or a zero-argument factory);
-- ``slow``: sleep ``delay`` seconds, then run the call;
-- ``truncate``: a write keeps only its first ``keep`` bytes (and still reports success);
-- ``stale_listing``: every matching listing after the first returns what the first one
-  returned (entries created since are missing, deleted ones are still there);
-- ``delay_visibility``: after a matching write, the next ``hidden_for`` reads or stats of that
-  path act as if it did not exist (and listings omit it);
-- ``fixed_listing``: the chosen listings return ``listing`` (a listing recorded earlier, e.g.
-  by the test while another process was saving) instead of the real one: a listing that lags
-  by an arbitrary amount, chosen call by call (``calls=(1,)``: only the first listing lags).
-
-Every fault counts how often it fired; :meth:`FaultInjector.verify` (called on leaving the
-``with`` block of either wrapper) raises ``AssertionError`` naming any fault that never fired,
-so a test cannot pass because its fault silently missed the code it meant to hit.
+Which calls a :class:`Fault` picks and what each kind does: docs/storage.md ("Fault injection
+for tests"). :meth:`FaultInjector.verify` (called on leaving the ``with`` block of either
+wrapper) raises ``AssertionError`` naming any fault that never fired.
 
 Thread-safe: the save and load paths call storage from several threads.
 """
@@ -40,8 +25,6 @@ from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
 from ckptlib.errors import StorageError
 
 KINDS = ("error", "slow", "truncate", "stale_listing", "delay_visibility", "fixed_listing")
-WRITE_OPS = {"pipe_file", "put_atomic", "put_if_absent", "close", "open_write"}
-READ_OPS = {"cat_file", "info", "exists", "open", "open_read", "read", "size"}
 
 
 def _rank() -> int:

@@ -1,19 +1,7 @@
 """A small TCP fault proxy to put between an S3 client and a (local) S3 server in tests.
 
 ``FaultProxy(port)`` listens on ``127.0.0.1`` (a free port) and forwards every connection to
-``127.0.0.1:port``. While it runs, tests can:
-
-- :meth:`FaultProxy.stall` / :meth:`~FaultProxy.unstall`: stop moving bytes in both directions
-  (connections stay open: the client sees a server that hangs);
-- :meth:`~FaultProxy.set_rate`: slow bytes, at most ``bytes_per_s`` per direction per connection;
-- :meth:`~FaultProxy.reset_after`: reset (TCP RST) the connection that carries the ``n``-th
-  client byte from now on;
-- ``http_faults``: with ``http=True`` the proxy reads HTTP/1.1 request framing (heads,
-  ``Content-Length`` and chunked bodies) and answers every ``every``-th request whose request
-  line matches ``match`` itself -- ``503 SlowDown``, ``500 InternalError`` -- or resets it,
-  instead of forwarding it. A steady, deterministic fault rate.
-
-``injected`` counts every fault actually injected, by kind, so tests can check each fired.
+``127.0.0.1:port``; what tests can do with it: docs/storage.md ("Fault injection for tests").
 Threads: one accept thread, two pump threads per connection; :meth:`stop` closes everything
 and joins with a deadline. Loopback only.
 """

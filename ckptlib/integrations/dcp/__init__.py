@@ -18,13 +18,6 @@ from ckptlib.integrations.dcp.resume import DcpCheckpoint, latest_checkpoint, lo
 from ckptlib.integrations.dcp.writer import CkptlibWriter
 
 __all__ = [
-    "CkptlibReader",
-    "CkptlibWriter",
-    "DcpCheckpoint",
-    "StoredItem",
-    "latest_checkpoint",
-    "load_latest",
-    "metadata_from_json",
-    "metadata_to_json",
-    "step_url",
+    "CkptlibReader", "CkptlibWriter", "DcpCheckpoint", "StoredItem", "latest_checkpoint",
+    "load_latest", "metadata_from_json", "metadata_to_json", "step_url",
 ]

@@ -40,13 +40,10 @@ from ckptlib.integrations.dcp.metadata import EXTRA_KEY, StoredItem, metadata_fr
 class CkptlibReader(Located, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`CkptlibWriter`.
 
-    ``url`` (or ``url`` + ``step``) names the checkpoint folder, as for the writer. Every
-    byte is checked against the manifest's checksums while reading (``verify=False`` skips
-    that); a mismatch is a :class:`CorruptCheckpointError` (inside DCP's
-    ``CheckpointException`` when it crosses DCP). ``allow_pickled_objects``: hand values
-    saved as ``torch.save`` bytes to DCP's planner, which unpickles them (off by default:
-    such a checkpoint is refused with ``UnsupportedValueError`` before any payload is read).
-    ``last_error`` keeps the last typed error this reader raised (DCP wraps errors from
+    ``url`` (or ``url`` + ``step``) names the checkpoint folder, as for the writer. Options
+    (``verify``, ``allow_pickled_objects``: the bytes policy): docs/integrations/dcp.md. A
+    checksum mismatch is a :class:`CorruptCheckpointError` (inside DCP's ``CheckpointException``
+    when it crosses DCP). ``last_error`` keeps the last typed error this reader raised (DCP wraps errors from
     ``read_metadata`` into an ``AssertionError``).
     """
 

@@ -1,17 +1,9 @@
 """DeepSpeed integration: ``engine.save_checkpoint`` / ``load_checkpoint`` stored through ckptlib.
 
-Usage (every rank, after ``deepspeed.initialize``)::
-
-    from ckptlib.integrations import deepspeed as ckds
-
-    ckds.install(engine)                       # or install(engine, "s3://bucket/run", ...)
-    res = ckds.resume(engine, "ckpt")          # newest *consistent* tag, or a fresh start
-    ...
-    engine.save_checkpoint("ckpt", client_state={...})   # unchanged DeepSpeed calls
-
-Threads: everything runs on the training thread. ``install``/``resume``/``save_checkpoint`` are
-collective (every rank, same order); ``load_checkpoint``'s file loads are per rank. ``deepspeed``
-is imported only when :func:`install` is called. Documentation: docs/integrations/deepspeed.md.
+Usage (every rank, after ``deepspeed.initialize``): :func:`install`, then :func:`resume`, then
+DeepSpeed's own calls unchanged; see docs/integrations/deepspeed.md. Threads: everything runs on
+the training thread. ``install``/``resume``/``save_checkpoint`` are collective (every rank, same
+order); ``load_checkpoint``'s file loads are per rank. ``deepspeed`` is imported by :func:`install`.
 
 Modules: :mod:`.codec` (the allow-listed value conversions), :mod:`.tags` (which step holds a
 tag), :mod:`.engine` (the ``CheckpointEngine``: how DeepSpeed files map onto a step),

@@ -1,14 +1,11 @@
 """The allow-listed conversion of DeepSpeed's non-JSON values (no pickle, ever).
 
-ckptlib stores JSON-typed values only (``plan.flatten`` encodes, ``format.tree`` decodes), and
-DeepSpeed's state dicts hold a few Python objects: ``OrderedDict`` with its ``_metadata``,
-``torch.Size``, ``set``/``frozenset``, ``torch.device``, ``argparse.Namespace``, DeepSpeed's
-``ZeroStageEnum``, ``LossScaler``/``DynamicLossScaler`` and ``fragment_address``, plus classes
-registered with :func:`register_type`. This module turns only those into marker dicts and back
-(tensors, JSON scalars, bytes and dtypes pass through to ckptlib's codec). Anything else raises
-:class:`~ckptlib.errors.UnsupportedValueError` at save time naming the value's path; on load
-allow-listed objects are rebuilt from JSON-typed attributes, and an unknown type name is
-refused with ``CorruptCheckpointError``. Called by :mod:`.engine` on the training thread:
+ckptlib stores JSON-typed values only (``plan.flatten`` encodes, ``format.tree`` decodes); this
+module turns the few Python objects in DeepSpeed's state dicts that docs/integrations/deepspeed.md
+("Non-tensor values") lists, plus classes registered with :func:`register_type`, into marker
+dicts and back (tensors, JSON scalars, bytes and dtypes pass through to ckptlib's codec).
+Anything else raises :class:`~ckptlib.errors.UnsupportedValueError` at save time; an unknown
+type name on load, ``CorruptCheckpointError``. Called by :mod:`.engine` on the training thread:
 :func:`encode_value` in ``commit`` before the save's first collective, :func:`decode_value` in
 ``load``.
 """

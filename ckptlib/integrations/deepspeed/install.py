@@ -32,28 +32,16 @@ def install(
     coordinator: Coordinator | None = None,
 ) -> Any:
     """Make ``engine.save_checkpoint``/``load_checkpoint`` store through ckptlib. Collective:
-    every rank calls it once, after ``deepspeed.initialize``, in the same order.
-
-    ``url``: the ckptlib root for every save (any backend: path, ``file://``, ``s3://``,
-    ``memory://``); None stores each ``save_dir`` passed to ``save_checkpoint`` as its own
-    root (DeepSpeed still writes its ``latest`` hint file there). ``keep_last``/
-    ``keep_every``: ckptlib retention. ``step_fn(engine, tag)``: the ckptlib step number of a
-    save (default: ``engine.global_steps``); steps must grow for :func:`resume` to pick the
-    newest. Returns the new checkpoint engine (also ``engine.checkpoint_engine``); the one it
-    replaced is its ``previous`` attribute.
+    every rank calls it once, after ``deepspeed.initialize``, in the same order. Arguments and
+    the returned engine (its ``previous`` is the one it replaced): docs/integrations/deepspeed.md.
     """
     if url is not None:
         url = os.fspath(url)
         if "://" not in url:
             url = os.path.abspath(url)
-    if step_fn is None:
 
-        def step_of(tag: str) -> int:
-            return int(engine.global_steps)
-    else:
-
-        def step_of(tag: str) -> int:
-            return int(step_fn(engine, tag))
+    def step_of(tag: str) -> int:
+        return int(engine.global_steps if step_fn is None else step_fn(engine, tag))
 
     cls = engine_class()
     ce = cls(
@@ -61,12 +49,8 @@ def install(
         coordinator=coordinator or default_coordinator(),
         step_fn=step_of,
         previous=getattr(engine, "checkpoint_engine", None),
-        manager_options={
-            "keep_last": keep_last,
-            "keep_every": keep_every,
-            "compression": compression,
-            "save_timeout": save_timeout,
-        },
+        manager_options={"keep_last": keep_last, "keep_every": keep_every,
+                         "compression": compression, "save_timeout": save_timeout},
         storage_options=storage_options,
     )
     engine.checkpoint_engine = ce

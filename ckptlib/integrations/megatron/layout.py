@@ -1,14 +1,10 @@
 """What a Megatron checkpoint directory written through ckptlib holds, and checks on it.
 
-One directory (e.g. ``save_dir/iter_0000100``)::
-
-    common.pt        written by Megatron (torch.save, rank 0); its xxh3 and size are
-                     recorded in our manifest and checked before it is read
-    ckptlib/         one ckptlib checkpoint (manifest.json + payloads), committed atomically
-    metadata.json    written by Megatron last: {"sharded_backend": "ckptlib", ...}
-
-Nothing is unpickled on load except ``common.pt``, read with ``torch.load(weights_only=True)``
-after its checksum matched. Used on the training thread by :mod:`.save`, :mod:`.load` and
+One directory (e.g. ``save_dir/iter_0000100``) holds Megatron's ``common.pt`` (its xxh3 and
+size recorded in our manifest), ``ckptlib/`` (one checkpoint) and Megatron's ``metadata.json``,
+written last (docs/integrations/megatron.md, "What is stored, and how"). Nothing is unpickled
+on load except ``common.pt``, read with ``torch.load(weights_only=True)`` after its checksum
+matched. Used on the training thread by :mod:`.save`, :mod:`.load` and
 :mod:`.resume`: names, the ShardedTensor -> box view (:func:`piece`), the ``common.pt`` record.
 """
 
