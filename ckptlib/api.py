@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptlib.backends import open_storage
+from ckptlib.backends import check_url, open_storage
 from ckptlib.coord.coordinator import default_coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine import save as save_flow
@@ -15,6 +15,7 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     """``(parent URL, name)`` of a checkpoint folder URL or local path (local paths made absolute).
     Public seam for adapters that address one checkpoint folder by URL."""
     url = os.fspath(url).rstrip("/")
+    check_url(url)  # "s3:/bucket" is a usage error, never a local folder named "s3:"
     if "://" in url:
         scheme, rest = url.split("://", 1)
         parent, _, name = rest.rpartition("/")

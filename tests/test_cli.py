@@ -453,8 +453,19 @@ def test_verify_with_no_committed_step_fails(
     assert doc["steps"][0]["status"] == "incomplete"
     (tmp_path / "empty").mkdir()
     code, out, _ = run(capsys, "verify", str(tmp_path / "empty"))
-    assert code == 0
-    assert "nothing to verify" in out
+    assert code == 1  # verified nothing: an empty folder is not "all good"
+    assert "nothing verified" in out
+    code, doc = run_json(capsys, "verify", str(tmp_path / "empty"))
+    assert (code, doc["ok"], doc["steps"]) == (1, False, [])
+
+
+def test_verify_on_the_parent_of_a_root_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with ckptlib.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+    assert run(capsys, "verify", str(tmp_path / "run"))[0] == 0
+    code, out, _ = run(capsys, "verify", str(tmp_path))  # the wrong folder: the root's parent
+    assert code == 1
+    assert "nothing verified" in out
 
 
 def test_verify_single_checkpoint_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,14 +3,17 @@ works through :class:`~ckptlib.backends.base.Storage` and its capability flags o
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from typing import Any
 
 from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
 from ckptlib.backends.retry import deadline_scope
 
 __all__ = [
-    "Entry", "ReadHandle", "Storage", "WriteStream", "deadline_scope", "join", "open_storage",
+    "Entry", "ReadHandle", "Storage", "WriteStream", "check_url", "deadline_scope", "join",
+    "open_storage",
 ]
 
 
@@ -19,6 +22,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
     (:class:`~ckptlib.backends.s3.S3Storage`, ``storage_options`` go to s3fs), or any other
     fsspec URL (``memory://``, ...)."""
     url = os.fspath(url)
+    check_url(url)
     if "://" not in url:
         from ckptlib.backends.posix import PosixStorage
 
@@ -35,3 +39,27 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
     from ckptlib.backends.fsspec_store import FsspecStorage
 
     return FsspecStorage(url, storage_options)
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(.*)$", re.S)
+
+
+def check_url(url: str) -> None:
+    """Refuse a URL whose scheme is unknown (``s4://b``) or malformed (``s3:/b``, ``s3:b``) with
+    a ``ValueError`` that says what was probably meant, instead of writing to a local folder
+    named ``s3:``. Called by :func:`open_storage` before anything is opened."""
+    m = _SCHEME.match(url)
+    if m is None or "::" in url:  # a plain path, or a chained fsspec URL (simplecache::s3://...)
+        return
+    import fsspec
+
+    known = {*fsspec.available_protocols(), "local"}
+    scheme, rest = m.group(1), m.group(2)
+    if rest.startswith("//"):
+        if scheme not in known:
+            close = difflib.get_close_matches(scheme, sorted(known), n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]}://{rest[2:]}?" if close else ""
+            raise ValueError(f"unknown URL scheme {scheme!r} in {url!r}{hint}")
+    elif scheme.lower() in known:
+        raise ValueError(f"{url!r} is not a valid URL (a scheme needs '://'); did you mean "
+                         f"{scheme}://{rest.lstrip('/')}?")

@@ -103,11 +103,13 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
 
     rows = [_verify_row(c) for c in checks]
     failed = [r for r in rows if r["status"] not in ("committed", "gone")]
-    code = EXIT_BAD if failed else EXIT_OK
+    verified = any(r["status"] == "committed" for r in rows)  # an empty or wrong folder is not "all good"
+    code = EXIT_BAD if failed or not verified else EXIT_OK
     out.exit_code = code
-    out.emit({"url": args.url, "kind": target.kind, "ok": not failed, "exit_code": code,
+    out.emit({"url": args.url, "kind": target.kind, "ok": code == EXIT_OK, "exit_code": code,
               "steps": rows})
-    if not has_rows(out, rows, f"no checkpoints under {target.where()}: nothing to verify"):
+    if not has_rows(out, rows, f"no checkpoints under {target.where()}: nothing verified (exit 1; "
+                               "is this the run's root folder?)"):
         return code
     t = table("step", "result", "checked", "reason", right=("step", "checked"), fold=("reason",))
     for r in rows:

@@ -1,0 +1,48 @@
+"""Malformed and unknown URL schemes are usage errors, never a local folder named "s3:"."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.backends import check_url
+from ckptlib.cli.main import main as cli_main
+
+
+@pytest.mark.parametrize(
+    ("url", "hint"),
+    [("s3:/bucket/run1", "did you mean s3://bucket/run1?"), ("s3:bucket", "did you mean s3://bucket?"),
+     ("memory:/x", "did you mean memory://x?"), ("s4://bucket/x", "did you mean s3://bucket/x?")],
+)
+def test_malformed_or_unknown_scheme_is_refused_with_a_hint(
+    url: str, hint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=hint.replace("?", r"\?")):
+        check_url(url)
+    with pytest.raises(ValueError, match="did you mean"):
+        ckptlib.CheckpointManager(url)
+    with pytest.raises(ValueError, match="did you mean"):
+        ckptlib.save({"w": torch.ones(2)}, url)
+    with pytest.raises(ValueError, match="did you mean"):
+        ckptlib.load(url)
+    assert os.listdir(tmp_path) == []  # nothing was written anywhere
+
+
+def test_cli_reports_a_malformed_url_as_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["ls", "s3:/bucket/run1"]) == 2
+    assert "did you mean s3://bucket/run1?" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_plain_paths_with_colons_stay_local(tmp_path: Path) -> None:
+    url = tmp_path / "run:1"
+    ckptlib.save({"w": torch.ones(2)}, url)
+    assert torch.equal(ckptlib.load(url)["w"], torch.ones(2))
