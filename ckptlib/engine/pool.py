@@ -1,12 +1,21 @@
 """Run I/O tasks on a small thread pool with one deadline (writer and reader).
 
-The first failure is raised; a task stuck in the kernel at the deadline (a hung network file
-system) is left behind and the caller gets :class:`StorageTimeoutError` instead of hanging.
+Called on the caller's thread by ``engine.reader.ChunkReader.read`` and
+``engine.writer.write_files``; the tasks run on pool threads named ``name``.
+
+The first failure is raised on the caller's thread, once, and only after every task that had
+already started has finished (tasks not yet started are cancelled): the caller frees the
+destination tensors and closes the file handles as soon as the call returns, so no task may
+still be writing into them. A task stuck in the kernel at the deadline (a hung network file
+system) is the one exception: it is left behind and the caller gets
+:class:`StorageTimeoutError` instead of hanging; tasks keep references to their own buffers, so
+a straggler never writes into freed memory.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,22 +30,20 @@ def run_all(
     limit = DEFAULT_TIMEOUT if timeout is None else timeout
     if threads <= 1 or len(tasks) <= 1:
         return [t() for t in tasks]
+    deadline = time.monotonic() + limit
     pool = cf.ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix=name)
     futs = [pool.submit(t) for t in tasks]
     try:
         done, pending = cf.wait(futs, timeout=limit, return_when=cf.FIRST_EXCEPTION)
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+        failed = [f for f in futs if f in done and f.exception() is not None]
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
         if pending:
-            done, pending = cf.wait(pending, timeout=max(0.0, limit))
-            if pending:
-                raise StorageTimeoutError(f"{name}: {len(pending)} I/O task(s) still running after {limit:.0f}s")
-            for f in done:
-                if f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
+            raise StorageTimeoutError(f"{name}: {len(pending)} I/O task(s) still running after {limit:.0f}s")
         return [f.result(timeout=0) for f in futs]
     finally:
         for f in futs:
             f.cancel()
+        # Let the tasks already running finish (bounded by what is left of the deadline).
+        cf.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
         pool.shutdown(wait=False)

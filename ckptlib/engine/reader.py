@@ -61,9 +61,10 @@ class _PackTask:
     pack: Pack
     members: list[tuple[Piece, str, _Target]] = field(default_factory=list)
     """Pieces placed through tensor views (boxes, non-contiguous destinations)."""
-    whole: list[tuple[int, int, int]] = field(default_factory=list)
-    """``(destination address, raw offset, bytes)`` of whole tensors read into contiguous
-    destinations: one ``memmove`` each (the common case, hot with many small tensors)."""
+    whole: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    """``(destination, raw offset, bytes)`` of whole tensors read into contiguous destinations:
+    one ``memmove`` each (the common case, hot with many small tensors). The tensor itself is
+    kept, not its address, so a task left running past a failure never writes freed memory."""
 
 
 def _intersect(c: Chunk | Piece, req: Request) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -150,7 +151,7 @@ class Reader:
                     pt = packs.get(p.pack)
                     if pt is None:
                         pt = packs[p.pack] = _PackTask(p.pack, self.m.packs[p.pack])
-                    pt.whole.append((req.tensor.data_ptr(), p.raw_offset, req.tensor.nbytes))
+                    pt.whole.append((req.tensor, p.raw_offset, req.tensor.nbytes))
                     continue
                 hit: tuple[tuple[int, ...], tuple[int, ...]] | None
                 if full:
@@ -222,7 +223,7 @@ class Reader:
         base = raw.ctypes.data
         memmove = ctypes.memmove
         for dest, raw_offset, n in task.whole:  # bounds: validated with the manifest
-            memmove(dest, base + raw_offset, n)
+            memmove(dest.data_ptr(), base + raw_offset, n)
         for piece, dtype, tg in task.members:
             src = raw[piece.raw_offset : piece.raw_offset + volume(piece.shape) * ITEMSIZE[dtype]]
             view = torch.from_numpy(src).view(DTYPES[dtype]).reshape(piece.shape)
