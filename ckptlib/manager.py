@@ -36,6 +36,7 @@ from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
 from ckptlib.format import layout
+from ckptlib.format.schema import check_metrics
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
 
@@ -104,11 +105,15 @@ class ManagerOptions:
     snapshot_timeout: float = 300.0
     overlap: bool = False
     persist_nice: int | None = 10
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = "min"
 
     def __post_init__(self) -> None:
         if self.in_flight not in ("wait", "skip"):
             raise ValueError("in_flight must be 'wait' or 'skip'")
         retention.decide([], self.keep_last, self.keep_every)  # validates the policy
+        retention.check_best(self.keep_best, self.best_metric, self.best_mode)
 
 
 class CheckpointManager:
@@ -116,6 +121,9 @@ class CheckpointManager:
 
     The async options (``in_flight``, ``staging_budget``, ``overlap``, ``save_timeout``,
     ``snapshot_timeout``, ``persist_nice``) are described in docs/async.md.
+    ``keep_best=k`` also keeps the k best committed steps by ``metrics[best_metric]`` given to
+    :meth:`save` (``best_mode`` "min" or "max"; a step without the metric ranks worst); the
+    newest committed step is always kept (docs/training.md).
     """
 
     def __init__(
@@ -134,11 +142,15 @@ class CheckpointManager:
         staging_budget: int | None = None,
         snapshot_timeout: float = 300.0,
         persist_nice: int | None = 10,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
     ) -> None:
         self.options = ManagerOptions(
             keep_last=keep_last, keep_every=keep_every, async_save=async_save, compression=compression,
             in_flight=in_flight, save_timeout=save_timeout, snapshot_timeout=snapshot_timeout,
             overlap=overlap, persist_nice=persist_nice,
+            keep_best=keep_best, best_metric=best_metric, best_mode=best_mode,
         )
         self.url = os.fspath(url)
         self.storage: Storage = open_storage(self.url, storage_options)
@@ -154,25 +166,29 @@ class CheckpointManager:
         self._finalizer = weakref.finalize(self, _drain, self._handles)
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, state: Any, *, metadata: Any = None) -> SaveHandle:
+    def save(
+        self, step: int, state: Any, *, metadata: Any = None, metrics: dict[str, float] | None = None
+    ) -> SaveHandle:
         """Save ``state`` as ``step``. Training thread. Async (default): returns once the
-        snapshot is safe; persist and commit run on a background thread, reported by the handle."""
+        snapshot is safe; persist and commit run on a background thread, reported by the handle.
+        ``metrics``: a flat dict of str -> finite float stored in the manifest (``keep_best``)."""
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        metrics = check_metrics(metrics)
         final = self._final
         if final is None:
-            return self._save(step, state, metadata)
+            return self._save(step, state, metadata, metrics)
         final.busy = True  # a save_in_handler signal now waits until this call returns
         try:
-            handle = self._save(step, state, metadata)
+            handle = self._save(step, state, metadata, metrics)
         finally:
             final.busy = False
         final.after_save(self)
         return handle
 
-    def _save(self, step: int, state: Any, metadata: Any) -> SaveHandle:
+    def _save(self, step: int, state: Any, metadata: Any, metrics: dict[str, float] | None = None) -> SaveHandle:
         self._overlap.finish()
         self._raise_pending()
         handle = SaveHandle(step, self.options.save_timeout)
@@ -195,7 +211,7 @@ class CheckpointManager:
         created = time.time()
         if not self.options.async_save:
             self._handles.append(handle)
-            self._persist(handle, flat, step, metadata, save_id, created)
+            self._persist(handle, flat, step, metadata, save_id, created, metrics)
             self._raise_pending()
             return handle
 
@@ -207,7 +223,7 @@ class CheckpointManager:
         self._active_ids.add(save_id)
         self._thread = threading.Thread(
             target=self._persist,
-            args=(handle, snap, step, metadata, save_id, created),
+            args=(handle, snap, step, metadata, save_id, created, metrics),
             name=f"ckptlib-save-{step}",
             daemon=True,
         )
@@ -234,7 +250,8 @@ class CheckpointManager:
             self._root_ready = True
 
     def _persist(
-        self, handle: SaveHandle, source: FlatState | Snapshot, step: int, metadata: Any, save_id: str, created: float
+        self, handle: SaveHandle, source: FlatState | Snapshot, step: int, metadata: Any, save_id: str, created: float,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         """Persist and commit: the live state (``FlatState``, synchronous save, caller's thread)
         or, on the persist thread, a :class:`Snapshot`'s staged copies as they become ready.
@@ -258,7 +275,7 @@ class CheckpointManager:
             save_flow.persist(
                 self.storage, layout.step_dir(step), flat, step=step, metadata=metadata,
                 options=save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout),
-                coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds,
+                coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
             )
             if self.coordinator.is_coordinator:
                 self._after_commit(save_id)
@@ -275,7 +292,9 @@ class CheckpointManager:
         try:
             crashpoints.point("cleanup")
             retire.clean_debris(self.storage, self._active_ids | {save_id})
-            retire.apply_retention(self.storage, self.options.keep_last, self.options.keep_every)
+            o = self.options
+            retire.apply_retention(self.storage, o.keep_last, o.keep_every, keep_best=o.keep_best,
+                                   best_metric=o.best_metric, best_mode=o.best_mode)
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)
 

@@ -26,6 +26,7 @@ def _ls_row(info: StepInfo, now: float) -> dict[str, Any]:
         "created": info.created,
         "age_seconds": None if info.created is None else round(now - info.created, 3),
         "save_id": info.save_id or None,
+        "metrics": info.metrics or None,
         "path": info.path,
         "reason": info.reason,
     }

@@ -51,14 +51,29 @@ def delete_step(storage: Storage, folder: str) -> None:
         storage.delete_tree(folder)
 
 
-def apply_retention(storage: Storage, keep_last: int | None, keep_every: int | None) -> list[int]:
+def apply_retention(
+    storage: Storage,
+    keep_last: int | None,
+    keep_every: int | None,
+    *,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+) -> list[int]:
     """Delete the committed steps that :func:`ckptlib.plan.retention.decide` does not keep
-    (manager, after a commit, on the coordinator's save thread); returns them, newest first."""
-    if keep_last is None:
+    (manager, after a commit, on the coordinator's save thread); returns them, newest first.
+    ``keep_best``: also keep the best k by the metric each manifest records (``best_metric``;
+    ``best_mode`` "min" or "max"); steps without it rank worst. The newest committed step is
+    always kept."""
+    if keep_last is None and keep_best is None:
         return []
-    committed = [i.step for i in scan(storage) if i.status == "committed"]
+    infos = [i for i in scan(storage) if i.status == "committed"]
+    committed = [i.step for i in infos]
+    metrics = {i.step: i.metrics for i in infos}
     deleted: list[int] = []
-    for d in retention.decide(committed, keep_last, keep_every):
+    decisions = retention.decide(committed, keep_last, keep_every, keep_best=keep_best, best_metric=best_metric,
+                                 best_mode=best_mode, metrics=metrics)
+    for d in decisions:
         if not d.keep:
             log.info("ckptlib: deleting step %d (%s)", d.step, d.why)
             crashpoints.point("retention")

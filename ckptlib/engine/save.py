@@ -205,10 +205,11 @@ class SaveSession:
         return coord.gather(mine, self.left())
 
     def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
-                extra: dict[str, Any] | None = None) -> None:
+                extra: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> None:
         """Coordinator, with :meth:`collect`'s results: build the manifest and commit it.
         ``metadata``: from :func:`encode_metadata`; ``tree``: recorded instead of the merged
-        ranks' trees (adapters); ``extra``: the manifest's adapter data (JSON). On failure the
+        ranks' trees (adapters); ``extra``: the manifest's adapter data (JSON); ``metrics``: the
+        step's metrics (str -> float, for ``keep_best``). On failure the
         staging area is removed and :class:`CommitError` (or :class:`StepExistsError`) raised."""
         staging = self._staging
         if staging is None:
@@ -219,7 +220,7 @@ class SaveSession:
                     one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
                     tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
                 body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
-                                  staging.payload_prefix, tree=tree)
+                                  staging.payload_prefix, tree=tree, metrics=metrics)
                 body["extra"] = extra or {}
                 data = encode_body(body)
             if extra:  # adapter data: never publish what a reader would refuse
@@ -238,7 +239,7 @@ class SaveSession:
 
     def finish(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
                error: BaseException | None = None, metadata: Any = None, extra: dict[str, Any] | None = None,
-               ) -> SaveResult:
+               metrics: dict[str, float] | None = None) -> SaveResult:
         """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
         outcome shared with every rank; the session is closed. Returns on every rank or raises
         the same :class:`CommitError` on every rank."""
@@ -249,7 +250,7 @@ class SaveSession:
                 assert results is not None
                 outcome = {"failures": {}}
                 try:
-                    self.publish(results, metadata=metadata, extra=extra)
+                    self.publish(results, metadata=metadata, extra=extra, metrics=metrics)
                 except CommitError as e:
                     outcome = {"failures": e.failures or {0: str(e)}, "exists": isinstance(e, StepExistsError)}
             outcome = self.coord.share_outcome(outcome, self.deadline)
@@ -288,6 +289,7 @@ def persist(
     save_id: str | None = None,
     created: float | None = None,
     rounds: Iterable[list[TensorItem]] | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> SaveResult:
     """Save ``flat`` through a :class:`SaveSession` (every rank): begin, plan who writes what,
     write, finish. ``rounds`` (streamed async saves, engine/snapshot.py): the tensors to write,
@@ -310,7 +312,7 @@ def persist(
             error = e
         shapes = {it.name: it.global_shape for it in flat.items}
         return session.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
-                              metadata=meta_tree)
+                              metadata=meta_tree, metrics=metrics)
     finally:
         session.abort()  # a no-op after finish
 

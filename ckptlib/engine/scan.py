@@ -42,6 +42,8 @@ class StepInfo:
     save_id: str = ""
     world_size: int = 0
     num_tensors: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics passed to ``save(..., metrics=)`` (empty when none or not readable)."""
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
 
 
@@ -101,7 +103,7 @@ def check_step(
         if step is not None and m.step != step:
             raise CorruptCheckpointError(f"folder is step {step} but its manifest says step {m.step}", folder)
         info.save_id, info.created, info.world_size = m.save_id, m.created, m.world_size
-        info.num_tensors = len(m.tensors)
+        info.num_tensors, info.metrics = len(m.tensors), m.metrics
         check_files(storage, folder, m)
         if deep:
             from ckptlib.engine.verify import verify_chunks

@@ -25,6 +25,7 @@ from ckptlib.format.schema import (
     FORMAT_VERSION,
     Manifest,
     TensorEntry,
+    check_metrics,
     is_whole_packed,
 )
 
@@ -79,7 +80,7 @@ def chunk_row(
 
 
 _BODY_KEYS = ("step", "save_id", "created", "world_size", "commit", "checksum_algorithm", "library", "files",
-              "packs", "tensors", TABLE_KEY, "tree", "metadata", "extra")  # fmt: skip
+              "packs", "tensors", TABLE_KEY, "tree", "metadata", "extra", "metrics")  # fmt: skip
 
 
 def _body(**fields: Any) -> dict[str, Any]:
@@ -99,6 +100,7 @@ def build_body(
     prefix: str,
     *,
     tree: Any,
+    metrics: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The manifest body (JSON-ready) from every rank's write results. Coordinator only.
 
@@ -106,7 +108,8 @@ def build_body(
     :class:`WrittenChunk` / :class:`WrittenPack` records) and ``shapes`` (global shape per tensor
     name); other keys are ignored. Paths are made relative to the step folder, keeping
     ``<save_id>/...`` of ``prefix``. ``tree``: the merged tree of non-tensor values (the caller
-    merges the ranks' trees). Builds JSON structures directly (no intermediate objects): with
+    merges the ranks' trees). ``metrics``: the step's metrics (checked by
+    :func:`~ckptlib.format.schema.check_metrics`). Builds JSON structures directly (no intermediate objects): with
     tens of thousands of small tensors, per-tensor overhead here is a visible part of the save.
     """
     files: list[list[Any]] = []
@@ -151,6 +154,7 @@ def build_body(
         step=step, save_id=save_id, created=created, world_size=len(results), commit=mode,
         checksum_algorithm=DEFAULT_ALGORITHM, library=f"ckptlib {__version__}", files=files, packs=packs,
         tensors=tensors, packed_tensors=table.json(), tree=tree, metadata=metadata, extra={},
+        metrics=check_metrics(metrics),
     )  # fmt: skip
 
 
@@ -179,6 +183,7 @@ def to_body(m: Manifest) -> dict[str, Any]:
         packs=[[p.file, p.start, p.length, p.checksum, p.codec, p.raw_length] for p in m.packs],
         tensors={name: _tensor_json(t) for name, t in m.tensors.items() if not is_whole_packed(t)},
         packed_tensors=table.json(), tree=m.tree, metadata=m.metadata, extra=m.extra,
+        metrics=check_metrics(m.metrics),
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from ckptlib.format.schema import (
     Pack,
     Piece,
     TensorEntry,
+    check_metrics,
     volume,
 )
 from ckptlib.format.validate import MAX_SIZE, Checker
@@ -144,6 +145,10 @@ def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
     metadata = body.get("metadata")
     extra = body.get("extra", {})
     v.obj(extra, "extra")
+    try:  # absent in manifests written before metrics existed
+        metrics = check_metrics(v.obj(body.get("metrics", {}), "metrics"))
+    except ValueError as e:
+        raise v.fail(str(e)) from None
     return Manifest(
         step=step,
         save_id=save_id,
@@ -158,6 +163,7 @@ def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
         checksum_algorithm=algorithm,
         library=str(body.get("library", ""))[:200],
         extra=extra,
+        metrics=metrics,
     )
 
 

@@ -7,6 +7,7 @@ The JSON layout of each record is documented in ``docs/format.md``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -118,10 +119,44 @@ class Manifest:
     checksum_algorithm: str = "xxh3_64"
     library: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """User metrics of this step (``save(..., metrics=)``): retention's ``keep_best`` ranks by them."""
 
     @property
     def payload_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+
+MAX_METRICS = 256
+"""Most metrics one step may record (they are a small field of the manifest, not a log)."""
+
+
+def check_metrics(metrics: Any) -> dict[str, float]:
+    """A step's metrics as the manifest stores them: a flat dict of str -> finite float (ints
+    are converted). Writers call it on user input (raises ``ValueError`` naming the key)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict of str -> float, got {type(metrics).__name__}")
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"metrics holds {len(metrics)} entries, over the limit of {MAX_METRICS}")
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str) or not 0 < len(k) <= 200:
+            raise ValueError(f"metrics key {k!r:.60} must be a non-empty str of at most 200 characters")
+        number: Any = v
+        if not isinstance(v, bool | int | float) and callable(getattr(v, "item", None)):
+            try:  # a 0-d tensor or NumPy scalar: its Python number
+                number = v.item()
+            except Exception:
+                raise ValueError(f"metrics[{k!r}] must be a single number, got {type(v).__name__}") from None
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise ValueError(f"metrics[{k!r}] must be a number, got {type(v).__name__}")
+        f = float(number)
+        if not math.isfinite(f):
+            raise ValueError(f"metrics[{k!r}] must be finite, got {f}")
+        out[k] = f
+    return out
 
 
 def volume(shape: tuple[int, ...] | list[int]) -> int:
