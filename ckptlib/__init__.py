@@ -26,11 +26,12 @@ from ckptlib.format.leaves import PerRank, Shard
 from ckptlib.manager import CheckpointManager, SaveHandle
 from ckptlib.read.view import CheckpointView, TensorInfo
 from ckptlib.read.view import open_view as open  # API.md: ckptlib.open(url)
+from ckptlib.rng import RNGState
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointView",
     "CommitError", "CommitTimeoutError", "CorruptCheckpointError", "FatalStorageError",
-    "ManifestVersionError", "PerRank", "SaveHandle", "Shard", "StateMismatchError",
+    "ManifestVersionError", "PerRank", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
     "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TensorInfo",
     "UnsupportedValueError", "__version__", "load", "load_metadata", "open", "save",
 ]
