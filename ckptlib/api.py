@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ckptlib.backends import check_url, open_storage
-from ckptlib.coord.coordinator import default_coordinator
+from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine import save as save_flow
 
@@ -32,16 +32,18 @@ def save(
     compression: str | None = None,
     metadata: Any = None,
     overwrite: bool = False,
+    coordinator: Coordinator | None = None,
 ) -> None:
     """Save ``state`` as one checkpoint folder at ``url``, atomically.
 
     The folder appears only once every byte is durable. An existing checkpoint at ``url`` is
     kept (``StepExistsError``) unless ``overwrite=True``. Collective when torch.distributed
-    is initialized.
+    is initialized, unless ``coordinator`` says otherwise (``LocalCoordinator()``: this
+    process alone writes, e.g. Lightning's rank-0-only checkpoint IO).
     """
     parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
-    coordinator = default_coordinator()
+    coordinator = coordinator or default_coordinator()
     flat = save_flow.prepare(state, coordinator.rank)
     opts = save_flow.SaveOptions(compression=compression, overwrite=overwrite)
     save_flow.persist(storage, name, flat, step=None, metadata=metadata, options=opts,
