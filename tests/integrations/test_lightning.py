@@ -110,3 +110,13 @@ def test_values_policy_and_remove(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "user data"
     with pytest.raises(TypeError, match="per-call storage_options"):
         io.save_checkpoint(ckpt, tmp_path / "c.ckpt", storage_options={"x": 1})
+
+
+def test_integration_packages_import_no_framework():
+    code = ("import sys, ckptlib.integrations.lightning as l, ckptlib.integrations.accelerate as a; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', "
+            "'accelerate')))")
+    env = {**os.environ, "PYTHONPATH": str(Path(ckptlib.__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
