@@ -38,6 +38,7 @@ from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CommitTimeo
 from ckptlib.format import layout
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
+from ckptlib.schedule import HOUR, IntervalEstimator, SaveSchedule, check_bounds, check_positive
 
 log = logging.getLogger("ckptlib")
 
@@ -58,9 +59,12 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._raised = False
         self._snapshot: Snapshot | None = None
+        self._durable_at: float | None = None  # time.monotonic() when committed
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
+        if error is None and not self.skipped:
+            self._durable_at = time.monotonic()
         self._event.set()
 
     def done(self) -> bool:
@@ -104,11 +108,39 @@ class ManagerOptions:
     snapshot_timeout: float = 300.0
     overlap: bool = False
     persist_nice: int | None = 10
+    save_interval_steps: int | None = None
+    save_interval: str | None = None
+    mtbf_hours: float | None = None
+    save_interval_min_steps: int = 1
+    save_interval_max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.in_flight not in ("wait", "skip"):
             raise ValueError("in_flight must be 'wait' or 'skip'")
         retention.decide([], self.keep_last, self.keep_every)  # validates the policy
+        self.schedule()  # validates the saving decisions
+
+    def schedule(self) -> SaveSchedule | None:
+        """The ``should_save`` policy these options ask for (None: should_save not enabled)."""
+        n, auto = self.save_interval_steps, self.save_interval
+        if n is not None and (type(n) is not int or n < 1):
+            raise ValueError(f"save_interval_steps must be an int >= 1, got {n!r}")
+        if auto is not None and auto != "auto":
+            raise ValueError(f"save_interval must be None or 'auto', got {auto!r}")
+        if n is not None and auto is not None:
+            raise ValueError("pass save_interval_steps=N or save_interval='auto', not both")
+        if auto is None:
+            if self.mtbf_hours is not None:
+                raise ValueError("mtbf_hours is used only with save_interval='auto'")
+            check_bounds(self.save_interval_min_steps, self.save_interval_max_steps)
+            return None if n is None else SaveSchedule(every=n)
+        if self.mtbf_hours is None:
+            raise ValueError("save_interval='auto' needs mtbf_hours= (the job's mean time "
+                             "between failures, in hours)")
+        return SaveSchedule(estimator=IntervalEstimator(
+            check_positive("mtbf_hours", self.mtbf_hours) * HOUR, min_steps=self.save_interval_min_steps,
+            max_steps=self.save_interval_max_steps,
+        ))
 
 
 class CheckpointManager:
@@ -116,6 +148,13 @@ class CheckpointManager:
 
     The async options (``in_flight``, ``staging_budget``, ``overlap``, ``save_timeout``,
     ``snapshot_timeout``, ``persist_nice``) are described in docs/async.md.
+
+    Saving decisions (:meth:`should_save`, docs/scale.md): ``save_interval_steps=N`` saves at
+    multiples of N; ``save_interval="auto"`` with ``mtbf_hours=`` (the job's mean time between
+    failures) applies Young/Daly to the measured stall and time to durable of recent saves and
+    the measured step time, re-evaluated at every save and clamped to
+    ``[save_interval_min_steps, save_interval_max_steps]``; the first two saves come
+    ``save_interval_min_steps`` apart (they measure the cost).
     """
 
     def __init__(
@@ -134,12 +173,23 @@ class CheckpointManager:
         staging_budget: int | None = None,
         snapshot_timeout: float = 300.0,
         persist_nice: int | None = 10,
+        save_interval_steps: int | None = None,
+        save_interval: str | None = None,
+        mtbf_hours: float | None = None,
+        save_interval_min_steps: int = 1,
+        save_interval_max_steps: int | None = None,
     ) -> None:
         self.options = ManagerOptions(
             keep_last=keep_last, keep_every=keep_every, async_save=async_save, compression=compression,
             in_flight=in_flight, save_timeout=save_timeout, snapshot_timeout=snapshot_timeout,
-            overlap=overlap, persist_nice=persist_nice,
+            overlap=overlap, persist_nice=persist_nice, save_interval_steps=save_interval_steps,
+            save_interval=save_interval, mtbf_hours=mtbf_hours,
+            save_interval_min_steps=save_interval_min_steps, save_interval_max_steps=save_interval_max_steps,
         )
+        self._schedule = self.options.schedule()
+        self._last_handle: SaveHandle | None = None
+        self._agreed_interval = 0
+        self._overlap_seen = 0.0
         self.url = os.fspath(url)
         self.storage: Storage = open_storage(self.url, storage_options)
         self.coordinator = coordinator or default_coordinator()
@@ -163,14 +213,43 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         final = self._final
         if final is None:
-            return self._save(step, state, metadata)
+            return self._scheduled(step, time.monotonic(), self._save(step, state, metadata))
         final.busy = True  # a save_in_handler signal now waits until this call returns
         try:
-            handle = self._save(step, state, metadata)
+            handle = self._scheduled(step, time.monotonic(), self._save(step, state, metadata))
         finally:
             final.busy = False
         final.after_save(self)
         return handle
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` is due for a save (``save_interval_steps`` or ``"auto"``). Training
+        thread, once per step on every rank; in auto mode the time between calls is the
+        measured step time. Every rank gets the same answer for the same steps."""
+        if self._schedule is None:
+            raise ValueError("should_save needs CheckpointManager(save_interval_steps=N) or "
+                             "save_interval='auto' with mtbf_hours=")
+        waited = self._overlap.wait_seconds
+        self._schedule.add_stall(waited - self._overlap_seen)
+        self._overlap_seen = waited
+        return self._schedule.should_save(step)
+
+    def _scheduled(self, step: int, start: float, handle: SaveHandle) -> SaveHandle:
+        if self._schedule is not None and not handle.skipped:
+            self._last_handle = handle
+            self._schedule.saved(step, self._agreed_interval, start, time.monotonic() - start)
+        return handle
+
+    def _agree_interval(self) -> None:
+        """Auto interval: before a save, with no save in flight (the previous one finished),
+        so this collective never runs beside the persist thread's. Every rank adopts the
+        coordinator's proposal, made from its measurements."""
+        if self._schedule is None or self._schedule.estimator is None:
+            return
+        prev = self._last_handle
+        proposal = self._schedule.begin_save(None if prev is None else prev._durable_at)
+        agreed = self.coordinator.agree({"save_interval_steps": proposal}, self.options.save_timeout)
+        self._agreed_interval = int(agreed["save_interval_steps"])
 
     def _save(self, step: int, state: Any, metadata: Any) -> SaveHandle:
         self._overlap.finish()
@@ -188,6 +267,7 @@ class CheckpointManager:
                 return handle
             self._join_thread()
             self._raise_pending()
+        self._agree_interval()
         flat = save_flow.prepare(state, self.coordinator.rank)
         crashpoints.point("snapshot", self.coordinator.rank)
         self._ensure_root()
