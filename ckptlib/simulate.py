@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -105,21 +107,38 @@ def _progress(u: float, t: float, period: float) -> float:
     return (k + 1) * t + max(0.0, w - (period - t))
 
 
-def simulate(sc: Scenario, *, failures: int = 2000, seed: int = 0, horizon_s: float | None = None) -> SimResult:
+def simulate(
+    sc: Scenario, *, failures: int = 2000, seed: int = 0, horizon_s: float | None = None,
+    failure_times: Sequence[float] | None = None,
+) -> SimResult:
     """Simulate one run of ``horizon_s`` wall seconds (default ``failures`` x MTBF, so about
-    that many failures) and return its accounting. Same inputs and seed -> same result."""
+    that many failures) and return its accounting. Same inputs and seed -> same result.
+
+    ``failure_times`` (seconds from the start, e.g. the kills of a real run) replaces the
+    random failures: a replay of that run (bench/bench_plan_vs_measured.py).
+    """
     if horizon_s is None:
         if type(failures) is not int or failures < 1:
             raise ValueError(f"failures must be an int >= 1, got {failures!r}")
         horizon_s = failures * sc.mtbf_s
     check_positive("horizon_s", horizon_s)
     rng = random.Random(seed)
+    rate = 1.0 / sc.mtbf_s
+    if failure_times is None:
+        def next_failure(after: float) -> float:
+            return after + rng.expovariate(rate)
+    else:
+        pending = deque(sorted(failure_times))
+
+        def next_failure(after: float) -> float:
+            while pending and pending[0] <= after:
+                pending.popleft()
+            return pending.popleft() if pending else math.inf
     t, p = sc.interval_s, sc.period_s
     lat = max(sc.stall_s, sc.durable_s)
     m = sc.persist_every if sc.tiered else 1
     drain_gap = max(m * p, sc.persist_s)
     first_drain = t + (m - 1) * p + lat + (sc.persist_s if sc.tiered else 0.0)
-    rate = 1.0 / sc.mtbf_s
     restart_persistent = sc.restart_s if sc.restart_persistent_s is None else sc.restart_persistent_s
 
     start, base = 0.0, 0.0  # wall time training (re)started, progress it restarted from
@@ -127,7 +146,7 @@ def simulate(sc: Scenario, *, failures: int = 2000, seed: int = 0, horizon_s: fl
     stalled = lost = restarting = 0.0
     n_fail = n_hit = n_persist = 0  # all failures; those that hit training (not a restart)
     while True:
-        fail_at = start + rng.expovariate(rate)
+        fail_at = next_failure(start)
         end = min(fail_at, horizon_s)
         done = _progress(end - start, t, p)
         stalled += (end - start) - done
@@ -153,11 +172,11 @@ def simulate(sc: Scenario, *, failures: int = 2000, seed: int = 0, horizon_s: fl
         cost = restart_persistent if from_persistent else sc.restart_s
         now = fail_at
         while True:
-            nxt = rng.expovariate(rate)
-            if nxt >= cost:
+            nxt = next_failure(now)
+            if nxt >= now + cost:
                 now += cost
                 break
-            now += nxt
+            now = nxt
             n_fail += 1
         restarting += min(now, horizon_s) - fail_at
         if now >= horizon_s:

@@ -51,6 +51,19 @@ def test_simulated_optimum_is_young_daly():
     assert good[1.0] > good[0.5] and good[1.0] > good[2.0]
 
 
+def test_replay_of_given_failures_hand_computed():
+    # T=10, C=1, L=1 -> saves at 10 and 21 (durable at 11, 22). Failure at 25: 23 s of compute
+    # done, restored to 20 (3 lost), restart 5 s -> 30; then 20 s more: 10 + 9 compute -> 39.
+    sc = Scenario(10, 1, 1, 100, 5)
+    res = simulate(sc, horizon_s=50, failure_times=[25.0])
+    assert (res.goodput, res.lost_fraction, res.stall_fraction, res.restart_fraction) == \
+        pytest.approx((39 / 50, 3 / 50, 3 / 50, 5 / 50))
+    # a second failure during the restart starts it over: training again at 32, 17 more -> 37
+    res = simulate(sc, horizon_s=50, failure_times=[27.0, 25.0])
+    assert res.failures == 2 and res.lost_per_failure_s == pytest.approx(3.0)
+    assert res.goodput == pytest.approx(37 / 50)
+
+
 def test_simulator_is_deterministic_for_a_seed():
     sc = Scenario(600, 2, 30, 3600 * 10, 300, tiered=True, persist_every=3, persist_s=500,
                   local_loss=0.2, restart_persistent_s=700)
