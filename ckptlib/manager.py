@@ -190,6 +190,7 @@ class CheckpointManager:
         self._last_handle: SaveHandle | None = None
         self._agreed_interval = 0
         self._overlap_seen = 0.0
+        self._queued_s = 0.0  # how long the current save() waited for the previous one
         self.url = os.fspath(url)
         self.storage: Storage = open_storage(self.url, storage_options)
         self.coordinator = coordinator or default_coordinator()
@@ -237,7 +238,10 @@ class CheckpointManager:
     def _scheduled(self, step: int, start: float, handle: SaveHandle) -> SaveHandle:
         if self._schedule is not None and not handle.skipped:
             self._last_handle = handle
-            self._schedule.saved(step, self._agreed_interval, start, time.monotonic() - start)
+            began = start + self._queued_s  # when the save itself started
+            self._schedule.saved(step, self._agreed_interval, began, max(0.0, time.monotonic() - began),
+                                 queued_s=self._queued_s)
+        self._queued_s = 0.0
         return handle
 
     def _agree_interval(self) -> None:
@@ -265,7 +269,9 @@ class CheckpointManager:
                 handle.skipped = True
                 handle._finish()
                 return handle
+            waited = time.monotonic()
             self._join_thread()
+            self._queued_s = time.monotonic() - waited  # not the save's own stall (docs/scale.md)
             self._raise_pending()
         self._agree_interval()
         flat = save_flow.prepare(state, self.coordinator.rank)

@@ -243,11 +243,13 @@ class SaveSchedule:
             self._pending = None
         return self.estimator.propose()
 
-    def saved(self, step: int, interval: int, start: float, stall_s: float) -> None:
+    def saved(self, step: int, interval: int, start: float, stall_s: float, queued_s: float = 0.0) -> None:
         """After ``save(step)`` returned: ``interval`` is the agreed next interval, ``start``
-        the clock when ``save()`` was entered, ``stall_s`` how long it blocked."""
+        the clock when the save started, ``stall_s`` how long it then blocked the loop, and
+        ``queued_s`` how long ``save()`` first waited for the previous save (not part of
+        this save's cost: the model accounts for it through the time to durable)."""
         self._last_saved = step
-        self._stalled += stall_s
+        self._stalled += stall_s + queued_s
         if self.estimator is not None:
             self.interval = interval
             self._next = step + interval

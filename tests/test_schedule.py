@@ -169,6 +169,17 @@ def test_step_time_excludes_stall():
     clock.now += 31.0
     sched.should_save(2)
     assert sched.estimator is not None and sched.estimator.step_s == pytest.approx(1.0)
+    # save(3) first waited 20 s for save(1) to finish, then stalled 2 s: the wait is not its cost
+    clock.now += 1.0
+    sched.should_save(3)
+    # save(1) (stall 30 s) durable 20 s from now, 52 s after it started: Daly(30, 3600) -> 445
+    assert sched.begin_save(clock.now + 20) == 445
+    sched.saved(3, 1, clock.now + 20, 2.0, queued_s=20.0)
+    clock.now += 23.0
+    sched.should_save(4)
+    assert sched.estimator.step_s == pytest.approx(1.0)
+    sched.begin_save(clock.now)
+    assert sched.estimator.cost() == pytest.approx(((30 + 2) / 2, (52 + 3) / 2))
 
 
 def test_fixed_schedule_multiples_and_no_double_save():
