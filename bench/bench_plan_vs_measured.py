@@ -239,14 +239,29 @@ def run_one(world: int, args: argparse.Namespace, tmp: Path) -> dict:
     measured = progress * step_s / args.seconds
 
     sc = Scenario(args.every * step_s, stall, max(stall, durable_s), args.mtbf, restart_s)
-    replay = simulate(sc, horizon_s=args.seconds, failure_times=kills).goodput
+    replay = simulate(sc, horizon_s=args.seconds, failure_times=kills)
     expected = simulate(sc, failures=20_000, seed=args.seed).goodput
+    # Where the wall time went, measured: restarting (kill -> training again, or the end) and
+    # work lost (steps done since the restored step, when a kill hit training).
+    restarting = lost_steps = 0.0
+    for i, k in enumerate(kills):
+        stop = min([r for r in resumes if r > k] + kills[i + 1:] + [args.seconds])
+        restarting += stop - k
+        before = [e for e in steps if e["t"] - t0 < k]
+        resumed_before = [e for e in ev if e["e"] == "resumed" and e["t"] - t0 < k]
+        if before and resumed_before and before[-1]["t"] > resumed_before[-1]["t"]:  # hit training
+            after = [e for e in ev if e["e"] == "resumed" and e["t"] - t0 > k]
+            restored = after[0]["step"] if after else progress
+            lost_steps += before[-1]["step"] - restored
     return {
-        "ranks": world, "kills": len(kills), "step_s": step_s, "slowdown": slowdown, "stall_s": stall, "durable_s": durable_s,
-        "restart_s": restart_s, "interval_s": args.every * step_s, "steps_reached": progress,
-        "goodput_measured": measured, "goodput_replay": replay, "goodput_expected": expected,
-        "error_replay": replay / measured - 1 if measured else None,
+        "ranks": world, "kills": len(kills), "kill_times": kills, "step_s": step_s, "slowdown": slowdown,
+        "stall_s": stall, "durable_s": durable_s, "restart_s": restart_s, "interval_s": args.every * step_s,
+        "steps_reached": progress, "goodput_measured": measured, "goodput_replay": replay.goodput,
+        "goodput_expected": expected,
+        "error_replay": replay.goodput / measured - 1 if measured else None,
         "error_expected": expected / measured - 1 if measured else None,
+        "lost_fraction_measured": lost_steps * step_s / args.seconds, "lost_fraction_replay": replay.lost_fraction,
+        "restart_fraction_measured": restarting / args.seconds, "restart_fraction_replay": replay.restart_fraction,
     }
 
 
@@ -279,14 +294,16 @@ def main() -> None:
     print(f"\nsave every {args.every} steps, {args.seconds:g} s per run, kills every {args.mtbf:g} s on average "
           f"(seed {args.seed})\n")
     print("| ranks | kills | step (slowdown) | stall | durable | restart | goodput measured | simulated (replay) "
-          "| error | simulated (expected) | error |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| error | simulated (expected) | error | lost: measured / replay | restarting: measured / replay |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['ranks']} | {r['kills']} | {1000 * r['step_s']:.0f} ms ({100 * r['slowdown']:+.0f} %) | "
               f"{1000 * r['stall_s']:.0f} ms | "
               f"{1000 * r['durable_s']:.0f} ms | {r['restart_s']:.1f} s | {100 * r['goodput_measured']:.1f} % | "
               f"{100 * r['goodput_replay']:.1f} % | {100 * r['error_replay']:+.1f} % | "
-              f"{100 * r['goodput_expected']:.1f} % | {100 * r['error_expected']:+.1f} % |")
+              f"{100 * r['goodput_expected']:.1f} % | {100 * r['error_expected']:+.1f} % | "
+              f"{100 * r['lost_fraction_measured']:.1f} / {100 * r['lost_fraction_replay']:.1f} % | "
+              f"{100 * r['restart_fraction_measured']:.1f} / {100 * r['restart_fraction_replay']:.1f} % |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -130,10 +130,10 @@ def simulate(
     else:
         pending = deque(sorted(failure_times))
 
-        def next_failure(after: float) -> float:
+        def next_failure(after: float) -> float:  # peeks: a failure is dropped once passed
             while pending and pending[0] <= after:
                 pending.popleft()
-            return pending.popleft() if pending else math.inf
+            return pending[0] if pending else math.inf
     t, p = sc.interval_s, sc.period_s
     lat = max(sc.stall_s, sc.durable_s)
     m = sc.persist_every if sc.tiered else 1

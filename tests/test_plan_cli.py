@@ -62,6 +62,11 @@ def test_replay_of_given_failures_hand_computed():
     res = simulate(sc, horizon_s=50, failure_times=[27.0, 25.0])
     assert res.failures == 2 and res.lost_per_failure_s == pytest.approx(3.0)
     assert res.goodput == pytest.approx(37 / 50)
+    # a failure after the restart is not lost: at 40 (10 s into the stretch, save 1 not yet
+    # durable) back to 20 again, training from 45 -> 25 at the end
+    res = simulate(sc, horizon_s=50, failure_times=[25.0, 40.0])
+    assert res.failures == 2 and res.goodput == pytest.approx(25 / 50)
+    assert res.lost_fraction == pytest.approx((3 + 10) / 50)
 
 
 def test_simulator_is_deterministic_for_a_seed():
