@@ -276,9 +276,9 @@ def advise(cl: Cluster, *, failures: int = 5000, seed: int = 0) -> dict[str, Any
     from ckptlib.schedule import first_order_goodput, optimal_interval
 
     d = cl.derived()
+    # Single tier: every save goes to the persistent tier (with a local tier, --save-seconds
+    # describes the local one, so the single-tier comparison uses the bandwidth estimate).
     single_l = d["stall_s"] + d["persistent_write_s"] if cl.local_gbps is not None else d["durable_s"]
-    if cl.save_s is not None and cl.local_gbps is None:
-        single_l = d["durable_s"]
     t1 = max(optimal_interval(d["stall_s"], single_l, cl.mtbf_s), 1e-3)
     single = Scenario(t1, d["stall_s"], single_l, cl.mtbf_s, d["restart_persistent_s"])
     plans = [_outcome("single-tier", single, failures, seed)]

@@ -4,7 +4,11 @@ clock, ``CheckpointManager.should_save`` with N and "auto", and argument validat
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import sys
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,6 +277,43 @@ def test_manager_arguments_validated(tmp_path, kwargs, message):
         ckptlib.CheckpointManager(tmp_path, **kwargs)
 
 
+def auto_rank(rank: int, world: int, port: str, root: str) -> None:
+    """One rank of :func:`test_ranks_with_different_proposals_save_the_same_steps`."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    # Rank 0 would save as often as allowed (every 2), the others as rarely as allowed (7).
+    mgr = ckptlib.CheckpointManager(
+        root, save_interval="auto", mtbf_hours=1e-12 if rank == 0 else 1e6, save_interval_min_steps=2,
+        save_interval_max_steps=7, async_save=rank % 2 == 1,
+    )
+    due = []
+    for step in range(1, 16):
+        if mgr.should_save(step):
+            mgr.save(step, {"w": ckptlib.Shard(torch.full((4,), float(step)), (4 * world,), (4 * rank,))})
+            due.append(step)
+    mgr.close()
+    committed = [i.step for i in mgr.steps() if i.status == "committed"]
+    Path(root, f"result-{rank}.json").write_text(json.dumps({"due": due, "committed": committed}))
+
+
+def test_ranks_with_different_proposals_save_the_same_steps(tmp_path):
+    import launcher
+
+    procs = launcher.start(lambda rank, port: [__file__, "auto-rank", str(rank), "2", port, str(tmp_path)], 2)
+    outcomes = launcher.finish("auto interval on 2 ranks", procs, lambda r: tmp_path / f"result-{r}.json", 180)
+    for o in outcomes:
+        assert o.returncode == 0 and o.result is not None, o.log
+        # rank 0's proposal (every 2 steps) rules on both ranks: no mismatch, every save commits
+        assert o.result["due"] == [3, 5, 7, 9, 11, 13, 15]
+        assert o.result["committed"] == [3, 5, 7, 9, 11, 13, 15]
+
+
 def test_should_save_without_a_policy_says_what_to_pass(tmp_path):
     with ckptlib.CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="save_interval_steps=N"):
         mgr.should_save(1)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["auto-rank"]:
+    auto_rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
