@@ -39,6 +39,7 @@ from ckptlib.format import layout
 from ckptlib.format.schema import check_metrics
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
+from ckptlib.schedule import HOUR, IntervalEstimator, SaveSchedule, check_bounds, check_positive
 
 log = logging.getLogger("ckptlib")
 
@@ -59,9 +60,12 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._raised = False
         self._snapshot: Snapshot | None = None
+        self._durable_at: float | None = None  # time.monotonic() when committed
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
+        if error is None and not self.skipped:
+            self._durable_at = time.monotonic()
         self._event.set()
 
     def done(self) -> bool:
@@ -108,12 +112,40 @@ class ManagerOptions:
     keep_best: int | None = None
     best_metric: str | None = None
     best_mode: str = "min"
+    save_interval_steps: int | None = None
+    save_interval: str | None = None
+    mtbf_hours: float | None = None
+    save_interval_min_steps: int = 1
+    save_interval_max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.in_flight not in ("wait", "skip"):
             raise ValueError("in_flight must be 'wait' or 'skip'")
         retention.decide([], self.keep_last, self.keep_every)  # validates the policy
         retention.check_best(self.keep_best, self.best_metric, self.best_mode)
+        self.schedule()  # validates the saving decisions
+
+    def schedule(self) -> SaveSchedule | None:
+        """The ``should_save`` policy these options ask for (None: should_save not enabled)."""
+        n, auto = self.save_interval_steps, self.save_interval
+        if n is not None and (type(n) is not int or n < 1):
+            raise ValueError(f"save_interval_steps must be an int >= 1, got {n!r}")
+        if auto is not None and auto != "auto":
+            raise ValueError(f"save_interval must be None or 'auto', got {auto!r}")
+        if n is not None and auto is not None:
+            raise ValueError("pass save_interval_steps=N or save_interval='auto', not both")
+        if auto is None:
+            if self.mtbf_hours is not None:
+                raise ValueError("mtbf_hours is used only with save_interval='auto'")
+            check_bounds(self.save_interval_min_steps, self.save_interval_max_steps)
+            return None if n is None else SaveSchedule(every=n)
+        if self.mtbf_hours is None:
+            raise ValueError("save_interval='auto' needs mtbf_hours= (the job's mean time "
+                             "between failures, in hours)")
+        return SaveSchedule(estimator=IntervalEstimator(
+            check_positive("mtbf_hours", self.mtbf_hours) * HOUR, min_steps=self.save_interval_min_steps,
+            max_steps=self.save_interval_max_steps,
+        ))
 
 
 class CheckpointManager:
@@ -124,6 +156,13 @@ class CheckpointManager:
     ``keep_best=k`` also keeps the k best committed steps by ``metrics[best_metric]`` given to
     :meth:`save` (``best_mode`` "min" or "max"; a step without the metric ranks worst); the
     newest committed step is always kept (docs/training.md).
+
+    Saving decisions (:meth:`should_save`, docs/scale.md): ``save_interval_steps=N`` saves at
+    multiples of N; ``save_interval="auto"`` with ``mtbf_hours=`` (the job's mean time between
+    failures) applies Young/Daly to the measured stall and time to durable of recent saves and
+    the measured step time, re-evaluated at every save and clamped to
+    ``[save_interval_min_steps, save_interval_max_steps]``; the first two saves come
+    ``save_interval_min_steps`` apart (they measure the cost).
     """
 
     def __init__(
@@ -145,13 +184,27 @@ class CheckpointManager:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: str = "min",
+        save_interval_steps: int | None = None,
+        save_interval: str | None = None,
+        mtbf_hours: float | None = None,
+        save_interval_min_steps: int = 1,
+        save_interval_max_steps: int | None = None,
     ) -> None:
         self.options = ManagerOptions(
             keep_last=keep_last, keep_every=keep_every, async_save=async_save, compression=compression,
             in_flight=in_flight, save_timeout=save_timeout, snapshot_timeout=snapshot_timeout,
             overlap=overlap, persist_nice=persist_nice,
             keep_best=keep_best, best_metric=best_metric, best_mode=best_mode,
+            save_interval_steps=save_interval_steps,
+            save_interval=save_interval, mtbf_hours=mtbf_hours,
+            save_interval_min_steps=save_interval_min_steps,
+            save_interval_max_steps=save_interval_max_steps,
         )
+        self._schedule = self.options.schedule()
+        self._last_handle: SaveHandle | None = None
+        self._agreed_interval = 0
+        self._overlap_seen = 0.0
+        self._queued_s = 0.0  # how long the current save() waited for the previous one
         self.url = os.fspath(url)
         self.storage: Storage = open_storage(self.url, storage_options)
         self.coordinator = coordinator or default_coordinator()
@@ -179,14 +232,46 @@ class CheckpointManager:
         metrics = check_metrics(metrics)
         final = self._final
         if final is None:
-            return self._save(step, state, metadata, metrics)
+            return self._scheduled(step, time.monotonic(), self._save(step, state, metadata, metrics))
         final.busy = True  # a save_in_handler signal now waits until this call returns
         try:
-            handle = self._save(step, state, metadata, metrics)
+            handle = self._scheduled(step, time.monotonic(), self._save(step, state, metadata, metrics))
         finally:
             final.busy = False
         final.after_save(self)
         return handle
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` is due for a save (``save_interval_steps`` or ``"auto"``). Training
+        thread, once per step on every rank; in auto mode the time between calls is the
+        measured step time. Every rank gets the same answer for the same steps."""
+        if self._schedule is None:
+            raise ValueError("should_save needs CheckpointManager(save_interval_steps=N) or "
+                             "save_interval='auto' with mtbf_hours=")
+        waited = self._overlap.wait_seconds
+        self._schedule.add_stall(waited - self._overlap_seen)
+        self._overlap_seen = waited
+        return self._schedule.should_save(step)
+
+    def _scheduled(self, step: int, start: float, handle: SaveHandle) -> SaveHandle:
+        if self._schedule is not None and not handle.skipped:
+            self._last_handle = handle
+            began = start + self._queued_s  # when the save itself started
+            self._schedule.saved(step, self._agreed_interval, began, max(0.0, time.monotonic() - began),
+                                 queued_s=self._queued_s)
+        self._queued_s = 0.0
+        return handle
+
+    def _agree_interval(self) -> None:
+        """Auto interval: before a save, with no save in flight (the previous one finished),
+        so this collective never runs beside the persist thread's. Every rank adopts the
+        coordinator's proposal, made from its measurements."""
+        if self._schedule is None or self._schedule.estimator is None:
+            return
+        prev = self._last_handle
+        proposal = self._schedule.begin_save(None if prev is None else prev._durable_at)
+        agreed = self.coordinator.agree({"save_interval_steps": proposal}, self.options.save_timeout)
+        self._agreed_interval = int(agreed["save_interval_steps"])
 
     def _save(self, step: int, state: Any, metadata: Any, metrics: dict[str, float] | None = None) -> SaveHandle:
         self._overlap.finish()
@@ -202,8 +287,11 @@ class CheckpointManager:
                 handle.skipped = True
                 handle._finish()
                 return handle
+            waited = time.monotonic()
             self._join_thread()
+            self._queued_s = time.monotonic() - waited  # not the save's own stall (docs/scale.md)
             self._raise_pending()
+        self._agree_interval()
         flat = save_flow.prepare(state, self.coordinator.rank)
         crashpoints.point("snapshot", self.coordinator.rank)
         self._ensure_root()

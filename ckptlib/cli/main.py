@@ -112,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove a crashed save's .tmp- folder only once its save started this "
                    "long ago; a younger one may be a save still running (default 3600; 0 removes "
                    "all debris)")
-    from . import diff, export
+    from . import diff, export, plan
 
     export.add_parser(sub, common)
     diff.add_parser(sub, common)
+    plan.add_parser(sub, common)
     return parser
 
 
@@ -147,11 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .inspect import cmd_inspect
     from .ls import cmd_ls
     from .output import CliError, Output
+    from .plan import cmd_plan
     from .prune import cmd_prune
     from .verify import cmd_verify
 
     commands = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune,
-                "export": cmd_export, "diff": cmd_diff}
+                "export": cmd_export, "diff": cmd_diff, "plan": cmd_plan}
     out = Output(args.json)
 
     def fail(message: str, code: int = EXIT_USAGE) -> int:
