@@ -240,15 +240,17 @@ def fence(storage: Storage, final: str, save_id: str, rank: int, reason: str) ->
     any number of ranks may race here and with the coordinator's :func:`publish`."""
     mode = commit_mode(storage)
     if mode == "rename":
-        work = layout.tmp_dir(final, save_id)
+        work, gone = layout.tmp_dir(final, save_id), fence_format.abort_dir(final, save_id)
         for _attempt in range(3):
             try:
-                storage.rename(work, fence_format.abort_dir(final, save_id))
+                storage.rename(work, gone)
                 return FENCED  # the coordinator's rename of ``work`` now finds no source
             except (FileExistsError, FileNotFoundError, StorageError):
                 pass
+            if storage.exists(gone):
+                return FENCED  # by another rank (a ``work`` the manifest put recreated has no marker)
             if not storage.exists(work):
-                break  # moved into place (committed), fenced by another rank, or aborted
+                break  # moved into place (committed), or removed by the coordinator's abort
         else:
             raise CommitError(f"could not fence {storage.url.rstrip('/')}/{work}: it is still there")
     else:

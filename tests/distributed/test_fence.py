@@ -222,3 +222,19 @@ def test_damaged_abort_record_is_corrupt_not_a_fence(data, memory_url):
     storage.put_atomic("step-000000000001/manifest.json", data)
     assert [(i.step, i.status) for i in scan(storage)] == [(1, "corrupt")]
     assert retire.find_debris(storage, None) == []  # corrupt: never removed by cleanup
+
+
+def test_second_fence_while_coordinator_recreates_its_folder(tmp_path):
+    """POSIX: after one rank's fence, the coordinator's manifest put recreates the tmp folder
+    (without the marker); a second rank giving up then still reads "fenced", and the
+    coordinator's publish fails on the missing marker."""
+    storage = open_storage(str(tmp_path / "ckpt"))
+    storage.makedirs("")
+    final, save_id = "step-000000000004", "ab" * 16
+    st = commit.begin(storage, final, save_id)
+    assert commit.fence(storage, final, save_id, 1, "first") == commit.FENCED
+    storage.put_atomic(f"{st.work}/manifest.json", b"{}")  # what a late publish's first write does
+    assert commit.fence(storage, final, save_id, 2, "second") == commit.FENCED
+    with pytest.raises(ckptlib.CommitError, match="fenced"):
+        commit.publish(storage, st, b"{}")
+    assert not (tmp_path / "ckpt" / final).exists()
