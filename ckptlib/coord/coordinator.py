@@ -59,7 +59,9 @@ class Coordinator(ABC):
 
     def share_outcome(self, outcome: Any, deadline: float) -> Any:
         """After the coordinator tried to publish: every rank gets its ``outcome`` (JSON-typed;
-        other ranks pass None). Bounded by ``deadline`` (``time.monotonic()``)."""
+        other ranks pass None). Bounded by ``deadline`` (``time.monotonic()``). A rank that
+        gets no verdict returns ``{"failures": ..., "gave_up": True}`` or raises
+        :class:`CommitError`; the save flow then fences the save (``engine.commit.fence``)."""
         return self.agree(outcome, max(0.1, deadline - time.monotonic()))
 
 

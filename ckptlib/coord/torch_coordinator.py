@@ -10,8 +10,10 @@ posts ``release``; after publishing it posts ``outcome``, which the others await
 heartbeat moves, answering ``read/<rank>``. Only when every rank is done do they gather the
 results over gloo (group timeout ``dead_after``). Survivors of a failed save raise
 :class:`CommitError` naming the failed ranks; a rank waking after its save was abandoned reads
-the failed verdict. One gap: a coordinator frozen mid-publish past ``dead_after`` and then
-woken finishes a (complete) commit although the others already raised.
+the failed verdict. A rank that gives up on a silent coordinator while awaiting ``outcome``
+says so (``"gave_up": True``); the save flow then fences the save on storage
+(:func:`ckptlib.engine.commit.fence`), so a coordinator frozen mid-publish and woken later
+cannot commit what the others reported failed.
 
 Threads: every method runs on the thread driving the save; the heartbeat thread only bumps
 ``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a throwaway daemon thread.
@@ -289,8 +291,10 @@ class _Session:
     def share_outcome(self, outcome: Any, deadline: float) -> Any:
         """The coordinator posts ``outcome`` (JSON) and waits, at most ``dead_after``, until
         every other rank read it; the others wait while its heartbeat moves (at most
-        ``dead_after`` past ``deadline``); a silent coordinator yields a failed outcome.
-        Every rank returns the same decoded JSON (rank keys as strings)."""
+        ``dead_after`` past ``deadline``). Every rank returns the same decoded JSON (rank keys
+        as strings), except a rank that gave up on a silent or unreachable coordinator, or at
+        the deadline: it returns a failed outcome with ``"gave_up": True`` (the coordinator
+        may still be publishing: the caller must settle the save on storage)."""
         key = self.k("outcome")
         readers = [self.k(f"read/{r}") for r in range(1, self.world)]
         if self.rank == 0:
@@ -309,14 +313,15 @@ class _Session:
                 self.bounded(self.set, f"read/{self.rank}", "1")
                 return value
             except _Unreachable:
-                return {"failures": {"0": _UNREACHABLE}}
+                return {"failures": {"0": _UNREACHABLE}, "gave_up": True}
             except Exception:  # store.wait timed out (or the store is gone: the watch says so)
                 pass
             silent = watch.silent()
             if silent:
-                return {"failures": {"0": silent}}
+                return {"failures": {"0": silent}, "gave_up": True}
             if time.monotonic() > deadline + self.dead_after:
-                raise CommitTimeoutError("the coordinator did not publish the save before the deadline")
+                late = "CommitTimeoutError: the coordinator did not publish the save before the deadline"
+                return {"failures": {"0": late}, "gave_up": True}
 
 
 _UNREACHABLE = "coordinator (rank 0) unreachable: it died or its store is gone"

@@ -3,7 +3,9 @@
 Called by :mod:`ckptlib.engine.save`: :func:`begin` (coordinator, before any rank writes)
 prepares where payloads go; every rank writes under ``Staging.payload_prefix``; :func:`publish`
 (coordinator, every rank's files durable) makes the manifest visible atomically -- the commit
-point; :func:`abort` (coordinator, any failure before that) removes the staging area.
+point; :func:`abort` (coordinator, any failure before that) removes the staging area;
+:func:`fence` (any other rank that gave up waiting for the coordinator's verdict) claims the
+commit point first, so that a late coordinator cannot commit, or finds the save committed.
 
 By capability flag (never by URL scheme): ``supports_atomic_rename`` (POSIX): everything goes
 into ``<final>.tmp-<id>/``, fsynced, renamed to ``<final>`` (refusing to replace anything);
@@ -11,6 +13,19 @@ into ``<final>.tmp-<id>/``, fsynced, renamed to ``<final>`` (refusing to replace
 manifest created last with a create-only put; neither: a plain put read back for our save id.
 A valid existing ``<final>`` is never replaced (``StepExistsError``) unless ``overwrite``; a
 corrupt or incomplete one is moved aside (``<final>.corrupt-<id>``) or its manifest removed.
+On object stores that removal (and, with ``overwrite``, the old manifest's) happens in
+:func:`begin`, before any rank writes: at publish time the manifest key holds nothing or a
+fence, and the coordinator never deletes a fence.
+
+The fence (one rule, by capability; names and record in :mod:`ckptlib.format.fence`):
+``rename``: the giving-up rank renames ``<final>.tmp-<id>/`` to ``<final>.abort-<id>/``; the
+coordinator's rename of the tmp folder can then only fail, and it checks after writing the
+manifest that its folder still holds the ``.ckptlib`` marker (writing the manifest would
+recreate a moved folder). ``conditional_put``: the rank creates ``<final>/manifest.json``
+holding an abort record with a create-only put; the coordinator's create-only put of the
+manifest then fails. Whoever loses reads what won: a rank that finds our committed manifest
+reports the save committed. ``put_verify`` has no atomic primitive: the fence there is best
+effort (an abort record put where no manifest is yet, read back).
 """
 
 from __future__ import annotations
@@ -22,9 +37,14 @@ from dataclasses import dataclass
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.engine.scan import check_step, read_manifest
-from ckptlib.errors import CheckpointError, CommitError, StepExistsError
+from ckptlib.errors import CheckpointError, CommitError, StepExistsError, StorageError
+from ckptlib.format import fence as fence_format
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
+
+COMMITTED = "committed"
+FENCED = "fenced"
+"""Verdicts of :func:`fence`."""
 
 
 @dataclass(slots=True)
@@ -47,8 +67,10 @@ def commit_mode(storage: Storage) -> str:
     return "put_verify"
 
 
-def begin(storage: Storage, final: str, save_id: str) -> Staging:
+def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False) -> Staging:
     mode = commit_mode(storage)
+    if mode != "rename":
+        _clear_manifest_key(storage, final, overwrite)
     work = layout.tmp_dir(final, save_id) if mode == "rename" else final
     staging = Staging(final, save_id, work, join(work, save_id), mode)
     if mode == "rename":
@@ -84,25 +106,20 @@ def publish(storage: Storage, staging: Staging, manifest: bytes, *, overwrite: b
 def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
     storage.put_atomic(join(st.work, MANIFEST_NAME), manifest)
     crashpoints.point("manifest")
-    storage.sync_dir(st.payload_prefix)
-    storage.sync_dir(st.work)
+    where = f"{fence_format.abort_dir(st.final, st.save_id)} holds its files"
+    # A fence moves the folder away; the put above would have recreated it, without the marker.
+    # Nothing below recreates it, so after this check the rename can only fail once fenced.
+    if storage.size(join(st.work, layout.MARKER)) is None:
+        raise _fenced_error(storage, st, where)
     parent = st.final.rsplit("/", 1)[0] if "/" in st.final else ""
-    for _attempt in range(2):
-        try:
-            storage.rename(st.work, st.final)
-            break
-        except FileExistsError:
-            if check_step(storage, st.final).status == "committed":
-                if not overwrite:
-                    raise StepExistsError(
-                        f"{storage.url}/{st.final} already holds a committed checkpoint; "
-                        "not replacing it (pass overwrite=True, or delete it first)"
-                    ) from None
-                storage.rename(st.final, layout.del_dir(st.final, st.save_id))
-            else:
-                storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
-    else:
-        raise CommitError(f"could not move {st.work} into place at {st.final}")
+    try:
+        storage.sync_dir(st.payload_prefix)
+        storage.sync_dir(st.work)
+        _move_into_place(storage, st, overwrite)
+    except (FileNotFoundError, StorageError) as e:
+        if _fenced(storage, st):
+            raise _fenced_error(storage, st, where) from e
+        raise
     try:
         storage.sync_dir(parent)
     except BaseException:
@@ -121,23 +138,134 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
         storage.delete_tree(layout.del_dir(st.final, st.save_id))
 
 
+def _move_into_place(storage: Storage, st: Staging, overwrite: bool) -> None:
+    """Rename ``st.work`` to ``st.final`` (the commit point), replacing a committed step only
+    with ``overwrite`` and moving a damaged one aside. A replaced step is put back if the
+    rename then fails (a fence took ``st.work`` meanwhile)."""
+    gone = layout.del_dir(st.final, st.save_id)
+    try:
+        _rename_replacing(storage, st, overwrite)
+    except BaseException:
+        try:
+            if overwrite and storage.exists(gone) and not storage.exists(st.final):
+                storage.rename(gone, st.final)  # the step we were replacing stands
+        except Exception:
+            pass
+        raise
+
+
+def _rename_replacing(storage: Storage, st: Staging, overwrite: bool) -> None:
+    for _attempt in range(2):
+        try:
+            storage.rename(st.work, st.final)
+            return
+        except FileExistsError:
+            if check_step(storage, st.final).status == "committed":
+                if not overwrite:
+                    raise StepExistsError(
+                        f"{storage.url}/{st.final} already holds a committed checkpoint; "
+                        "not replacing it (pass overwrite=True, or delete it first)"
+                    ) from None
+                storage.rename(st.final, layout.del_dir(st.final, st.save_id))
+            else:
+                storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
+    raise CommitError(f"could not move {st.work} into place at {st.final}")
+
+
+def _clear_manifest_key(storage: Storage, final: str, overwrite: bool) -> None:
+    """Object stores, in :func:`begin`: remove what holds ``final``'s manifest key unless it is a
+    committed manifest we must keep (then :func:`publish` raises ``StepExistsError``): a damaged
+    manifest, a failed save's abort record, or (``overwrite``) the step being replaced."""
+    path = join(final, MANIFEST_NAME)
+    if storage.size(path) is not None and (overwrite or check_step(storage, final).status != "committed"):
+        storage.delete(path)
+
+
 def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
     path = join(st.final, MANIFEST_NAME)
-    if storage.size(path) is not None and (overwrite or check_step(storage, st.final).status != "committed"):
-        storage.delete(path)  # a damaged manifest, or one we were asked to replace
     crashpoints.point("manifest")
     if st.mode == "conditional_put":
         try:
             storage.put_if_absent(path, manifest)
         except FileExistsError:
-            raise StepExistsError(f"{storage.url}/{path} was committed by another save") from None
+            raise _taken(storage, st) from None
         return
     if storage.size(path) is not None:
-        raise StepExistsError(f"{storage.url}/{path} was committed by another save")
+        raise _taken(storage, st)
     storage.put_atomic(path, manifest)
     try:
         back = read_manifest(storage, st.final)
     except CheckpointError as e:
-        raise CommitError(f"manifest read-back failed: {e}") from e
+        raise _taken(storage, st) if storage.size(path) is not None else CommitError(
+            f"manifest read-back failed: {e}") from e
     if back.save_id != st.save_id:
         raise StepExistsError(f"{storage.url}/{path} was committed by another save ({back.save_id})")
+
+
+def _taken(storage: Storage, st: Staging) -> CommitError:
+    """The error for a manifest key that something else holds: our save's fence, or another
+    save's manifest (``StepExistsError``)."""
+    path = join(st.final, MANIFEST_NAME)
+    try:
+        record = fence_format.parse_abort(storage.read(path), path)
+    except (OSError, CheckpointError):
+        record = None
+    if record is not None:
+        return _fenced_error(storage, st, record.describe())
+    return StepExistsError(f"{storage.url}/{path} was committed by another save")
+
+
+def _fenced_error(storage: Storage, st: Staging, detail: str) -> CommitError:
+    return CommitError(
+        f"{storage.url.rstrip('/')}/{st.final} was not committed: another rank gave up waiting for this "
+        f"coordinator and fenced the save ({detail}); every rank reports it failed; save again"
+    )
+
+
+def _fenced(storage: Storage, st: Staging) -> bool:
+    """Rename mode: whether a rank moved our staging folder to its abort name."""
+    try:
+        return storage.exists(fence_format.abort_dir(st.final, st.save_id))
+    except (OSError, CheckpointError):
+        return False
+
+
+def fence(storage: Storage, final: str, save_id: str, rank: int, reason: str) -> str:
+    """A non-coordinator rank that gave up waiting for the coordinator's verdict (after sending it
+    its results, so the coordinator might still commit): make that commit impossible, or find it
+    done. Returns :data:`COMMITTED` (the save ``save_id`` is committed at ``final``: report
+    success) or :data:`FENCED` (it is not, and now never will be: report failure). Raises
+    :class:`CommitError` when it can tell neither (storage failing: the fence may be missing).
+    Called by :meth:`ckptlib.engine.save.SaveSession.finish` on the thread driving the save;
+    any number of ranks may race here and with the coordinator's :func:`publish`."""
+    mode = commit_mode(storage)
+    if mode == "rename":
+        work, gone = layout.tmp_dir(final, save_id), fence_format.abort_dir(final, save_id)
+        for _attempt in range(3):
+            try:
+                storage.rename(work, gone)
+                return FENCED  # the coordinator's rename of ``work`` now finds no source
+            except (FileExistsError, FileNotFoundError, StorageError):
+                pass
+            if storage.exists(gone):
+                return FENCED  # by another rank (a ``work`` the manifest put recreated has no marker)
+            if not storage.exists(work):
+                break  # moved into place (committed), or removed by the coordinator's abort
+        else:
+            raise CommitError(f"could not fence {storage.url.rstrip('/')}/{work}: it is still there")
+    else:
+        path = join(final, MANIFEST_NAME)
+        record = fence_format.encode_abort(save_id, rank, reason, time.time())
+        try:
+            if mode == "conditional_put":
+                storage.put_if_absent(path, record)
+                return FENCED  # the coordinator's create-only manifest put now fails
+            if storage.size(path) is None:
+                storage.put_atomic(path, record)  # best effort: no atomic primitive here
+        except FileExistsError:
+            pass  # something holds the commit point: see what
+    try:
+        info = check_step(storage, final)
+    except Exception as e:
+        raise CommitError(f"could not read {storage.url.rstrip('/')}/{final} after giving up: {e}") from e
+    return COMMITTED if info.status == "committed" and info.save_id == save_id else FENCED

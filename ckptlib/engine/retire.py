@@ -8,7 +8,8 @@ Deletion makes a step invisible first (rename to ``step-N.del-<id>``; on object 
 
 Debris is deleted only when provably ours or provably dead: ``*.tmp-``/``*.del-`` folders with
 the ``.ckptlib`` marker (or, inside the owning job, holding only ckptlib's files; the CLI also
-waits ``min_age``); on object stores, payload prefixes of save ids other than the committed
+waits ``min_age``); a fenced save's ``*.abort-`` folder or abort record (format/fence.py: it can
+never commit); on object stores, payload prefixes of save ids other than the committed
 manifest's, manifest-less step folders and multipart uploads idle for ``grace`` seconds.
 A step whose manifest is corrupt is never touched: it is evidence.
 """
@@ -27,7 +28,7 @@ from ckptlib import crashpoints
 from ckptlib.backends import Entry, Storage, join
 from ckptlib.engine.scan import read_manifest, scan
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ckptlib.format import layout
+from ckptlib.format import fence, layout
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.plan import retention
 
@@ -85,8 +86,10 @@ def apply_retention(
 @dataclass(frozen=True, slots=True)
 class Debris:
     """One leftover and its verdict. ``kind``: ``tmp`` (a save's folder), ``del`` (a deletion's
-    folder), and on object stores ``step`` (a step folder without manifest), ``prefix`` (a
-    save id's payloads in a step another save committed), ``upload`` (a multipart upload)."""
+    folder), ``abort`` (a fenced save: its ``*.abort-`` folder, or on object stores the step
+    folder holding its abort record), and on object stores ``step`` (a step folder without
+    manifest), ``prefix`` (a save id's payloads in a step another save committed), ``upload``
+    (a multipart upload)."""
 
     path: str
     save_id: str
@@ -136,8 +139,11 @@ def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
             continue
         if d.kind == "upload":
             storage.abort_upload(d.path, d.upload_id)
-        elif d.kind in ("tmp", "del"):
+        elif d.kind in ("tmp", "del") or (d.kind == "abort" and fence.ABORT_RE.match(d.path)):
             _delete_marker_last(storage, d.path)
+        elif d.kind == "abort":  # object store: the abandoned payloads, then the record last
+            storage.delete_tree(join(d.path, d.save_id))
+            storage.delete(join(d.path, MANIFEST_NAME))
         else:
             log.info("ckptlib: removing %s: %s", d.path, d.why)
             storage.delete_tree(d.path)
@@ -156,11 +162,15 @@ def clean_debris(
 def _judge_folder(
     storage: Storage, name: str, active_ids: Collection[str] | None, min_age: float, now: float
 ) -> Debris | None:
-    """The verdict on a ``*.tmp-<id>``/``*.del-<id>`` folder; None for any other folder."""
+    """The verdict on a ``*.tmp-<id>``/``*.del-<id>``/``*.abort-<id>`` folder; None for any other."""
     m = layout.TMP_RE.match(name)
-    if not m or (layout.parse_step(m.group(1)) is None and m.group(2) == "tmp"):
+    a = fence.ABORT_RE.match(name)
+    if a and layout.parse_step(a.group(1)) is not None:
+        kind, save_id = "abort", a.group(2)
+    elif not m or (layout.parse_step(m.group(1)) is None and m.group(2) == "tmp"):
         return None
-    kind, save_id = m.group(2), m.group(3)
+    else:
+        kind, save_id = m.group(2), m.group(3)
     if active_ids is not None and save_id in active_ids:
         return Debris(name, save_id, kind, None, False, "a save in flight in this job")
     created = _marker_created(storage, name)
@@ -175,7 +185,8 @@ def _judge_folder(
     elif kind == "tmp" and min_age > 0 and (age is None or age < min_age):
         when = "of unknown age" if age is None else f"started {age:.0f}s ago"
         return verdict(False, f"save {when}: may still be running (younger than {min_age:.0f}s)")
-    return verdict(True, "crashed save" if kind == "tmp" else "interrupted deletion")
+    why = {"tmp": "crashed save", "del": "interrupted deletion", "abort": "failed save, fenced: never committed"}
+    return verdict(True, why[kind])
 
 
 def _marker_created(storage: Storage, folder: str) -> float | None:
@@ -202,6 +213,12 @@ def _object_store_debris(
         try:
             committed_ids[e.name] = read_manifest(storage, e.name).save_id
         except CheckpointNotFoundError:
+            record = _abort_record(storage, e.name)
+            if record is not None:
+                removable = record.save_id not in active
+                why = record.describe() if removable else "a save in flight in this job"
+                found.append(Debris(e.name, record.save_id, "abort", None, removable, why))
+                continue
             age = _age(storage, e.name, now)
             if age is not None and age > grace and not (_prefix_ids(storage, e.name) & active):
                 found.append(Debris(e.name, "", "step", age, True, f"no manifest and no write for {age:.0f}s"))
@@ -222,6 +239,18 @@ def _object_store_debris(
             why = "upload of a save that did not commit" if dead_prefix else "upload abandoned"
             found.append(Debris(path, sid, "upload", now - started, True, why, upload_id))
     return found
+
+
+def _abort_record(storage: Storage, folder: str) -> fence.AbortRecord | None:
+    """The abort record where ``folder``'s manifest goes (object stores), if one is there."""
+    path = join(folder, MANIFEST_NAME)
+    try:
+        size = storage.size(path)
+        if size is None or size > fence.MAX_RECORD_BYTES:
+            return None
+        return fence.parse_abort(storage.read(path), path)
+    except (OSError, CheckpointError):
+        return None
 
 
 def _delete_marker_last(storage: Storage, folder: str) -> None:

@@ -43,6 +43,9 @@ from ckptlib.plan.trees import TreeMismatch
 from ckptlib.plan.trees import merge as merge_trees
 
 DEFAULT_CHUNK_BYTES = 32 << 20
+FENCE_SECONDS = 60.0
+"""Storage time a rank that gave up on the coordinator may spend placing the fence, even past
+the session's deadline (a fence cut short could let a late coordinator commit)."""
 
 
 @dataclass(slots=True)
@@ -119,6 +122,7 @@ class SaveSession:
         self._chunks: list[Any] = []
         self._writes = 0
         self._open = True
+        self._sent = False  # this rank's results went to the coordinator: it may commit them
         self.payload_bytes = 0
         """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
 
@@ -142,7 +146,7 @@ class SaveSession:
                 try:
                     with deadline_scope(storage, opts.timeout):
                         storage.makedirs("")
-                        staging = commit.begin(storage, final, save_id)
+                        staging = commit.begin(storage, final, save_id, overwrite=opts.overwrite)
                 except (CheckpointError, OSError) as e:
                     error = f"{type(e).__name__}: {e}"
             prefix, error = coord.agree((staging.payload_prefix if staging else None, error),
@@ -202,6 +206,7 @@ class SaveSession:
             raise _fail(self.storage, self.final, failures)
         mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
                 "shapes": shapes or {}}
+        self._sent = True
         return coord.gather(mine, self.left())
 
     def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
@@ -228,10 +233,10 @@ class SaveSession:
             with self.bounded():
                 commit.publish(self.storage, staging, data, overwrite=self.options.overwrite)
         except TreeMismatch as e:
-            self.abort()
+            self._drop_staging()
             raise _fail(self.storage, self.final, {0: str(e)}) from e
         except Exception as e:
-            self.abort()
+            self._drop_staging()  # the session stays open: finish() still shares the outcome
             raise _fail(self.storage, self.final, {0: f"{type(e).__name__}: {e}"},
                         isinstance(e, FileExistsError)) from e
         self._staging = None
@@ -242,33 +247,63 @@ class SaveSession:
                metrics: dict[str, float] | None = None) -> SaveResult:
         """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
         outcome shared with every rank; the session is closed. Returns on every rank or raises
-        the same :class:`CommitError` on every rank."""
+        the same :class:`CommitError` on every rank. A rank that sent its results but gets no
+        verdict from the coordinator (silent, unreachable, past the deadline) settles the save
+        on storage itself (:meth:`_settle`), so what it reports is what storage holds."""
         try:
-            results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
-            outcome: dict[str, Any] | None = None
-            if self.coord.is_coordinator:
-                assert results is not None
-                outcome = {"failures": {}}
-                try:
-                    self.publish(results, metadata=metadata, extra=extra, metrics=metrics)
-                except CommitError as e:
-                    outcome = {"failures": e.failures or {0: str(e)}, "exists": isinstance(e, StepExistsError)}
-            outcome = self.coord.share_outcome(outcome, self.deadline)
-            if outcome["failures"]:
-                failures = {int(k): v for k, v in outcome["failures"].items()}
+            try:
+                results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
+                outcome: dict[str, Any] | None = None
+                if self.coord.is_coordinator:
+                    assert results is not None
+                    outcome = {"failures": {}}
+                    try:
+                        self.publish(results, metadata=metadata, extra=extra, metrics=metrics)
+                    except CommitError as e:
+                        outcome = {"failures": e.failures or {0: str(e)}, "exists": isinstance(e, StepExistsError)}
+                outcome = self.coord.share_outcome(outcome, self.deadline)
+            except CommitError as e:
+                if self.coord.is_coordinator or not self._sent:
+                    raise
+                return self._settle(e.failures or {0: str(e)}, e)
+            failures = {int(k): v for k, v in outcome["failures"].items()}
+            if outcome.get("gave_up"):
+                return self._settle(failures)
+            if failures:
                 raise _fail(self.storage, self.final, failures, bool(outcome.get("exists")))
             return SaveResult(self.save_id, self.payload_bytes)
         finally:
             self.close()
 
+    def _settle(self, failures: dict[int, str], cause: BaseException | None = None) -> SaveResult:
+        """A non-coordinator that gave up on the coordinator after sending it its results (in
+        :meth:`finish`): :func:`ckptlib.engine.commit.fence` makes the coordinator's commit
+        impossible or finds it done. Returns if the save is committed; else raises
+        :class:`CommitError` (the coordinator, if it ever wakes, fails too)."""
+        why = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        try:
+            with deadline_scope(self.storage, max(self.left(), FENCE_SECONDS)):
+                verdict = commit.fence(self.storage, self.final, self.save_id, self.coord.rank, why[:500])
+        except (CheckpointError, OSError) as e:
+            failures = {**failures, self.coord.rank: f"could not fence the save, the coordinator may still commit it: {e}"}
+            raise _fail(self.storage, self.final, failures) from cause or e
+        if verdict == commit.COMMITTED:
+            return SaveResult(self.save_id, 0)
+        failures = {**failures, self.coord.rank: "gave up waiting for the coordinator; fenced the save: it cannot commit"}
+        raise _fail(self.storage, self.final, failures) from cause
+
     def abort(self) -> None:
         """Any rank, before the commit: give the save up. The coordinator removes the staging
         area (best effort); every rank stops liveness. Idempotent."""
+        self._drop_staging()
+        self.close()
+
+    def _drop_staging(self) -> None:
+        """Coordinator: remove the staging area (best effort), once."""
         if self._staging is not None:
             with self.bounded():
                 commit.abort(self.storage, self._staging)
             self._staging = None
-        self.close()
 
     def close(self) -> None:
         """End the session on this rank (liveness stops). Idempotent."""

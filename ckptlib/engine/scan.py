@@ -19,7 +19,7 @@ from ckptlib.errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from ckptlib.format import layout
+from ckptlib.format import fence, layout
 from ckptlib.format.decode import decode
 from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 
@@ -61,12 +61,15 @@ def read_manifest(storage: Storage, folder: str) -> Manifest:
         with storage.open_read(path) as h:
             _check_size(h.size, where)
             data = h.read(0, h.size)
-        with paused_gc():
-            return decode(data, where)
+        record = fence.parse_abort(data, where)  # a failed save's fence (engine/commit.py)
+        if record is None:
+            with paused_gc():
+                return decode(data, where)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
     except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt
         raise CheckpointError(f"out of memory while reading the manifest {where}") from None
+    raise CheckpointNotFoundError(f"no checkpoint at {where}: {record.describe()}")
 
 
 def _check_size(size: int | None, where: str) -> None:
@@ -120,7 +123,7 @@ def check_step(
 
 
 def scan(storage: Storage, *, deep: bool = False) -> list[StepInfo]:
-    """Every step under the root, newest first, with in-progress/crashed saves as incomplete."""
+    """Every step under the root, newest first, with in-progress/crashed/fenced saves as incomplete."""
     try:
         entries = storage.listdir("")
     except FileNotFoundError:
@@ -142,5 +145,9 @@ def scan(storage: Storage, *, deep: bool = False) -> list[StepInfo]:
                 infos.append(
                     StepInfo(step, "incomplete", reason="save in progress, or crashed before its commit", path=ent.name)
                 )
+        a = fence.ABORT_RE.match(ent.name)
+        if a and ent.is_dir and (step := layout.parse_step(a.group(1))) is not None and a.group(1) not in committed_names:
+            why = f"save {a.group(2)} failed: a rank gave up on its coordinator and fenced it; never committed"
+            infos.append(StepInfo(step, "incomplete", reason=why, path=ent.name, save_id=a.group(2)))
     infos.sort(key=lambda i: (i.step, i.status == "committed"), reverse=True)
     return infos
