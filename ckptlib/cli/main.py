@@ -7,6 +7,7 @@ from ``verify`` and ``diff``, 2 for usage or access errors): docs/cli.md and doc
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -142,16 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ckptlib.errors import CheckpointError
 
-    from .diff import cmd_diff
-    from .export import cmd_export
-    from .inspect import cmd_inspect
-    from .ls import cmd_ls
     from .output import CliError, Output
-    from .prune import cmd_prune
-    from .verify import cmd_verify
 
-    commands = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune,
-                "export": cmd_export, "diff": cmd_diff}
     out = Output(args.json)
 
     def fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -160,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
 
     try:
-        return commands[args.command](args, out)
+        return _command(args.command)(args, out)
     except BrokenPipeError as e:
         if not out.broken_pipe:  # from storage, not from our output
             return fail(f"{args.url}: {e}")
@@ -183,6 +176,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         out.note("ckptlib: interrupted", style="red")
         return EXIT_INTERRUPTED
+
+
+def _command(name: str) -> Callable[[argparse.Namespace, Any], int]:
+    """``cmd_<name>`` of the module ``ckptlib.cli.<name>`` (every subcommand lives in its own
+    module). Only the chosen one is imported: ``ls``/``verify``/``prune`` never import torch
+    (tests/test_cli_imports.py)."""
+    module = importlib.import_module(f"ckptlib.cli.{name}")
+    fn: Callable[[argparse.Namespace, Any], int] = getattr(module, f"cmd_{name}")
+    return fn
 
 
 def _silence_stdout() -> None:
