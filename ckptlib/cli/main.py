@@ -101,13 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", parents=[common], help="delete old steps by retention policy",
                        description="Delete committed steps that the retention policy does not "
-                       "keep (never the newest committed one), and remove the debris of crashed "
-                       "saves. Corrupt and incomplete steps are left alone.")
+                       "keep (never the newest committed one), and remove debris that is provably "
+                       "not in use: crashed saves, interrupted deletions, damaged and quarantined "
+                       "(.corrupt-) step folders once a newer committed step supersedes them. "
+                       "With --verify, kept steps are deep-checked first and a corrupt one never "
+                       "counts as kept.")
     p.add_argument("url", metavar="URL", help="checkpoint root (local path or fsspec URL)")
     p.add_argument("--keep-last", type=_int_at_least(1), required=True, metavar="N",
                    help="keep the newest N committed steps")
     p.add_argument("--keep-every", type=_int_at_least(1), metavar="K",
                    help="also keep steps divisible by K")
+    p.add_argument("--verify", action="store_true",
+                   help="deep-check (checksums) every step it would keep, newest first; a step "
+                   "that fails is not kept and the next good one is kept instead")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     p.add_argument("--debris-min-age", type=float, default=3600.0, metavar="SECONDS",
                    help="remove a crashed save's .tmp- folder only once its save started this "

@@ -25,7 +25,7 @@ PIPE_WIDTH = 200
 
 STATUS_STYLE = {
     "committed": "green", "ok": "green", "corrupt": "bold red", "incomplete": "yellow",
-    "gone": "dim",
+    "gone": "dim", "quarantined": "red", "debris": "yellow",
 }
 
 
@@ -121,6 +121,12 @@ class Progress:
     def describe(self, text: str) -> None:
         if self.bar is not None:
             self.bar.update(self.task, description=text)
+
+    def add_total(self, n: int) -> None:
+        """More bytes to check than announced (``prune --verify`` found a corrupt kept step)."""
+        self.total += n
+        if self.bar is not None:
+            self.bar.update(self.task, total=self.total)
 
     def advance(self, n: int) -> None:
         self.done += n
