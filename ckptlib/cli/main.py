@@ -55,7 +55,20 @@ def _common_options(prefix: str, default: Any) -> argparse.ArgumentParser:
                    type=parse_storage_option, default=default, metavar="KEY=VALUE",
                    help="fsspec storage option (repeatable); VALUE is parsed as JSON if it can "
                    "be, e.g. anon=true, else taken as a string")
+    p.add_argument("--timeout", dest=f"{prefix}timeout", type=_seconds, default=default,
+                   metavar="SECONDS", help="give up when storage does not answer one request "
+                   "within SECONDS (default: $CKPTLIB_CLI_TIMEOUT, else 60; 0: wait forever)")
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +145,7 @@ def _merge_common(args: argparse.Namespace) -> None:
     for key, value in (args.global_storage_option or []) + (args.storage_option or []):
         options[key] = value
     args.storage_options = options or None
+    args.timeout = args.timeout if args.timeout is not None else args.global_timeout
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,22 +158,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
     if args.command is None:
         parser.print_help(sys.stderr)
+        print("ckptlib: error: no command given: pick one of the commands above "
+              "(`ckptlib COMMAND --help` for its options)", file=sys.stderr)
         return EXIT_USAGE
     _merge_common(args)
 
     from ckptlib.errors import CheckpointError
 
+    from . import deadline
     from .output import CliError, Output
 
     out = Output(args.json)
 
-    def fail(message: str, code: int = EXIT_USAGE) -> int:
-        out.note(f"ckptlib: {message}", style="red")
-        out.emit({"error": message, "exit_code": code})
+    def fail(message: str, code: int = EXIT_USAGE, force: bool = False) -> int:
+        out.note(f"ckptlib: {message}", style="red", force=force)
+        out.emit({"error": message, "exit_code": code}, force=force)
         return code
 
     try:
-        return _command(args.command)(args, out)
+        watch = deadline.Watch(deadline.resolve_timeout(args.timeout))
+        return deadline.run(lambda: _command(args.command)(args, out), watch,
+                            status=not out.json_mode and out.err.is_terminal)
+    except deadline.StalledError as e:
+        out.muted = True  # the blocked command may wake up later: it prints nothing more
+        return fail(str(e), e.code, force=True)
     except BrokenPipeError as e:
         if not out.broken_pipe:  # from storage, not from our output
             return fail(f"{args.url}: {e}")

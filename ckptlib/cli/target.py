@@ -18,6 +18,7 @@ from ckptlib.errors import CheckpointError, CheckpointNotFoundError
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
 
+from . import deadline
 from .output import CliError
 
 EXIT_OK = 0
@@ -53,7 +54,7 @@ def open_target(url: str, storage_options: dict[str, Any] | None, hint: str = AN
     A URL naming a ``manifest.json`` file is taken as its folder. A URL that is a file
     (or, for roots, does not exist) is a :class:`CliError` with a hint.
     """
-    storage = open_storage(url, storage_options)
+    storage = deadline.watched(open_storage(url, storage_options), url.rstrip("/"))
     if storage.size("") is not None:
         storage.close()
         stripped = url.rstrip("/")

@@ -123,7 +123,8 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     out.print(t)
     checked = sum(r["checked_bytes"] for r in rows)
     if failed:
-        names = ", ".join(f"step {step_label(r['step'])} ({r['status']})" for r in failed)
+        names = "; ".join(f"step {step_label(r['step'])} ({r['status']}: {target.short(r['reason'])})"
+                          for r in failed)
         out.print(Text(f"FAILED: {names}", style="bold red"))
     else:
         out.print(Text(f"OK: {len(rows)} step(s) verified, {human_bytes(checked)} checked",
