@@ -1,7 +1,9 @@
 """``ckptlib``: look at, check and prune checkpoints from the shell: ``ls``, ``inspect``,
 ``verify``, ``prune`` here, ``export`` (cli/export.py) and ``diff`` (cli/diff.py). Arguments,
-the ``--json`` / ``--storage-option`` options every command takes, and exit statuses (1 only
-from ``verify`` and ``diff``, 2 for usage or access errors): docs/cli.md and docs/read.md.
+the ``--json`` / ``--storage-option`` / ``--timeout`` options every command takes, and exit
+statuses (1 only from ``verify`` and ``diff``, 2 for usage or access errors, a stalled storage
+included): docs/cli.md and docs/read.md. Only the chosen command's module is imported, and it
+runs on a worker thread under the storage deadline of :mod:`ckptlib.cli.deadline`.
 """
 
 from __future__ import annotations
