@@ -86,6 +86,11 @@ class Watch:
 
 _current: Watch | None = None
 
+UNBOUNDED = frozenset({"delete_tree", "tree_modified", "deadline", "close"})
+"""Calls whose duration grows with the size of a tree (one call, many requests or a walk of a
+whole folder on a parallel file system): not timed, each request in them keeps the backend's
+own bounds (docs/storage.md, "Retries and deadlines")."""
+
 
 class _Watched:
     """Forwards to ``inner``; calls are recorded in ``watch`` while in flight, and what they
@@ -96,7 +101,7 @@ class _Watched:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
-        if not callable(attr) or name == "deadline":
+        if not callable(attr) or name in UNBOUNDED:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
