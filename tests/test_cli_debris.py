@@ -191,3 +191,23 @@ def test_object_store_leftovers_in_ls(memory_url: str, capsys: pytest.CaptureFix
     assert (rows[layout.step_dir(3)]["status"], rows[layout.step_dir(3)]["bytes"]) == ("incomplete", 1234)
     assert rows[layout.step_dir(3)]["prune"]["removes"] is False
     assert (rows[lost]["status"], rows[lost]["bytes"], rows[lost]["prune"]["removes"]) == ("debris", 99, True)
+
+
+def test_object_store_damaged_step_waits_for_its_grace(memory_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """No rename on object stores: a superseded damaged step is removed only once nothing was
+    written under it for the grace period (a save of that step could be rewriting it)."""
+    make_root(memory_url, (1, 2, 3))  # type: ignore[arg-type]
+    s = open_storage(memory_url)
+    m = read_manifest(s, layout.step_dir(1))
+    payload = f"{layout.step_dir(1)}/{m.files[0].path}"
+    s.put_atomic(payload, s.read(payload)[:-7])  # truncated: step 1 is damaged
+    code, doc = run_json(capsys, "prune", memory_url, "--keep-last", "3")
+    assert code == 0
+    [d] = [d for d in doc["debris"] if d["path"] == layout.step_dir(1)]
+    assert (d["kind"], d["removable"]) == ("damaged", False) and "written to" in d["why"]
+    assert s.size(payload) is not None
+    code, doc = run_json(capsys, "prune", memory_url, "--keep-last", "3", "--debris-min-age", "0")
+    assert (code, doc["debris_removed"]) == (0, [layout.step_dir(1)])
+    assert s.size(payload) is None and not s.exists(layout.step_dir(1))
+    code, doc = run_json(capsys, "ls", memory_url)
+    assert [(r["step"], r["status"]) for r in doc["steps"]] == [(2, "committed"), (3, "committed")]
