@@ -188,3 +188,21 @@ def test_verified_retention_never_counts_a_corrupt_step_as_kept(tmp_path):
     _, judged = retire.verified_retention(s, infos, keep, deep=True)
     verdict = {d.path: d.removable for d in retire.find_debris(s, None, steps=judged)}
     assert verdict == {layout.step_dir(3): True, layout.step_dir(5): False}
+
+
+def test_a_step_of_a_newer_format_is_never_removed_as_damaged(tmp_path):
+    """A manifest this ckptlib cannot read because a newer one wrote it is not damage."""
+    root, s, _ = _steps(tmp_path, 3)
+    manifest = root / layout.step_dir(1) / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["format_version"] = 99
+    manifest.write_text(json.dumps(doc))
+    _flip(root, 2)
+    from ckptlib.engine.scan import scan
+
+    judged = sorted(scan(s, deep=True), key=lambda i: i.step)
+    assert [i.status for i in judged] == ["corrupt", "corrupt", "committed"]
+    found = {d.path: d for d in retire.find_debris(s, None, steps=judged)}
+    assert found[layout.step_dir(2)].removable  # damaged and superseded by step 3
+    newer = found[layout.step_dir(1)]
+    assert not newer.removable and "newer format" in newer.why
