@@ -1,7 +1,7 @@
 """``ckptlib inspect URL [--step N]``: one checkpoint's header (step, save id, world size,
 commit mode, metadata, ...) and its tensors (name, dtype, shape, sharding, bytes).
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread.
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 then the debris beside them (crashed saves, quarantined ``.corrupt-`` folders, interrupted
 deletions, abandoned uploads) with sizes and whether ``ckptlib prune`` would remove each.
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread. Steps are judged by
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py). Steps are judged by
 :func:`ckptlib.engine.scan.scan` and debris by :func:`ckptlib.engine.retire.find_debris` (with
 the defaults ``prune`` uses), so ``ls`` shows exactly what ``prune`` would do with each.
 """

@@ -3,7 +3,7 @@ committed steps the retention policy does not keep, and remove debris that is pr
 use (crashed saves, interrupted deletions, superseded damaged or quarantined step folders,
 manifest-less step folders, abandoned uploads).
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread. The rules are not here:
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py). The rules are not here:
 :func:`ckptlib.plan.retention.decide` says which steps to keep,
 :func:`ckptlib.engine.retire.verified_retention` deep-checks the kept ones (``--verify``) so a
 corrupt step never counts as kept, and :func:`ckptlib.engine.retire.find_debris` judges debris

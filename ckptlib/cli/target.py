@@ -1,6 +1,6 @@
 """What a command's URL names, and the step helpers the commands share.
 
-Every command (``ls``, ``inspect``, ``verify``, ``prune``; caller's thread) starts with
+Every command (``ls``, ``inspect``, ``verify``, ``prune``; the command's worker thread) starts with
 :func:`open_target`, closes ``target.storage`` when done, and judges steps with
 :mod:`ckptlib.engine.scan` exactly as ``CheckpointManager`` does, so the command line and a
 resuming job always agree on which steps are usable.

@@ -1,7 +1,7 @@
 """``ckptlib verify URL [--step N|--all]``: deep-check steps, every chunk's checksum (and zstd
 frame size) against the manifest; exit 0 only if everything checked is good.
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread; the rich progress bar (on a
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py); the rich progress bar (on a
 terminal only) is advanced from that thread by :func:`ckptlib.engine.scan.check_step`.
 """
 
