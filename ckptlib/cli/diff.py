@@ -1,7 +1,7 @@
 """``ckptlib diff URL_A URL_B [--step-a N] [--step-b M]``: which tensors differ.
 
 Registered by :mod:`ckptlib.cli.main` (:func:`add_parser`), which calls :func:`cmd_diff` on
-the main thread; the comparison is :func:`ckptlib.read.compare.compare`. Exit status: 0 when
+the command's worker thread (cli/deadline.py); the comparison is :func:`ckptlib.read.compare.compare`. Exit status: 0 when
 the tensors are identical (same names, dtypes, shapes and bytes), 1 when they differ, 2 on a
 usage or access error (a corrupt chunk included).
 """
@@ -9,11 +9,10 @@ usage or access error (a corrupt chunk included).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
-
-from .output import Output
+if TYPE_CHECKING:
+    from .output import Output
 
 EXIT_SAME, EXIT_DIFFERENT = 0, 1
 
@@ -43,6 +42,8 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
     if result["identical"]:
         out.print(f"identical: {result['same']} tensors")
         return code
+    from rich.table import Table
+
     table = Table("tensor", "change", "dtype", "shape", "changed", "max abs diff", box=None)
     for name in result["only_a"]:
         table.add_row(name, "only in A", "", "", "", "")

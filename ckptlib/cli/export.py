@@ -1,7 +1,7 @@
 """``ckptlib export URL [--step N] --to zarr3|safetensors OUT [--select PREFIX]``.
 
 Registered by :mod:`ckptlib.cli.main` (:func:`add_parser`), which calls :func:`cmd_export` on
-the main thread. Opens the checkpoint with ``ckptlib.open`` and streams it through
+the command's worker thread (cli/deadline.py). Opens the checkpoint with ``ckptlib.open`` and streams it through
 :mod:`ckptlib.read.to_zarr3` or :mod:`ckptlib.read.to_safetensors`; a progress bar on a
 terminal, one JSON summary with ``--json``. Exit 0 when written, 2 on any error (a corrupt
 chunk included: the export stops at it, never writes wrong values).
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .output import CliError, Output, Progress, human_bytes
+if TYPE_CHECKING:
+    from .output import Output
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
@@ -43,6 +44,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_export(args: argparse.Namespace, out: Output) -> int:
     from ckptlib.read.view import open_view
+
+    from .output import CliError, Progress, human_bytes
 
     if args.to_format == "safetensors" and not args.select:
         raise CliError("--to safetensors needs --select PREFIX (e.g. --select model)")

@@ -1,7 +1,7 @@
 """``ckptlib inspect URL [--step N]``: one checkpoint's header (step, save id, world size,
 commit mode, metadata, ...) and its tensors (name, dtype, shape, sharding, bytes).
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread.
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py).
 """
 
 from __future__ import annotations
@@ -103,6 +103,14 @@ def _metadata(m: Manifest, where: str) -> tuple[Any, str]:
     return value, summarize(value)
 
 
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders numbers by value: ``layers.2`` before ``layers.10``."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(name) if p)
+
 def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
     """Describe one checkpoint: header (step, save id, world size, ...) and its tensors."""
     target = open_target(args.url, args.storage_options)
@@ -133,7 +141,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
 
     where = target.where(join(folder, MANIFEST_NAME))
     metadata, meta_summary = _metadata(m, where)
-    tensors = [tensor_row(name, t, m) for name, t in sorted(m.tensors.items())]
+    tensors = [tensor_row(name, m.tensors[name], m) for name in sorted(m.tensors, key=natural_key)]
     raw_total = sum(t["bytes"] for t in tensors)
     stored_total = sum(t["stored_bytes"] for t in tensors)
     doc = {

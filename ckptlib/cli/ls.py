@@ -1,6 +1,10 @@
-"""``ckptlib ls URL``: one row per step under a root (step, status, size, ranks, age, reason).
+"""``ckptlib ls URL``: one row per step under a root (step, status, size, ranks, age, reason),
+then the debris beside them (crashed saves, quarantined ``.corrupt-`` folders, interrupted
+deletions, abandoned uploads) with sizes and whether ``ckptlib prune`` would remove each.
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread.
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py). Steps are judged by
+:func:`ckptlib.engine.scan.scan` and debris by :func:`ckptlib.engine.retire.find_debris` (with
+the defaults ``prune`` uses), so ``ls`` shows exactly what ``prune`` would do with each.
 """
 
 from __future__ import annotations
@@ -9,18 +13,29 @@ import argparse
 import time
 from typing import Any
 
+from ckptlib.engine import retire
 from ckptlib.engine.scan import StepInfo
+from ckptlib.format import layout
 
 from .output import Output, has_rows, human_age, human_bytes, status_text, table
-from .target import EXIT_OK, ROOT_HINT, list_steps, open_target, single, step_label, step_or_none
+from .target import (
+    EXIT_OK,
+    ROOT_HINT,
+    Target,
+    list_steps,
+    open_target,
+    single,
+    step_label,
+    step_or_none,
+)
 
 
-def _ls_row(info: StepInfo, now: float) -> dict[str, Any]:
+def _ls_row(info: StepInfo, now: float, size: int | None) -> dict[str, Any]:
     committed = info.status == "committed"
     return {
         "step": step_or_none(info.step),
         "status": info.status,
-        "bytes": info.bytes if committed else None,
+        "bytes": info.bytes if committed else size,
         "world_size": info.world_size or None,
         "num_tensors": info.num_tensors if info.save_id else None,
         "created": info.created,
@@ -32,30 +47,85 @@ def _ls_row(info: StepInfo, now: float) -> dict[str, Any]:
     }
 
 
+def _debris_step(path: str) -> int | None:
+    name = path.split("/", 1)[0]
+    m = layout.TMP_RE.match(name) or layout.CORRUPT_RE.match(name)
+    return layout.parse_step(m.group(1) if m else name)
+
+
+def _rows(target: Target, infos: list[StepInfo], now: float) -> list[dict[str, Any]]:
+    """Step rows, each with the debris verdict when it is debris, then the other debris."""
+    debris = retire.find_debris(target.storage, None, min_age=retire.DEFAULT_GRACE, now=now, steps=infos)
+    by_path = {d.path: d for d in debris}
+    rows = []
+    for i in infos:
+        d = by_path.pop(i.path, None)
+        size = None if i.status == "committed" else retire.tree_bytes(target.storage, i.path)
+        row = _ls_row(i, now, size)
+        row["kind"] = "step" if layout.parse_step(i.path) is not None else "debris"
+        row["prune"] = _verdict(d)
+        rows.append(row)
+    for d in by_path.values():
+        rows.append({
+            "step": _debris_step(d.path),
+            "status": "quarantined" if d.kind == "quarantined" else "debris",
+            "bytes": None if d.kind == "upload" else retire.tree_bytes(target.storage, d.path),
+            "world_size": None, "num_tensors": None, "created": None,
+            "age_seconds": None if d.age_seconds is None else round(d.age_seconds, 3),
+            "save_id": d.save_id or None,
+            "path": d.name,
+            "reason": f"{d.kind}: {d.path}" + (f" (upload {d.upload_id})" if d.upload_id else ""),
+            "kind": d.kind,
+            "prune": _verdict(d),
+        })
+    rows.sort(key=lambda r: (-1 if r["step"] is None else r["step"], r["kind"] != "step", r["path"]))
+    return rows
+
+
+def _verdict(d: retire.Debris | None) -> dict[str, Any] | None:
+    """What ``ckptlib prune`` (default ``--debris-min-age``) would do with a leftover."""
+    return None if d is None else {"removes": d.removable, "why": d.why}
+
+
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
-    """List every step under a root: status, size, ranks, age, and why unusable ones are."""
+    """List every step under a root: status, size, ranks, age, and why unusable ones are;
+    then the debris, with sizes and what ``prune`` would do with it."""
     target = open_target(args.url, args.storage_options, ROOT_HINT)
+    now = time.time()
     try:
-        infos = [single(target)] if target.kind == "checkpoint" else list_steps(target)
+        if target.kind == "checkpoint":
+            rows = [_ls_row(single(target), now, None)]
+        else:
+            rows = _rows(target, list_steps(target), now)
     finally:
         target.storage.close()
-    now = time.time()
-    rows = [_ls_row(i, now) for i in infos]
     out.emit({"url": args.url, "kind": target.kind, "steps": rows})
     if not has_rows(out, rows, f"no checkpoints under {target.where()} (no step-* folders yet)"):
         return EXIT_OK
     t = table("step", "status", "size", "ranks", "age", "reason",
               right=("step", "size", "ranks", "age"), fold=("reason",))
     for r in rows:
+        reason = target.short(r["reason"])
+        if r.get("prune") is not None:
+            verdict = "prune removes it" if r["prune"]["removes"] else "prune leaves it"
+            reason = f"{reason}; {verdict}: {target.short(r['prune']['why'])}" if reason else \
+                f"{verdict}: {target.short(r['prune']['why'])}"
         t.add_row(
             step_label(r["step"]),
             status_text(r["status"]),
             human_bytes(r["bytes"]),
             str(r["world_size"] or "-"),
             human_age(r["age_seconds"]),
-            target.short(r["reason"]),
+            reason,
         )
     out.print(t)
-    good = sum(r["status"] == "committed" for r in rows)
-    out.print(f"{len(rows)} step(s), {good} committed")
+    steps = [r for r in rows if r.get("kind", "step") == "step"]
+    good = sum(r["status"] == "committed" for r in steps)
+    summary = f"{len(steps)} step(s), {good} committed"
+    unusable = [r for r in rows if r["status"] != "committed"]
+    if unusable:
+        removable = sum(bool(r.get("prune") and r["prune"]["removes"]) for r in unusable)
+        size = human_bytes(sum(r["bytes"] or 0 for r in unusable))
+        summary += f"; {len(unusable)} not usable ({size}), {removable} of them removable by prune"
+    out.print(summary)
     return EXIT_OK

@@ -1,12 +1,15 @@
 """``ckptlib``: look at, check and prune checkpoints from the shell: ``ls``, ``inspect``,
 ``verify``, ``prune`` here, ``export`` (cli/export.py) and ``diff`` (cli/diff.py). Arguments,
-the ``--json`` / ``--storage-option`` options every command takes, and exit statuses (1 only
-from ``verify`` and ``diff``, 2 for usage or access errors): docs/cli.md and docs/read.md.
+the ``--json`` / ``--storage-option`` / ``--timeout`` options every command takes, and exit
+statuses (1 only from ``verify`` and ``diff``, 2 for usage or access errors, a stalled storage
+included): docs/cli.md and docs/read.md. Only the chosen command's module is imported, and it
+runs on a worker thread under the storage deadline of :mod:`ckptlib.cli.deadline`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -54,7 +57,20 @@ def _common_options(prefix: str, default: Any) -> argparse.ArgumentParser:
                    type=parse_storage_option, default=default, metavar="KEY=VALUE",
                    help="fsspec storage option (repeatable); VALUE is parsed as JSON if it can "
                    "be, e.g. anon=true, else taken as a string")
+    p.add_argument("--timeout", dest=f"{prefix}timeout", type=_seconds, default=default,
+                   metavar="SECONDS", help="give up when storage does not answer one request "
+                   "within SECONDS (default: $CKPTLIB_CLI_TIMEOUT, else 60; 0: wait forever)")
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,13 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", parents=[common], help="delete old steps by retention policy",
                        description="Delete committed steps that the retention policy does not "
-                       "keep (never the newest committed one), and remove the debris of crashed "
-                       "saves. Corrupt and incomplete steps are left alone.")
+                       "keep (never the newest committed one), and remove debris that is provably "
+                       "not in use: crashed saves, interrupted deletions, damaged and quarantined "
+                       "(.corrupt-) step folders once a newer committed step supersedes them. "
+                       "With --verify, kept steps are deep-checked first and a corrupt one never "
+                       "counts as kept.")
     p.add_argument("url", metavar="URL", help="checkpoint root (local path or fsspec URL)")
     p.add_argument("--keep-last", type=_int_at_least(1), required=True, metavar="N",
                    help="keep the newest N committed steps")
     p.add_argument("--keep-every", type=_int_at_least(1), metavar="K",
                    help="also keep steps divisible by K")
+    p.add_argument("--verify", action="store_true",
+                   help="deep-check (checksums) every step it would keep, newest first; a step "
+                   "that fails is not kept and the next good one is kept instead")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     p.add_argument("--debris-min-age", type=float, default=3600.0, metavar="SECONDS",
                    help="remove a crashed save's .tmp- folder only once its save started this "
@@ -126,6 +148,7 @@ def _merge_common(args: argparse.Namespace) -> None:
     for key, value in (args.global_storage_option or []) + (args.storage_option or []):
         options[key] = value
     args.storage_options = options or None
+    args.timeout = args.timeout if args.timeout is not None else args.global_timeout
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,31 +161,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
     if args.command is None:
         parser.print_help(sys.stderr)
+        print("ckptlib: error: no command given: pick one of the commands above "
+              "(`ckptlib COMMAND --help` for its options)", file=sys.stderr)
         return EXIT_USAGE
     _merge_common(args)
 
     from ckptlib.errors import CheckpointError
 
-    from .diff import cmd_diff
-    from .export import cmd_export
-    from .inspect import cmd_inspect
-    from .ls import cmd_ls
+    from . import deadline
     from .output import CliError, Output
-    from .plan import cmd_plan
-    from .prune import cmd_prune
-    from .verify import cmd_verify
 
-    commands = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune,
-                "export": cmd_export, "diff": cmd_diff, "plan": cmd_plan}
     out = Output(args.json)
 
-    def fail(message: str, code: int = EXIT_USAGE) -> int:
-        out.note(f"ckptlib: {message}", style="red")
-        out.emit({"error": message, "exit_code": code})
+    def fail(message: str, code: int = EXIT_USAGE, force: bool = False) -> int:
+        out.note(f"ckptlib: {message}", style="red", force=force)
+        out.emit({"error": message, "exit_code": code}, force=force)
         return code
 
     try:
-        return commands[args.command](args, out)
+        watch = deadline.Watch(deadline.resolve_timeout(args.timeout))
+        return deadline.run(lambda: _command(args.command)(args, out), watch,
+                            status=not out.json_mode and out.err.is_terminal)
+    except deadline.StalledError as e:
+        out.muted = True  # the blocked command may wake up later: it prints nothing more
+        return fail(str(e), e.code, force=True)
     except BrokenPipeError as e:
         if not out.broken_pipe:  # from storage, not from our output
             return fail(f"{args.url}: {e}")
@@ -185,6 +207,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         out.note("ckptlib: interrupted", style="red")
         return EXIT_INTERRUPTED
+
+
+def _command(name: str) -> Callable[[argparse.Namespace, Any], int]:
+    """``cmd_<name>`` of the module ``ckptlib.cli.<name>`` (every subcommand lives in its own
+    module). Only the chosen one is imported: ``ls``/``verify``/``prune`` never import torch
+    (tests/test_cli_imports.py)."""
+    module = importlib.import_module(f"ckptlib.cli.{name}")
+    fn: Callable[[argparse.Namespace, Any], int] = getattr(module, f"cmd_{name}")
+    return fn
 
 
 def _silence_stdout() -> None:

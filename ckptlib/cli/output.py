@@ -25,7 +25,7 @@ PIPE_WIDTH = 200
 
 STATUS_STYLE = {
     "committed": "green", "ok": "green", "corrupt": "bold red", "incomplete": "yellow",
-    "gone": "dim",
+    "gone": "dim", "quarantined": "red", "debris": "yellow",
 }
 
 
@@ -72,18 +72,23 @@ class Output:
         """True when progress bars make sense: human output to a terminal."""
         return not self.json_mode and self.console.is_terminal
 
+    muted = False
+    """Set by ``main`` once it gave up on a stalled command: that command's later output (its
+    thread may wake up) is dropped; only ``force=True`` output (main's own message) goes out."""
+
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """Human output (ignored in ``--json`` mode)."""
-        if not self.json_mode:
+        if not self.json_mode and not self.muted:
             self.console.print(*objects, **kwargs)
 
-    def note(self, message: str, style: str = "yellow") -> None:
+    def note(self, message: str, style: str = "yellow", force: bool = False) -> None:
         """A message for humans on stderr (also in ``--json`` mode: stdout stays pure JSON)."""
-        self.err.print(Text(message, style=style), soft_wrap=True)
+        if force or not self.muted:
+            self.err.print(Text(message, style=style), soft_wrap=True)
 
-    def emit(self, document: dict[str, Any]) -> None:
+    def emit(self, document: dict[str, Any], force: bool = False) -> None:
         """Write ``document`` as the one JSON document on stdout (``--json`` mode only)."""
-        if self.json_mode:
+        if self.json_mode and (force or not self.muted):
             sys.stdout.write(json.dumps(jsonable(document), indent=2, allow_nan=False) + "\n")
             sys.stdout.flush()
 
@@ -121,6 +126,12 @@ class Progress:
     def describe(self, text: str) -> None:
         if self.bar is not None:
             self.bar.update(self.task, description=text)
+
+    def add_total(self, n: int) -> None:
+        """More bytes to check than announced (``prune --verify`` found a corrupt kept step)."""
+        self.total += n
+        if self.bar is not None:
+            self.bar.update(self.task, total=self.total)
 
     def advance(self, n: int) -> None:
         self.done += n

@@ -1,11 +1,14 @@
-"""``ckptlib prune URL --keep-last N [--keep-every K] [--dry-run]``: delete the committed steps
-the retention policy does not keep, and remove crashed-save debris.
+"""``ckptlib prune URL --keep-last N [--keep-every K] [--verify] [--dry-run]``: delete the
+committed steps the retention policy does not keep, and remove debris that is provably not in
+use (crashed saves, interrupted deletions, superseded damaged or quarantined step folders,
+manifest-less step folders, abandoned uploads).
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread. The rules are not here:
-:func:`ckptlib.plan.retention.decide` says which steps to keep, and
-:func:`ckptlib.engine.retire.find_debris` judges debris (as a caller outside any job: only
-marked folders, ``.tmp-`` ones older than ``--debris-min-age``); this module deletes through
-:mod:`ckptlib.engine.retire` and formats the outcome.
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py). The rules are not here:
+:func:`ckptlib.plan.retention.decide` says which steps to keep,
+:func:`ckptlib.engine.retire.verified_retention` deep-checks the kept ones (``--verify``) so a
+corrupt step never counts as kept, and :func:`ckptlib.engine.retire.find_debris` judges debris
+(as a caller outside any job: only marked folders, ``.tmp-`` ones older than
+``--debris-min-age``); this module deletes through :mod:`ckptlib.engine.retire` and formats.
 """
 
 from __future__ import annotations
@@ -16,36 +19,68 @@ from typing import Any
 from rich.text import Text
 
 from ckptlib.engine import retire
+from ckptlib.engine.scan import StepInfo
 from ckptlib.errors import CheckpointError
+from ckptlib.format import layout
 from ckptlib.plan import retention
 
-from .output import CliError, Output, human_bytes, status_text, table
-from .target import EXIT_OK, EXIT_USAGE, ROOT_HINT, list_steps, open_target
+from .output import CliError, Output, Progress, human_bytes, status_text, table
+from .target import EXIT_OK, EXIT_USAGE, ROOT_HINT, list_steps, open_target, step_label
+from .verify import stored_bytes
+
+
+def _debris_row(d: retire.Debris, size: int | None) -> dict[str, Any]:
+    name = d.path.split("/", 1)[0]
+    m = layout.TMP_RE.match(name) or layout.CORRUPT_RE.match(name)
+    step = layout.parse_step(m.group(1) if m else name)
+    return {"path": d.path, "step": step, "kind": d.kind, "bytes": size, "age_seconds": d.age_seconds,
+            "removable": d.removable, "why": d.why, "upload_id": d.upload_id or None}
 
 
 def cmd_prune(args: argparse.Namespace, out: Output) -> int:
-    """Delete committed steps the retention policy does not keep, and crashed-save debris.
+    """Delete committed steps the retention policy does not keep, and removable debris.
 
-    The newest committed step is never deleted; corrupt and incomplete steps are left alone
-    (``ls`` shows them); ``--dry-run`` deletes nothing and prints what would go.
+    The newest committed (with ``--verify``: verified) step is never deleted; a damaged step
+    is removed only once a newer committed step supersedes it; ``--dry-run`` deletes nothing
+    and prints what would go.
     """
     target = open_target(args.url, args.storage_options, ROOT_HINT)
     errors: list[str] = []
     deleted: list[dict[str, Any]] = []
     removed: list[str] = []
+    verify = bool(getattr(args, "verify", False))
     try:
         if target.kind == "checkpoint":
             raise CliError(f"{args.url} is a single checkpoint folder, not a root — {ROOT_HINT}")
         infos = list_steps(target)
-        committed = {i.step: i for i in infos if i.status == "committed"}
-        decisions = retention.decide(list(committed), args.keep_last, args.keep_every)
+        committed_before = {i.step for i in infos if i.status == "committed"}
+
+        def policy(steps: list[int]) -> list[retention.Decision]:
+            return retention.decide(steps, args.keep_last, args.keep_every)
+
+        first = {d.step for d in policy(sorted(committed_before)) if d.keep}
+        total = sum(stored_bytes(i.manifest) for i in infos if i.status == "committed" and i.step in first)
+        with Progress(out, total if verify else 0, "verifying") as progress:
+
+            def on_check(info: StepInfo) -> None:
+                if info.step not in first:
+                    progress.add_total(stored_bytes(info.manifest))
+                progress.describe(f"verifying step {info.step}")
+
+            decisions, infos = retire.verified_retention(
+                target.storage, infos, policy, deep=verify, progress=progress.advance, on_check=on_check
+            )
+        by_step = {i.step: i for i in infos if i.status == "committed"}
+        failed = [i for i in infos if i.step in committed_before and i.status != "committed"
+                  and layout.parse_step(i.path) == i.step]
         plan: list[dict[str, Any]] = [
-            {"step": d.step, "path": committed[d.step].path, "keep": d.keep, "why": d.why,
-             "bytes": committed[d.step].bytes}
+            {"step": d.step, "path": by_step[d.step].path, "keep": d.keep,
+             "why": d.why + (" (verified)" if verify and d.keep else ""), "bytes": by_step[d.step].bytes}
             for d in sorted(decisions, key=lambda d: d.step)
         ]
         min_age = max(args.debris_min_age, 0.0)
-        debris = retire.find_debris(target.storage, None, min_age=min_age, grace=min_age)
+        debris = retire.find_debris(target.storage, None, min_age=min_age, grace=min_age, steps=infos)
+        sizes = {d.path: None if d.kind == "upload" else retire.tree_bytes(target.storage, d.path) for d in debris}
         if not args.dry_run:
             for p in plan:
                 if p["keep"]:
@@ -65,6 +100,8 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     finally:
         target.storage.close()
 
+    debris_rows = [_debris_row(d, sizes[d.path]) for d in debris]
+    debris_paths = {d.path for d in debris}
     left_alone: list[dict[str, Any]] = [
         {"step": i.step, "path": i.path, "status": i.status, "reason": i.reason}
         for i in infos if i.status != "committed"
@@ -76,16 +113,16 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
         "dry_run": args.dry_run,
         "keep_last": args.keep_last,
         "keep_every": args.keep_every,
+        "verify": verify,
         "steps": plan,
         "to_delete": [p["step"] for p in plan if not p["keep"]],
         "deleted": [p["step"] for p in deleted],
+        "failed_verify": [{"step": i.step, "path": i.path, "status": i.status, "reason": i.reason}
+                          for i in failed],
         "not_committed": left_alone,
-        "debris": [
-            {"path": d.path, "kind": d.kind, "age_seconds": d.age_seconds,
-             "removable": d.removable, "why": d.why}
-            for d in debris
-        ],
+        "debris": debris_rows,
         "debris_removed": removed,
+        "bytes_freed": _freed(plan, deleted, debris_rows, removed, args.dry_run),
         "errors": errors,
     })
     for message in errors:
@@ -104,24 +141,44 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
         else:
             action = Text("failed", style="bold red")
         t.add_row(str(p["step"]), action, human_bytes(p["bytes"]), p["why"])
-    debris_paths = {d.path for d in debris}
     for s in left_alone:
-        if s["path"] not in debris_paths:  # debris is listed below
-            t.add_row(str(s["step"]), status_text(s["status"]), "-",
-                      f"not committed, left alone: {target.short(s['reason'])}")
-    if plan or left_alone:
+        if s["path"] in debris_paths:  # listed with its verdict below
+            continue
+        t.add_row(step_label(s["step"]), status_text(s["status"]), "-",
+                  f"not committed, left alone: {target.short(s['reason'])}")
+    gone = set(removed)
+    for r in debris_rows:
+        name = f"{r['path']} (upload {r['upload_id']})" if r["upload_id"] else r["path"]
+        if not r["removable"]:
+            action = Text("left alone", style="yellow")
+        elif args.dry_run or name in gone:
+            action = Text("would remove" if args.dry_run else "removed", style="red")
+        else:
+            action = Text("failed", style="bold red")
+        t.add_row(step_label(r["step"]), action, human_bytes(r["bytes"]),
+                  f"{r['kind']} {name}: {target.short(r['why'])}")
+    if plan or left_alone or debris_rows:
         out.print(t)
     else:
         out.print(f"no checkpoints under {target.where()}")
-    for d in debris:
-        if not d.removable:
-            out.print(f"kept debris {d.name}: {d.why}")
-        elif args.dry_run:
-            out.print(f"would remove debris {d.name} ({d.why})")
-    for name in removed:
-        out.print(f"removed debris {name}")
+    for i in failed:
+        out.print(Text(f"step {i.step} failed verification and was not kept: {target.short(i.reason)}",
+                       style="bold red"))
     n = len([p for p in plan if not p["keep"]]) if args.dry_run else len(deleted)
-    freed = sum(p["bytes"] for p in (plan if args.dry_run else deleted) if not p["keep"])
-    out.print(f"{verb} {n} step(s), {human_bytes(freed)}"
+    n_debris = sum(r["removable"] for r in debris_rows) if args.dry_run else len(removed)
+    freed = _freed(plan, deleted, debris_rows, removed, args.dry_run)
+    out.print(f"{verb} {n} step(s) and {n_debris} debris folder(s), {human_bytes(freed)}"
               + (" (dry run: nothing was deleted)" if args.dry_run else ""))
     return code
+
+
+def _freed(plan: list[dict[str, Any]], deleted: list[dict[str, Any]], debris: list[dict[str, Any]],
+           removed: list[str], dry_run: bool) -> int:
+    steps = plan if dry_run else deleted
+    total = sum(p["bytes"] for p in steps if not p["keep"])
+    gone = set(removed)
+    for r in debris:
+        name = f"{r['path']} (upload {r['upload_id']})" if r["upload_id"] else r["path"]
+        if r["removable"] and (dry_run or name in gone):
+            total += r["bytes"] or 0
+    return total

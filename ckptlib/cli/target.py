@@ -1,6 +1,6 @@
 """What a command's URL names, and the step helpers the commands share.
 
-Every command (``ls``, ``inspect``, ``verify``, ``prune``; caller's thread) starts with
+Every command (``ls``, ``inspect``, ``verify``, ``prune``; the command's worker thread) starts with
 :func:`open_target`, closes ``target.storage`` when done, and judges steps with
 :mod:`ckptlib.engine.scan` exactly as ``CheckpointManager`` does, so the command line and a
 resuming job always agree on which steps are usable.
@@ -18,6 +18,7 @@ from ckptlib.errors import CheckpointError, CheckpointNotFoundError
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
 
+from . import deadline
 from .output import CliError
 
 EXIT_OK = 0
@@ -53,7 +54,7 @@ def open_target(url: str, storage_options: dict[str, Any] | None, hint: str = AN
     A URL naming a ``manifest.json`` file is taken as its folder. A URL that is a file
     (or, for roots, does not exist) is a :class:`CliError` with a hint.
     """
-    storage = open_storage(url, storage_options)
+    storage = deadline.watched(open_storage(url, storage_options), url.rstrip("/"))
     if storage.size("") is not None:
         storage.close()
         stripped = url.rstrip("/")

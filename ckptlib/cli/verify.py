@@ -1,7 +1,7 @@
 """``ckptlib verify URL [--step N|--all]``: deep-check steps, every chunk's checksum (and zstd
 frame size) against the manifest; exit 0 only if everything checked is good.
 
-Called by :func:`ckptlib.cli.main.main` on the caller's thread; the rich progress bar (on a
+Called by :func:`ckptlib.cli.main.main` on the command's worker thread (cli/deadline.py); the rich progress bar (on a
 terminal only) is advanced from that thread by :func:`ckptlib.engine.scan.check_step`.
 """
 
@@ -31,7 +31,8 @@ from .target import (
 )
 
 
-def _stored_bytes(m: Manifest | None) -> int:
+def stored_bytes(m: Manifest | None) -> int:
+    """Bytes a deep check of ``m`` reads (chunks and packs as stored)."""
     if m is None:
         return 0
     chunks = sum(c.length for t in m.tensors.values() for c in t.chunks)
@@ -80,7 +81,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     target = open_target(args.url, args.storage_options)
     try:
         checks = _plan_verify(args, target)
-        total = sum(_stored_bytes(c.info.manifest) for c in checks if c.info.status == "committed")
+        total = sum(stored_bytes(c.info.manifest) for c in checks if c.info.status == "committed")
         with Progress(out, total, "verifying") as progress:
             for c in checks:
                 if c.info.status != "committed":
@@ -94,7 +95,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
                 if c.result.status == "committed":
                     continue
                 # Finished bar even when a step failed early.
-                progress.advance(max(0, _stored_bytes(c.info.manifest) - c.checked_bytes))
+                progress.advance(max(0, stored_bytes(c.info.manifest) - c.checked_bytes))
                 if c.folder and not target.storage.exists(c.folder):
                     c.result.status = "gone"
                     c.result.reason = "deleted while being verified (retention of a running job?)"
@@ -122,7 +123,8 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     out.print(t)
     checked = sum(r["checked_bytes"] for r in rows)
     if failed:
-        names = ", ".join(f"step {step_label(r['step'])} ({r['status']})" for r in failed)
+        names = "; ".join(f"step {step_label(r['step'])} ({r['status']}: {target.short(r['reason'])})"
+                          for r in failed)
         out.print(Text(f"FAILED: {names}", style="bold red"))
     else:
         out.print(Text(f"OK: {len(rows)} step(s) verified, {human_bytes(checked)} checked",

@@ -11,7 +11,10 @@ the ``.ckptlib`` marker (or, inside the owning job, holding only ckptlib's files
 waits ``min_age``); a fenced save's ``*.abort-`` folder or abort record (format/fence.py: it can
 never commit); on object stores, payload prefixes of save ids other than the committed
 manifest's, manifest-less step folders and multipart uploads idle for ``grace`` seconds.
-A step whose manifest is corrupt is never touched: it is evidence.
+A step whose manifest is corrupt is never touched by a job: it is evidence. ``ckptlib prune``
+(which passes the steps it judged, ``steps=``) also removes, once superseded by a newer
+committed step, damaged step folders and the ``step-N.corrupt-<id>`` folders a save moved
+aside, and manifest-less step folders that are ours and idle for ``grace`` seconds.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ckptlib import crashpoints
 from ckptlib.backends import Entry, Storage, join
-from ckptlib.engine.scan import read_manifest, scan
-from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.engine.scan import StepInfo, check_step, read_manifest, scan
+from ckptlib.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestVersionError,
+)
 from ckptlib.format import fence, layout
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.plan import retention
@@ -39,6 +47,8 @@ DEFAULT_GRACE = 3600.0
 
 SAVE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_MARKER_BYTES = 1 << 16
+MAX_TREE_FILES = 100_000
+""":func:`tree_bytes` stops counting after this many files (and says so with ``None``)."""
 
 
 def delete_step(storage: Storage, folder: str) -> None:
@@ -87,9 +97,10 @@ def apply_retention(
 class Debris:
     """One leftover and its verdict. ``kind``: ``tmp`` (a save's folder), ``del`` (a deletion's
     folder), ``abort`` (a fenced save: its ``*.abort-`` folder, or on object stores the step
-    folder holding its abort record), and on object stores ``step`` (a step folder without
-    manifest), ``prefix`` (a save id's payloads in a step another save committed), ``upload``
-    (a multipart upload)."""
+    folder holding its abort record), ``step`` (a step folder without manifest), ``damaged`` (a
+    step folder that failed its check), ``quarantined`` (a ``step-N.corrupt-<id>`` folder a later
+    save moved aside), and on object stores ``prefix`` (a save id's payloads in a step another
+    save committed), ``upload`` (a multipart upload)."""
 
     path: str
     save_id: str
@@ -112,13 +123,17 @@ def find_debris(
     min_age: float = 0.0,
     grace: float = DEFAULT_GRACE,
     now: float | None = None,
+    steps: Sequence[StepInfo] | None = None,
 ) -> list[Debris]:
     """Every leftover under the root with its verdict, sorted by name; deletes nothing.
 
     ``active_ids``: save ids in flight in the calling job (never removable; a marker-less folder
     of only ckptlib's files counts as ours); ``None`` outside any job (``ckptlib prune``): only
     the marker proves a folder ours. ``min_age``: younger ``.tmp-`` folders are kept (maybe
-    still running). Object stores list ``step``/``prefix``/``upload`` debris once removable.
+    still running). Object stores list ``step``/``prefix``/``upload`` debris (``step`` ones
+    also while young, not removable). ``steps``: the steps under the root as the caller judged
+    them (:func:`ckptlib.engine.scan.scan`, maybe deep-checked); given only from outside any job
+    (``active_ids`` None), it adds the ``damaged``, ``quarantined`` and (POSIX) ``step`` verdicts.
     """
     now = time.time() if now is None else now
     try:
@@ -128,7 +143,67 @@ def find_debris(
     found = [d for e in entries if e.is_dir and (d := _judge_folder(storage, e.name, active_ids, min_age, now))]
     if not storage.supports_atomic_rename:
         found += _object_store_debris(storage, entries, set(active_ids or ()), grace, now)
-    return found
+    if steps is not None and active_ids is None:
+        found += _judge_steps(storage, entries, steps, {d.path for d in found}, grace, now)
+    return sorted(found, key=lambda d: (d.path, d.upload_id))
+
+
+def tree_bytes(storage: Storage, folder: str) -> int | None:
+    """Bytes of every file under ``folder`` (``ls``/``prune`` show debris sizes); None when
+    the folder is gone or holds more than ``MAX_TREE_FILES`` files."""
+    total, files, todo = 0, 0, [folder]
+    while todo:
+        path = todo.pop()
+        try:
+            entries = storage.listdir(path)
+        except FileNotFoundError:
+            if path == folder:
+                return None
+            continue
+        for e in entries:
+            child = join(path, e.name)
+            if e.is_dir:
+                todo.append(child)
+                continue
+            files += 1
+            if files > MAX_TREE_FILES:
+                return None
+            total += storage.size(child) or 0
+    return total
+
+
+def verified_retention(
+    storage: Storage,
+    steps: Sequence[StepInfo],
+    keep: Callable[[list[int]], list[retention.Decision]],
+    *,
+    deep: bool,
+    progress: Callable[[int], None] | None = None,
+    on_check: Callable[[StepInfo], None] | None = None,
+) -> tuple[list[retention.Decision], list[StepInfo]]:
+    """Retention over the committed ``steps`` (``ckptlib prune``, caller's thread): ``keep``
+    maps committed step numbers to decisions (:func:`ckptlib.plan.retention.decide` with the
+    user's policy). With ``deep``, every step kept is deep-checked first (newest first); one
+    that fails is re-judged (status ``corrupt``) and never counts as kept, and the policy is
+    applied again over the good ones, so the newest N kept are N good steps. Returns the
+    decisions and ``steps`` with the failed checks' results in place. ``on_check(info)`` is
+    called before each deep check (progress display)."""
+    infos = list(steps)
+    checked: set[int] = set()
+    while True:
+        decisions = keep([i.step for i in infos if i.status == "committed"])
+        todo = [d.step for d in decisions if d.keep and d.step not in checked] if deep else []
+        if not todo:
+            return decisions, infos
+        for step in todo:
+            at = next(k for k, i in enumerate(infos) if i.step == step and i.status == "committed")
+            if on_check is not None:
+                on_check(infos[at])
+            checked.add(step)
+            result = check_step(storage, infos[at].path, step, deep=True, progress=progress)
+            if result.status != "committed":
+                infos[at] = result
+                break  # one kept step fewer: decide again over the good ones
 
 
 def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
@@ -139,11 +214,14 @@ def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
             continue
         if d.kind == "upload":
             storage.abort_upload(d.path, d.upload_id)
-        elif d.kind in ("tmp", "del") or (d.kind == "abort" and fence.ABORT_RE.match(d.path)):
+        elif d.kind in ("tmp", "del", "quarantined") or (d.kind == "abort" and fence.ABORT_RE.match(d.path)):
             _delete_marker_last(storage, d.path)
         elif d.kind == "abort":  # object store: the abandoned payloads, then the record last
             storage.delete_tree(join(d.path, d.save_id))
             storage.delete(join(d.path, MANIFEST_NAME))
+        elif d.kind in ("damaged", "step"):
+            log.info("ckptlib: removing %s: %s", d.path, d.why)
+            delete_step(storage, d.path)  # invisible first, like retention
         else:
             log.info("ckptlib: removing %s: %s", d.path, d.why)
             storage.delete_tree(d.path)
@@ -189,6 +267,66 @@ def _judge_folder(
     return verdict(True, why[kind])
 
 
+def _judge_steps(
+    storage: Storage, entries: list[Entry], steps: Sequence[StepInfo], seen: set[str], grace: float, now: float
+) -> list[Debris]:
+    """Verdicts on step folders that failed their check and on quarantined ``.corrupt-``
+    folders (outside any job only; see :func:`find_debris`). Superseded = a newer committed
+    step exists: resume never picks these, and no save of ours writes into them (POSIX saves
+    write into ``.tmp-`` folders; on object stores ``grace`` seconds without a write)."""
+    good = [i.step for i in steps if i.status == "committed"]
+    newest = max(good, default=None)
+    found: list[Debris] = []
+
+    def superseded(step: int, path: str, resaved: bool = False) -> tuple[bool, str, float | None]:
+        """``resaved``: the folder is a copy moved aside, so step ``step`` committed counts."""
+        if newest is None or step > newest or (step == newest and not resaved):
+            return False, "not superseded by a newer committed step: kept as evidence", None
+        if storage.supports_atomic_rename:
+            return True, f"superseded by committed step {newest}", None
+        age = _age(storage, path, now)
+        if age is None or age < grace:
+            return False, f"superseded, but written to {'at an unknown time' if age is None else f'{age:.0f}s ago'}", age
+        return True, f"superseded by committed step {newest}, no write for {age:.0f}s", age
+
+    for i in steps:
+        if i.status == "committed" or i.path in seen or layout.parse_step(i.path) != i.step:
+            continue
+        if i.status == "corrupt":
+            ok, why, age = superseded(i.step, i.path)
+            if ok and _newer_format(storage, i.path):
+                ok, why = False, "its manifest is of a newer format than this ckptlib reads: left alone"
+            found.append(Debris(i.path, i.save_id, "damaged", age, ok, f"{why} ({i.reason})"))
+        elif storage.supports_atomic_rename:  # no manifest: never a save of ours in progress here
+            age = _age(storage, i.path, now)
+            if storage.size(join(i.path, layout.MARKER)) is None and not _only_ours(storage, i.path):
+                found.append(Debris(i.path, "", "step", age, False, "no manifest, not provably ours: left alone"))
+            elif age is None or age < grace:
+                found.append(Debris(i.path, "", "step", age, False, "no manifest; written to recently (a copy "
+                                    f"in progress?); removable after {grace:.0f}s idle"))
+            else:
+                found.append(Debris(i.path, "", "step", age, True, f"no manifest and no write for {age:.0f}s"))
+    for e in entries:
+        m = layout.CORRUPT_RE.match(e.name)
+        step = layout.parse_step(m.group(1)) if m and e.is_dir else None
+        if m is None or step is None:
+            continue
+        ok, why, age = superseded(step, e.name, resaved=True)
+        found.append(Debris(e.name, m.group(2), "quarantined", age, ok, f"moved aside as damaged; {why}"))
+    return found
+
+
+def _newer_format(storage: Storage, folder: str) -> bool:
+    """Whether ``folder`` failed its check only because a newer ckptlib wrote it (not damage)."""
+    try:
+        read_manifest(storage, folder)
+    except ManifestVersionError:
+        return True
+    except (CheckpointError, OSError):
+        return False
+    return False
+
+
 def _marker_created(storage: Storage, folder: str) -> float | None:
     """The ``created`` time in a folder's marker (None: no marker, too big, or unreadable)."""
     path = join(folder, layout.MARKER)
@@ -220,8 +358,14 @@ def _object_store_debris(
                 found.append(Debris(e.name, record.save_id, "abort", None, removable, why))
                 continue
             age = _age(storage, e.name, now)
-            if age is not None and age > grace and not (_prefix_ids(storage, e.name) & active):
+            if _prefix_ids(storage, e.name) & active:
+                continue  # a save of this job is writing it
+            if age is not None and age > grace:
                 found.append(Debris(e.name, "", "step", age, True, f"no manifest and no write for {age:.0f}s"))
+            else:
+                when = "at an unknown time" if age is None else f"{age:.0f}s ago"
+                found.append(Debris(e.name, "", "step", age, False, f"no manifest; last write {when}: may "
+                                    f"be a save in progress (removable after {grace:.0f}s idle)"))
             continue
         except CorruptCheckpointError:
             continue  # evidence; never deleted by cleanup

@@ -22,7 +22,7 @@ from ckptlib.errors import CorruptCheckpointError, ManifestVersionError
 from ckptlib.format import jsonio
 from ckptlib.format.build import manifest_head
 from ckptlib.format.checksum import ALGORITHMS, checksum
-from ckptlib.format.dtypes import DTYPES, ITEMSIZE
+from ckptlib.format.dtypes import ITEMSIZE
 from ckptlib.format.packed_table import NO_TABLE, TABLE_KEY, check_members, decode_table
 from ckptlib.format.schema import (
     CODECS,
@@ -197,7 +197,7 @@ def _decode_tensor(
 ) -> TensorEntry:
     # Hot path for checkpoints with many tensors: messages are only formatted on failure.
     dtype = t.get("dtype")
-    if type(dtype) is not str or dtype not in DTYPES:  # a list or dict here is unhashable
+    if type(dtype) is not str or dtype not in ITEMSIZE:  # a list or dict here is unhashable
         raise v.fail(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist")
     shape = v.shape(t.get("shape"), f"tensor {name!r:.200} shape")
     itemsize = ITEMSIZE[dtype]

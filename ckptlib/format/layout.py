@@ -14,6 +14,8 @@ MARKER = ".ckptlib"
 STEP_DIGITS = 12
 STEP_RE = re.compile(r"^step-(\d{1,20})$")
 TMP_RE = re.compile(r"^(.+)\.(tmp|del)-([0-9a-f]{8,64})$")
+CORRUPT_RE = re.compile(r"^(step-\d{1,20})\.corrupt-([0-9a-f]{8,64})$")
+"""A damaged step folder a later save moved aside (engine/commit.py); ``ckptlib prune`` judges it."""
 PAYLOAD_RE = re.compile(r"^r\d{5}[\w.-]*\.bin$")
 """Any name :func:`payload_name` makes (the retire code's debris rule)."""
 

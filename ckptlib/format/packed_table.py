@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ckptlib.format.dtypes import DTYPES, ITEMSIZE
+from ckptlib.format.dtypes import ITEMSIZE
 from ckptlib.format.schema import Pack, Piece, TensorEntry
 from ckptlib.format.validate import MAX_NDIM, MAX_SIZE, Checker
 
@@ -82,8 +82,8 @@ def decode_table(raw: Any, packs: list[Pack], v: Checker) -> Table:
     names, dtypes = t["name"], t["dtype"]
     if type(names) is not list or not set(map(type, names)) <= {str} or any(len(n) > 4096 for n in names):
         raise v.fail(f"{TABLE_KEY}.name must be a list of strings of at most 4096 characters")
-    if type(dtypes) is not list or not set(map(type, dtypes)) <= {str} or not set(dtypes) <= DTYPES.keys():
-        bad = next((d for d in dtypes if type(d) is not str or d not in DTYPES), None) if type(dtypes) is list else dtypes
+    if type(dtypes) is not list or not set(map(type, dtypes)) <= {str} or not set(dtypes) <= ITEMSIZE.keys():
+        bad = next((d for d in dtypes if type(d) is not str or d not in ITEMSIZE), None) if type(dtypes) is list else dtypes
         raise v.fail(f"{TABLE_KEY}.dtype: {bad!r:.60} is not in the dtype allowlist")
     n = len(names)
     ndim = _int_column(t["ndim"], f"{TABLE_KEY}.ndim", 0, MAX_NDIM, v)

@@ -119,3 +119,90 @@ def test_one_rule_set_judged_from_inside_and_outside_the_job(tmp_path):
     assert [d.why for d in inside if d.path == young] == ["a save in flight in this job"]
     assert retire.remove_debris(s, inside) == [old, unmarked]
     assert [e.name for e in s.listdir("")] == [young]
+
+
+def _steps(tmp_path, n: int):
+    """A root with committed steps 1..n (real saves), its storage and the scan."""
+    import torch
+
+    import ckptlib
+    from ckptlib.engine.scan import scan
+
+    root = tmp_path / "run"
+    with ckptlib.CheckpointManager(root, async_save=False) as mgr:
+        for step in range(1, n + 1):
+            mgr.save(step, {"w": torch.full((64, 32), float(step))})
+    s = open_storage(root)
+    return root, s, sorted(scan(s), key=lambda i: i.step)
+
+
+def _flip(root: Path, step: int) -> None:
+    folder = root / layout.step_dir(step)
+    payload = next(p for p in folder.rglob("*.bin"))
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 1
+    payload.write_bytes(bytes(data))
+
+
+def test_jobs_never_remove_damaged_or_quarantined_folders(tmp_path):
+    """Only ``ckptlib prune`` (``active_ids=None`` and ``steps=``) judges damaged step folders
+    and ``.corrupt-`` ones; a job's cleanup after each commit leaves them as evidence."""
+    root, s, infos = _steps(tmp_path, 3)
+    quarantined = f"{layout.step_dir(1)}.corrupt-{'ab' * 16}"
+    s.rename(layout.step_dir(1), quarantined)
+    infos = [i for i in infos if i.step != 1]
+    assert retire.clean_debris(s, {"cd" * 16}) == []
+    assert retire.find_debris(s, None) == []  # no steps given: not judged
+    found = retire.find_debris(s, None, steps=infos)
+    assert [(d.path, d.kind, d.removable) for d in found] == [(quarantined, "quarantined", True)]
+    assert retire.tree_bytes(s, quarantined) == sum(
+        p.stat().st_size for p in (root / quarantined).rglob("*") if p.is_file()
+    )
+    assert retire.remove_debris(s, found) == [quarantined]
+    assert not (root / quarantined).exists()
+    assert retire.tree_bytes(s, quarantined) is None
+
+
+def test_verified_retention_never_counts_a_corrupt_step_as_kept(tmp_path):
+    from ckptlib.plan import retention
+
+    root, s, infos = _steps(tmp_path, 5)
+    _flip(root, 5)
+    _flip(root, 3)
+    checked = []
+
+    def keep(steps):
+        return retention.decide(steps, 2, None)
+
+    decisions, judged = retire.verified_retention(s, infos, keep, deep=True,
+                                                  on_check=lambda i: checked.append(i.step))
+    assert sorted(d.step for d in decisions if d.keep) == [2, 4]
+    assert checked == [5, 4, 3, 2]  # newest first, each once
+    assert {i.step: i.status for i in judged} == {1: "committed", 2: "committed", 3: "corrupt",
+                                                  4: "committed", 5: "corrupt"}
+    # Without deep checks the policy sees only what a quick check sees.
+    decisions, judged = retire.verified_retention(s, infos, keep, deep=False)
+    assert sorted(d.step for d in decisions if d.keep) == [4, 5]
+    assert judged == infos
+    # Damaged step 3 is superseded by good step 4; step 5 is newer than any good step: evidence.
+    _, judged = retire.verified_retention(s, infos, keep, deep=True)
+    verdict = {d.path: d.removable for d in retire.find_debris(s, None, steps=judged)}
+    assert verdict == {layout.step_dir(3): True, layout.step_dir(5): False}
+
+
+def test_a_step_of_a_newer_format_is_never_removed_as_damaged(tmp_path):
+    """A manifest this ckptlib cannot read because a newer one wrote it is not damage."""
+    root, s, _ = _steps(tmp_path, 3)
+    manifest = root / layout.step_dir(1) / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["format_version"] = 99
+    manifest.write_text(json.dumps(doc))
+    _flip(root, 2)
+    from ckptlib.engine.scan import scan
+
+    judged = sorted(scan(s, deep=True), key=lambda i: i.step)
+    assert [i.status for i in judged] == ["corrupt", "corrupt", "committed"]
+    found = {d.path: d for d in retire.find_debris(s, None, steps=judged)}
+    assert found[layout.step_dir(2)].removable  # damaged and superseded by step 3
+    newer = found[layout.step_dir(1)]
+    assert not newer.removable and "newer format" in newer.why
