@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ckptlib._version import __version__
 from ckptlib.api import load, load_metadata, save
+from ckptlib.engine.load import LoadResult
 from ckptlib.engine.scan import StepInfo
 from ckptlib.errors import (
     CheckpointError,
@@ -20,6 +21,7 @@ from ckptlib.errors import (
     StepExistsError,
     StorageError,
     StorageTimeoutError,
+    TargetNotEmptyError,
     UnsupportedValueError,
 )
 from ckptlib.format.leaves import PerRank, Shard
@@ -29,8 +31,8 @@ from ckptlib.read.view import open_view as open  # API.md: ckptlib.open(url)
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointView",
-    "CommitError", "CommitTimeoutError", "CorruptCheckpointError", "FatalStorageError",
+    "CommitError", "CommitTimeoutError", "CorruptCheckpointError", "FatalStorageError", "LoadResult",
     "ManifestVersionError", "PerRank", "SaveHandle", "Shard", "StateMismatchError",
-    "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TensorInfo",
+    "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TargetNotEmptyError", "TensorInfo",
     "UnsupportedValueError", "__version__", "load", "load_metadata", "open", "save",
 ]

@@ -9,8 +9,12 @@ By capability flag (never by URL scheme): ``supports_atomic_rename`` (POSIX): ev
 into ``<final>.tmp-<id>/``, fsynced, renamed to ``<final>`` (refusing to replace anything);
 ``supports_conditional_put`` (S3 If-None-Match, memory): payloads under ``<final>/<id>/``, the
 manifest created last with a create-only put; neither: a plain put read back for our save id.
-A valid existing ``<final>`` is never replaced (``StepExistsError``) unless ``overwrite``; a
-corrupt or incomplete one is moved aside (``<final>.corrupt-<id>``) or its manifest removed.
+What may be at ``<final>`` is judged by :mod:`ckptlib.engine.target`, first in :func:`begin`
+(before any payload) and again at the rename: nothing, or an empty folder, is used; a valid
+existing checkpoint is never replaced (``StepExistsError``) unless ``overwrite``; a corrupt or
+incomplete one ckptlib wrote is moved aside (``<final>.corrupt-<id>``) or its manifest removed;
+a file, or a folder holding anything ckptlib did not write, is refused
+(``TargetNotEmptyError``) and nothing in it is touched.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from dataclasses import dataclass
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
+from ckptlib.engine import target
 from ckptlib.engine.scan import check_step, read_manifest
-from ckptlib.errors import CheckpointError, CommitError, StepExistsError
+from ckptlib.errors import CheckpointError, CommitError, StepExistsError, TargetNotEmptyError
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
 
@@ -47,7 +52,26 @@ def commit_mode(storage: Storage) -> str:
     return "put_verify"
 
 
-def begin(storage: Storage, final: str, save_id: str) -> Staging:
+def check_target(storage: Storage, final: str, *, overwrite: bool = False) -> None:
+    """Refuse a target a save must not write into, before any payload exists: a committed
+    checkpoint without ``overwrite`` (``StepExistsError``), a file or a folder holding files
+    ckptlib did not write (``TargetNotEmptyError``; nothing in it is touched)."""
+    t = target.judge(storage, final)
+    url = f"{storage.url.rstrip('/')}/{final}"
+    if t.kind == "committed" and not overwrite:
+        raise StepExistsError(_exists_message(url))
+    if t.kind in ("file", "foreign"):
+        raise TargetNotEmptyError(target.describe_foreign(url, t))
+
+
+def _exists_message(url: str) -> str:
+    return (f"{url} already holds a committed checkpoint; not replacing it "
+            "(pass overwrite=True, or delete it first)")
+
+
+def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False) -> Staging:
+    """Coordinator, before any rank writes: :func:`check_target`, then make the staging area."""
+    check_target(storage, final, overwrite=overwrite)
     mode = commit_mode(storage)
     work = layout.tmp_dir(final, save_id) if mode == "rename" else final
     staging = Staging(final, save_id, work, join(work, save_id), mode)
@@ -92,15 +116,7 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
             storage.rename(st.work, st.final)
             break
         except FileExistsError:
-            if check_step(storage, st.final).status == "committed":
-                if not overwrite:
-                    raise StepExistsError(
-                        f"{storage.url}/{st.final} already holds a committed checkpoint; "
-                        "not replacing it (pass overwrite=True, or delete it first)"
-                    ) from None
-                storage.rename(st.final, layout.del_dir(st.final, st.save_id))
-            else:
-                storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
+            _clear_target(storage, st, overwrite)
     else:
         raise CommitError(f"could not move {st.work} into place at {st.final}")
     try:
@@ -119,6 +135,30 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
         raise
     if overwrite:
         storage.delete_tree(layout.del_dir(st.final, st.save_id))
+
+
+def _clear_target(storage: Storage, st: Staging, overwrite: bool) -> None:
+    """The rename found ``st.final`` taken (:mod:`ckptlib.engine.target` judges what is there):
+    a committed step is refused or, with ``overwrite``, moved to ``.del-<id>``; a damaged one
+    ckptlib wrote is moved aside to ``.corrupt-<id>``; an empty folder is removed (moved aside,
+    then deleted only if still empty); anything else is refused and left as it is."""
+    t = target.judge(storage, st.final)
+    url = f"{storage.url.rstrip('/')}/{st.final}"
+    if t.kind == "committed":
+        if not overwrite:
+            raise StepExistsError(_exists_message(url)) from None
+        storage.rename(st.final, layout.del_dir(st.final, st.save_id))
+    elif t.kind == "damaged":
+        storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
+    elif t.kind == "empty":
+        aside = layout.del_dir(st.final, st.save_id)  # debris rules: a crash here leaves no trash
+        storage.rename(st.final, aside)
+        if storage.listdir(aside):  # written into meanwhile: put it back, untouched
+            storage.rename(aside, st.final)
+            raise TargetNotEmptyError(f"{url} was written to by someone else during the save; left as it is")
+        storage.delete_tree(aside)
+    elif t.kind != "absent":
+        raise TargetNotEmptyError(target.describe_foreign(url, t))
 
 
 def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
