@@ -283,3 +283,23 @@ def test_two_ranks_refuse_together_before_any_payload(tmp_path: Path) -> None:
     loaded = ckptlib.load(empty)
     assert_same(loaded, {"w": torch.tensor([1.0] * 4 + [2.0] * 4), "step": 7})
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith("result-")) == ["committed", "empty", "user"]
+
+
+def test_docs_saving_examples_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/saving.md's examples run as written and print what the text says they print."""
+    import re
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # their mkdtemp() folders land here
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "saving.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        exec(compile(code, "docs/saving.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "already holds a committed checkpoint" in out and "(notes.txt); nothing in it was moved" in out
+    assert "in the target but not in the checkpoint: /model/new_head" in out
+    assert "['/model/new_head'] []" in out

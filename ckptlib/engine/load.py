@@ -153,9 +153,13 @@ class Merge:
                 new = {k: self.fresh(x) for k, x in v.items()}
                 self.sets.append(lambda: target.update(new))
                 return target
-            self.missing += [f"{path}/{k}" for k in target if k not in v]
+            merged = {}
+            for k in target:  # depth first, in the target's order
+                if k in v:
+                    merged[k] = self.merge(target[k], v[k], f"{path}/{k}")
+                else:
+                    self.missing.append(f"{path}/{k}")
             self.unexpected += [f"{path}/{k}" for k in v if k not in target]
-            merged = {k: self.merge(target[k], x, f"{path}/{k}") for k, x in v.items() if k in target}
             self.sets.append(lambda: target.update(merged))
             return target
         if isinstance(v, list | tuple):
