@@ -177,6 +177,21 @@ def test_judge_verdicts(tmp_path: Path) -> None:
     assert t.foreign == ("notes.txt", "sub", "weights.pt") and t.count == 3
 
 
+def test_object_store_targets(memory_url: str) -> None:
+    """The same rules where there is no rename (memory backend: conditional put, like S3)."""
+    storage = open_storage(memory_url)
+    storage.put_atomic("user/notes.txt", b"my notes")
+    with pytest.raises(TargetNotEmptyError, match=r"\(notes.txt\)"):
+        ckptlib.save(STATE, f"{memory_url}/user")
+    assert [e.name for e in storage.listdir("user")] == ["notes.txt"]
+    assert storage.read("user/notes.txt") == b"my notes"
+    ckptlib.save(STATE, f"{memory_url}/ck")
+    with pytest.raises(StepExistsError):
+        ckptlib.save({"w": torch.zeros(1)}, f"{memory_url}/ck")
+    assert len([e for e in storage.listdir("ck") if e.is_dir]) == 1  # no second save-id folder
+    assert_same(ckptlib.load(f"{memory_url}/ck"), STATE)
+
+
 # --------------------------------------------------------------------------- the rename's own check
 
 
