@@ -8,7 +8,7 @@ after the manifest could not be read).
 
 A folder is ckptlib's own only when every entry in it is a name ckptlib writes into a
 checkpoint folder (``manifest.json`` and its ``.partial`` temporaries, the ``.ckptlib`` marker,
-payload files, ``<save id>/`` folders holding payload files): only such a folder may ever be
+``<save id>/`` folders holding only payload files): only such a folder may ever be
 moved aside (``<folder>.corrupt-<id>``) when it is damaged. Anything else in a folder makes it
 ``foreign``: a save refuses it and touches nothing in it.
 """
@@ -24,8 +24,6 @@ from ckptlib.format import layout
 from ckptlib.format.schema import MANIFEST_NAME
 
 _SAVE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
-_PARTIAL_RE = re.compile(r"^(.+)\.[0-9a-f]{8,64}\.partial$")
-"""A temporary of ``Storage.put_atomic``: ``<name>.<hex>.partial``."""
 SHOWN = 5
 """How many foreign names a message lists."""
 
@@ -48,22 +46,24 @@ class Target:
     """Step folders (``step-<n>``) directly inside: the folder is a manager's run root."""
 
 
-def _is_ours_file(name: str) -> bool:
-    m = _PARTIAL_RE.match(name)
-    base = m.group(1) if m else name
-    return base in (MANIFEST_NAME, layout.MARKER) or layout.is_payload_name(base)
-
-
 def _is_ours(storage: Storage, folder: str, name: str, is_dir: bool) -> bool:
-    if not is_dir:
-        return _is_ours_file(name)
+    if not is_dir:  # the marker, the manifest, or a put_atomic temporary of it
+        return name in (layout.MARKER, MANIFEST_NAME) or (
+            name.startswith(MANIFEST_NAME + ".") and name.endswith(".partial"))
     if not _SAVE_ID_RE.match(name):
         return False
     try:
         inside = storage.listdir(join(folder, name))
     except FileNotFoundError:
         return True  # gone meanwhile (a save's abort): nothing of the user's was there
-    return all(not e.is_dir and _is_ours_file(e.name) for e in inside)
+    return all(not e.is_dir and layout.is_payload_name(e.name) for e in inside)
+
+
+def foreign_entries(storage: Storage, folder: str) -> list[str]:
+    """The entries of ``folder`` ckptlib does not write into a checkpoint folder (sorted; empty
+    when every entry is ckptlib's, or the folder is empty): the one ownership rule, also used
+    by :mod:`ckptlib.engine.retire` for marker-less debris. ``FileNotFoundError`` if missing."""
+    return sorted(e.name for e in storage.listdir(folder) if not _is_ours(storage, folder, e.name, e.is_dir))
 
 
 def judge(storage: Storage, folder: str) -> Target:
