@@ -107,9 +107,11 @@ def not_a_checkpoint(storage: Storage, folder: str) -> str | None:
     None when the path looks like a (missing or damaged) checkpoint folder, so the caller's own
     error stands. ``ckptlib.load`` calls it after the manifest could not be read."""
     url = f"{storage.url.rstrip('/')}/{folder}".rstrip("/")
-    t = judge(storage, folder)
-    if t.kind == "file":
+    if storage.size(folder) is not None:  # a regular file (a link or special file: the load says)
         return f"{url} is a file; pass the checkpoint folder (the one holding {MANIFEST_NAME})"
+    if storage.exists(join(folder, MANIFEST_NAME)):
+        return None  # a checkpoint folder whose manifest is wrong: that error stands
+    t = judge(storage, folder)
     if t.steps:
         newest = layout.step_dir(t.steps[-1])
         return (f"{url} is a run root holding steps {_steps(t.steps)}; pass a step folder "
