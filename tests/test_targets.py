@@ -12,12 +12,14 @@ import json
 import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import launcher
 import pytest
 import torch
+from backends.servers import S3_BUCKET
 from helpers import assert_same
 
 import ckptlib
@@ -190,6 +192,28 @@ def test_object_store_targets(memory_url: str) -> None:
         ckptlib.save({"w": torch.zeros(1)}, f"{memory_url}/ck")
     assert len([e for e in storage.listdir("ck") if e.is_dir]) == 1  # no second save-id folder
     assert_same(ckptlib.load(f"{memory_url}/ck"), STATE)
+
+
+def test_s3_targets(seaweed: Any) -> None:
+    """On a real S3 server (SeaweedFS): a foreign prefix is refused untouched, a committed one
+    refused before a second save's payloads exist."""
+    url = f"s3://{S3_BUCKET}/t-{uuid.uuid4().hex[:12]}"
+    opts = seaweed.storage_options()
+    storage = open_storage(url, opts)
+    try:
+        storage.put_atomic("user/notes.txt", b"my notes")
+        with pytest.raises(TargetNotEmptyError, match=r"\(notes.txt\)"):
+            ckptlib.save(STATE, f"{url}/user", storage_options=opts)
+        assert [e.name for e in storage.listdir("user")] == ["notes.txt"]
+        assert storage.read("user/notes.txt") == b"my notes"
+        ckptlib.save(STATE, f"{url}/ck", storage_options=opts)
+        before = sorted(e.name for e in storage.listdir("ck"))
+        with pytest.raises(StepExistsError):
+            ckptlib.save({"w": torch.zeros(1)}, f"{url}/ck", storage_options=opts)
+        assert sorted(e.name for e in storage.listdir("ck")) == before
+        assert_same(ckptlib.load(f"{url}/ck", storage_options=opts), STATE)
+    finally:
+        storage.close()
 
 
 # --------------------------------------------------------------------------- the rename's own check
