@@ -25,11 +25,13 @@ from ckptlib.errors import (
     StepExistsError,
     StorageError,
     StorageTimeoutError,
+    TargetNotEmptyError,
     UnsupportedValueError,
 )
 
 if TYPE_CHECKING:
     from ckptlib.api import load, load_metadata, save
+    from ckptlib.engine.load import LoadResult
     from ckptlib.engine.scan import StepInfo
     from ckptlib.format.leaves import PerRank, Shard
     from ckptlib.manager import CheckpointManager, SaveHandle
@@ -41,6 +43,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "load": ("ckptlib.api", "load"),
     "load_metadata": ("ckptlib.api", "load_metadata"),
     "save": ("ckptlib.api", "save"),
+    "LoadResult": ("ckptlib.engine.load", "LoadResult"),
     "StepInfo": ("ckptlib.engine.scan", "StepInfo"),
     "PerRank": ("ckptlib.format.leaves", "PerRank"),
     "Shard": ("ckptlib.format.leaves", "Shard"),
@@ -71,8 +74,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointView",
-    "CommitError", "CommitTimeoutError", "CorruptCheckpointError", "FatalStorageError",
+    "CommitError", "CommitTimeoutError", "CorruptCheckpointError", "FatalStorageError", "LoadResult",
     "ManifestVersionError", "PerRank", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
-    "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TensorInfo",
+    "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TargetNotEmptyError",
+    "TensorInfo",
     "UnsupportedValueError", "__version__", "load", "load_metadata", "open", "save",
 ]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptlib.backends import check_url, open_storage
+from ckptlib.backends import Storage, check_url, open_storage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine import save as save_flow
+from ckptlib.engine import target
+from ckptlib.engine.scan import read_manifest
+from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.format.schema import Manifest
 
 
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
@@ -36,16 +40,19 @@ def save(
 ) -> None:
     """Save ``state`` as one checkpoint folder at ``url``, atomically.
 
-    The folder appears only once every byte is durable. An existing checkpoint at ``url`` is
-    kept (``StepExistsError``) unless ``overwrite=True``. Collective when torch.distributed
-    is initialized, unless ``coordinator`` says otherwise (``LocalCoordinator()``: this
-    process alone writes, e.g. Lightning's rank-0-only checkpoint IO).
+    The folder appears only once every byte is durable. ``url`` may not exist yet or be an
+    empty folder. An existing checkpoint at ``url`` is kept (``StepExistsError``, raised before
+    any payload is written) unless ``overwrite=True``; a file, or a folder holding files that
+    are not a ckptlib checkpoint, is refused (``TargetNotEmptyError``) and left untouched.
+    Collective when torch.distributed is initialized, unless ``coordinator`` says otherwise
+    (``LocalCoordinator()``: this process alone writes, e.g. Lightning's rank-0-only
+    checkpoint IO).
     """
+    opts = save_flow.SaveOptions(compression=compression, overwrite=overwrite)  # bad arguments first
     parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
     coordinator = coordinator or default_coordinator()
     flat = save_flow.prepare(state, coordinator.rank)
-    opts = save_flow.SaveOptions(compression=compression, overwrite=overwrite)
     save_flow.persist(storage, name, flat, step=None, metadata=metadata, options=opts,
                       coordinator=coordinator)
 
@@ -57,19 +64,44 @@ def load(
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
     per_rank: str = "error",
+    strict: bool = True,
 ) -> Any:
-    """Load the checkpoint folder at ``url`` (no collective: every rank reads what it needs).
+    """Load the checkpoint folder at ``url`` (the one holding ``manifest.json``; no collective:
+    every rank reads what it needs).
 
     ``into=None`` returns new CPU tensors; ``into=state`` loads in place (only the parts of
-    sharded tensors this rank holds, whatever the saved sharding) and returns it. ``per_rank``:
+    sharded tensors this rank holds, whatever the saved sharding). ``strict=True`` (default):
+    a key missing on either side raises ``StateMismatchError`` naming the keys, before anything
+    is read, and the loaded ``state`` is returned. ``strict=False``: the keys both hold are
+    loaded, and a :class:`~ckptlib.engine.load.LoadResult` is returned (``.state``, ``.missing``:
+    target keys left as they were, ``.unexpected``: checkpoint keys not loaded). ``per_rank``:
     what ``PerRank`` values become on another world size (``"error"``, ``"rank0"``, ``"all"``).
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
     parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
     rank, world = _rank_world()
-    return load_flow.load_checkpoint(
-        storage, name, into, verify=verify, rank=rank, world_size=world, per_rank=per_rank
+    keys: dict[str, list[str]] = {}
+    state = load_flow.load_checkpoint(
+        storage, name, into, verify=verify, rank=rank, world_size=world, per_rank=per_rank,
+        manifest=_manifest(storage, name), strict=strict, keys=keys,
     )
+    if strict or into is None:
+        return state
+    return load_flow.LoadResult(state, keys["missing"], keys["unexpected"])
+
+
+def _manifest(storage: Storage, name: str) -> Manifest:
+    """The manifest of folder ``name``; a path that is no checkpoint folder at all (a file, a
+    run root, an empty or unrelated folder) raises an error that says what to pass instead."""
+    try:
+        return read_manifest(storage, name)
+    except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+        hint = target.not_a_checkpoint(storage, name)
+        if hint is None:
+            raise
+        raise CheckpointNotFoundError(hint) from e
 
 
 def _rank_world() -> tuple[int, int]:
@@ -82,9 +114,8 @@ def _rank_world() -> tuple[int, int]:
 
 def load_metadata(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Any:
     """The user metadata saved with the checkpoint at ``url`` (reads only the manifest)."""
-    from ckptlib.engine.scan import read_manifest
     from ckptlib.format import tree as tree_codec
 
     parent, name = split_url(url)
-    m = read_manifest(open_storage(parent, storage_options), name)
+    m = _manifest(open_storage(parent, storage_options), name)
     return tree_codec.decode(m.metadata, (), f"{url}/manifest.json")

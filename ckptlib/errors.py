@@ -52,6 +52,11 @@ class StepExistsError(CommitError, FileExistsError):
     """A committed, valid checkpoint already exists at the step being saved."""
 
 
+class TargetNotEmptyError(CommitError, FileExistsError):
+    """A save's target folder holds files ckptlib did not write (or is a file); nothing in it
+    was moved or changed."""
+
+
 class StateMismatchError(CheckpointError, ValueError):
     """The target ``state`` of a load does not match the checkpoint (keys, shapes, dtypes)."""
 

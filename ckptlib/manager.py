@@ -23,13 +23,15 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, open_storage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
+from ckptlib.engine import options as argcheck
 from ckptlib.engine import resume, retire
 from ckptlib.engine import save as save_flow
+from ckptlib.engine.load import LoadResult
 from ckptlib.engine.overlap import SnapshotGate, deferred_mask
 from ckptlib.engine.preemption import FinalCheckpoint, PreemptionWatcher
 from ckptlib.engine.scan import StepInfo, scan
@@ -119,8 +121,16 @@ class ManagerOptions:
     save_interval_max_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if self.in_flight not in ("wait", "skip"):
-            raise ValueError("in_flight must be 'wait' or 'skip'")
+        """Every argument checked when given, naming it (:mod:`ckptlib.engine.options`)."""
+        argcheck.positive_int("keep_last", self.keep_last, optional=True)
+        argcheck.positive_int("keep_every", self.keep_every, optional=True)
+        argcheck.flag("async_save", self.async_save)
+        argcheck.compression(self.compression)
+        argcheck.one_of("in_flight", self.in_flight, ("wait", "skip"))
+        argcheck.positive_number("save_timeout", self.save_timeout)
+        argcheck.positive_number("snapshot_timeout", self.snapshot_timeout)
+        argcheck.flag("overlap", self.overlap)
+        argcheck.optional_int("persist_nice", self.persist_nice)
         retention.decide([], self.keep_last, self.keep_every)  # validates the policy
         retention.check_best(self.keep_best, self.best_metric, self.best_mode)
         self.schedule()  # validates the saving decisions
@@ -503,17 +513,38 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ restoring
+    @overload
     def restore(
-        self, state: Any, *, step: int | None = None, verify: bool = True, per_rank: str = "error"
-    ) -> int | None:
+        self, state: Any, *, step: int | None = ..., verify: bool = ..., per_rank: str = ...,
+        strict: Literal[True] = ...,
+    ) -> int | None: ...
+
+    @overload
+    def restore(
+        self, state: Any, *, step: int | None = ..., verify: bool = ..., per_rank: str = ...,
+        strict: bool,
+    ) -> int | LoadResult | None: ...
+
+    def restore(
+        self, state: Any, *, step: int | None = None, verify: bool = True, per_rank: str = "error",
+        strict: bool = True,
+    ) -> int | LoadResult | None:
         """Load the newest usable step into ``state`` in place; return it, or None if no step
         was ever committed. Corrupt steps are skipped; collective (:mod:`ckptlib.engine.resume`).
-        ``per_rank``: policy for ``PerRank`` values of another world size (error, rank0, all)."""
+        ``per_rank``: policy for ``PerRank`` values of another world size (error, rank0, all).
+        ``strict``: as ``ckptlib.load``; with ``strict=False`` a step restored is returned as a
+        :class:`~ckptlib.engine.load.LoadResult` (``.step``, ``.missing``, ``.unexpected``)."""
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
         self.wait()
-        return resume.restore(
+        keys: dict[str, list[str]] = {}
+        got = resume.restore(
             self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-            timeout=self.options.save_timeout,
+            timeout=self.options.save_timeout, strict=strict, keys=keys,
         )
+        if strict or got is None:
+            return got
+        return LoadResult(state, keys["missing"], keys["unexpected"], got)
 
 
 def _drain(handles: list[SaveHandle]) -> None:

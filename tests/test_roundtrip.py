@@ -465,12 +465,18 @@ def test_stateful_objects_load_as_plain_dicts(tmp_path: Path) -> None:
     assert_same(loaded["sched"], sched.state_dict())
 
 
-def test_load_into_adds_keys_only_in_checkpoint(tmp_path: Path) -> None:
+def test_load_into_keys_only_in_checkpoint(tmp_path: Path) -> None:
+    """Keys the target lacks: strict (default) refuses naming them; strict=False skips them
+    (tests/test_strict.py has the full matrix)."""
     path = tmp_path / "ck"
     ckptlib.save({"a": torch.ones(2), "b": [1, 2], "c": None}, path)
     target = {"a": torch.zeros(2)}
-    ckptlib.load(path, into=target)
-    assert_same(target, {"a": torch.ones(2), "b": [1, 2], "c": None})
+    with pytest.raises(ckptlib.StateMismatchError, match=r"not in the target: /b, /c"):
+        ckptlib.load(path, into=target)
+    assert_same(target, {"a": torch.zeros(2)})
+    res = ckptlib.load(path, into=target, strict=False)
+    assert res.state is target and res.unexpected == ["/b", "/c"] and res.missing == []
+    assert_same(target, {"a": torch.ones(2)})
 
 
 # --------------------------------------------------------------------------- load(into=) errors

@@ -11,11 +11,15 @@ By capability flag (never by URL scheme): ``supports_atomic_rename`` (POSIX): ev
 into ``<final>.tmp-<id>/``, fsynced, renamed to ``<final>`` (refusing to replace anything);
 ``supports_conditional_put`` (S3 If-None-Match, memory): payloads under ``<final>/<id>/``, the
 manifest created last with a create-only put; neither: a plain put read back for our save id.
-A valid existing ``<final>`` is never replaced (``StepExistsError``) unless ``overwrite``; a
-corrupt or incomplete one is moved aside (``<final>.corrupt-<id>``) or its manifest removed.
-On object stores that removal (and, with ``overwrite``, the old manifest's) happens in
-:func:`begin`, before any rank writes: at publish time the manifest key holds nothing or a
-fence, and the coordinator never deletes a fence.
+What may be at ``<final>`` is judged by :mod:`ckptlib.engine.target`, first in :func:`begin`
+(before any payload) and again at the rename: nothing, or an empty folder, is used; a valid
+existing checkpoint is never replaced (``StepExistsError``) unless ``overwrite``; a corrupt or
+incomplete one ckptlib wrote is moved aside (``<final>.corrupt-<id>``) or its manifest removed;
+a file, or a folder holding anything ckptlib did not write, is refused
+(``TargetNotEmptyError``) and nothing in it is touched.
+On object stores the removal of a damaged manifest (and, with ``overwrite``, the old
+manifest's) happens in :func:`begin`, before any rank writes: at publish time the manifest
+key holds nothing or a fence, and the coordinator never deletes a fence.
 
 The fence (one rule, by capability; names and record in :mod:`ckptlib.format.fence`):
 ``rename``: the giving-up rank renames ``<final>.tmp-<id>/`` to ``<final>.abort-<id>/``; the
@@ -36,8 +40,15 @@ from dataclasses import dataclass
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
+from ckptlib.engine import target
 from ckptlib.engine.scan import check_step, read_manifest
-from ckptlib.errors import CheckpointError, CommitError, StepExistsError, StorageError
+from ckptlib.errors import (
+    CheckpointError,
+    CommitError,
+    StepExistsError,
+    StorageError,
+    TargetNotEmptyError,
+)
 from ckptlib.format import fence as fence_format
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
@@ -67,7 +78,26 @@ def commit_mode(storage: Storage) -> str:
     return "put_verify"
 
 
+def check_target(storage: Storage, final: str, *, overwrite: bool = False) -> None:
+    """Refuse a target a save must not write into, before any payload exists: a committed
+    checkpoint without ``overwrite`` (``StepExistsError``), a file or a folder holding files
+    ckptlib did not write (``TargetNotEmptyError``; nothing in it is touched)."""
+    t = target.judge(storage, final)
+    url = f"{storage.url.rstrip('/')}/{final}"
+    if t.kind == "committed" and not overwrite:
+        raise StepExistsError(_exists_message(url))
+    if t.kind in ("file", "foreign"):
+        raise TargetNotEmptyError(target.describe_foreign(url, t))
+
+
+def _exists_message(url: str) -> str:
+    return (f"{url} already holds a committed checkpoint; not replacing it "
+            "(pass overwrite=True, or delete it first)")
+
+
 def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False) -> Staging:
+    """Coordinator, before any rank writes: :func:`check_target`, then make the staging area."""
+    check_target(storage, final, overwrite=overwrite)
     mode = commit_mode(storage)
     if mode != "rename":
         _clear_manifest_key(storage, final, overwrite)
@@ -160,15 +190,7 @@ def _rename_replacing(storage: Storage, st: Staging, overwrite: bool) -> None:
             storage.rename(st.work, st.final)
             return
         except FileExistsError:
-            if check_step(storage, st.final).status == "committed":
-                if not overwrite:
-                    raise StepExistsError(
-                        f"{storage.url}/{st.final} already holds a committed checkpoint; "
-                        "not replacing it (pass overwrite=True, or delete it first)"
-                    ) from None
-                storage.rename(st.final, layout.del_dir(st.final, st.save_id))
-            else:
-                storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
+            _clear_target(storage, st, overwrite)
     raise CommitError(f"could not move {st.work} into place at {st.final}")
 
 
@@ -179,6 +201,30 @@ def _clear_manifest_key(storage: Storage, final: str, overwrite: bool) -> None:
     path = join(final, MANIFEST_NAME)
     if storage.size(path) is not None and (overwrite or check_step(storage, final).status != "committed"):
         storage.delete(path)
+
+
+def _clear_target(storage: Storage, st: Staging, overwrite: bool) -> None:
+    """The rename found ``st.final`` taken (:mod:`ckptlib.engine.target` judges what is there):
+    a committed step is refused or, with ``overwrite``, moved to ``.del-<id>``; a damaged one
+    ckptlib wrote is moved aside to ``.corrupt-<id>``; an empty folder is removed (moved aside,
+    then deleted only if still empty); anything else is refused and left as it is."""
+    t = target.judge(storage, st.final)
+    url = f"{storage.url.rstrip('/')}/{st.final}"
+    if t.kind == "committed":
+        if not overwrite:
+            raise StepExistsError(_exists_message(url)) from None
+        storage.rename(st.final, layout.del_dir(st.final, st.save_id))
+    elif t.kind == "damaged":
+        storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")
+    elif t.kind == "empty":
+        aside = layout.del_dir(st.final, st.save_id)  # debris rules: a crash here leaves no trash
+        storage.rename(st.final, aside)
+        if storage.listdir(aside):  # written into meanwhile: put it back, untouched
+            storage.rename(aside, st.final)
+            raise TargetNotEmptyError(f"{url} was written to by someone else during the save; left as it is")
+        storage.delete_tree(aside)
+    elif t.kind != "absent":
+        raise TargetNotEmptyError(target.describe_foreign(url, t))
 
 
 def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:

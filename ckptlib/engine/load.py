@@ -4,13 +4,18 @@ Called on the caller's thread by ``ckptlib.load`` and ``CheckpointManager.restor
 ``into=None`` builds fresh CPU tensors. ``into=state`` walks target and saved tree side by side
 (:class:`Merge`): tensors are filled in place (read straight into contiguous CPU tensors of the
 same dtype and shape, else through a temporary), objects with ``load_state_dict`` get their
-merged state dict; a dtype/shape mismatch or a missing key raises :class:`StateMismatchError`
-before any byte is read.
+merged state dict; a dtype/shape mismatch raises :class:`StateMismatchError` before any byte is
+read. Keys (dict keys, as ``/``-joined paths): ``strict=True`` (the default) raises
+:class:`StateMismatchError` naming every key missing on either side, before any byte is read;
+``strict=False`` loads the keys both sides hold, leaves the target's other keys as they are and
+reports both lists (:attr:`Merge.missing`, :attr:`Merge.unexpected`). An empty dict in the
+target (a fresh optimizer's ``state``) takes whatever the checkpoint holds there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,13 +57,19 @@ class Merge:
         if per_rank not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank must be one of {PER_RANK_POLICIES}")
         self.m = m
+        self.missing: list[str] = []
+        """Keys :meth:`merge` found in the target but not in the checkpoint (left as they are)."""
+        self.unexpected: list[str] = []
+        """Keys :meth:`merge` found in the checkpoint but not in the target (not loaded)."""
         self.where = where
         self.rank = rank
         self.world_size = world_size
         self.per_rank = per_rank
         self.requests: list[Request] = []
-        # Run after the reads, in this order: copies into non-contiguous/GPU targets, bytes
-        # values, then load_state_dict calls (which need both).
+        # Run after the reads, in this order: values set into the target's containers (the
+        # target is not changed while planning, so a refused load leaves it as it was), copies
+        # into non-contiguous/GPU targets, bytes values, then load_state_dict calls.
+        self.sets: list[Callable[[], None]] = []
         self.copies: list[Callable[[], None]] = []
         self.fills: list[Callable[[], None]] = []
         self.loads: list[Callable[[], None]] = []
@@ -138,23 +149,43 @@ class Merge:
                 if target is None:
                     return self.fresh(v)
                 raise StateMismatchError(f"{path or '<root>'}: checkpoint has a dict, target has {type(target).__name__}")
-            missing = [k for k in target if k not in v]
-            if missing:
-                raise StateMismatchError(
-                    f"{path or '<root>'}: keys {missing[:10]!r} are in the target but not in the checkpoint"
-                )
-            for k, x in v.items():
-                target[k] = self.merge(target[k], x, f"{path}/{k}") if k in target else self.fresh(x)
+            if not target:  # an empty container to fill (a fresh optimizer's state)
+                new = {k: self.fresh(x) for k, x in v.items()}
+                self.sets.append(lambda: target.update(new))
+                return target
+            merged = {}
+            for k in target:  # depth first, in the target's order
+                if k in v:
+                    merged[k] = self.merge(target[k], v[k], f"{path}/{k}")
+                else:
+                    self.missing.append(f"{path}/{k}")
+            self.unexpected += [f"{path}/{k}" for k in v if k not in target]
+            self.sets.append(lambda: target.update(merged))
             return target
         if isinstance(v, list | tuple):
             if isinstance(target, list | tuple) and len(target) == len(v):
                 items = [self.merge(t, x, f"{path}/{i}") for i, (t, x) in enumerate(zip(target, v, strict=True))]
                 if isinstance(target, list):
-                    target[:] = items
+                    self.sets.append(lambda: target.__setitem__(slice(None), items))
                     return target
                 return tuple(items)
             return self.fresh(v)
         return self.fresh(v)
+
+    def check_keys(self) -> None:
+        """After :meth:`merge` with ``strict=True``: raise :class:`StateMismatchError` naming the
+        keys missing on either side (nothing has been read yet)."""
+        if not (self.missing or self.unexpected):
+            return
+        parts = []
+        if self.missing:
+            parts.append(f"in the target but not in the checkpoint: {_names(self.missing)}")
+        if self.unexpected:
+            parts.append(f"in the checkpoint but not in the target: {_names(self.unexpected)}")
+        raise StateMismatchError(
+            f"{self.where or 'checkpoint'}: keys differ; " + "; ".join(parts) + ". Nothing was loaded; "
+            "pass strict=False to load the keys both hold (the result's .missing and .unexpected list the rest)"
+        )
 
     def tensor(self, target: torch.Tensor | Shard, name: str, path: str) -> None:
         """Plan reading the saved tensor ``name`` into ``target`` (a tensor or a ``Shard`` of it)."""
@@ -180,6 +211,27 @@ class Merge:
                 t.copy_(tmp)
 
         self.copies.append(copy_back)
+
+
+def _names(keys: list[str], shown: int = 20) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What ``ckptlib.load(url, into=state, strict=False)`` and
+    ``CheckpointManager.restore(state, strict=False)`` return: the keys both sides hold are
+    loaded into ``state`` in place; the others are listed, as ``/``-joined paths."""
+
+    state: Any
+    """The target, loaded in place (the same object that was passed as ``into``)."""
+    missing: list[str]
+    """Keys in the target but not in the checkpoint: left as they were."""
+    unexpected: list[str]
+    """Keys in the checkpoint but not in the target: not loaded."""
+    step: int | None = None
+    """The step restored (``CheckpointManager.restore``); None for ``ckptlib.load``."""
 
 
 class _Lazy:
@@ -217,9 +269,12 @@ def load_checkpoint(
     world_size: int = 1,
     per_rank: str = "error",
     stats: dict[str, int] | None = None,
+    strict: bool = True,
+    keys: dict[str, list[str]] | None = None,
 ) -> Any:
     """Load ``folder`` (see the module docstring). ``stats``, if given, receives
-    ``bytes_read`` (payload bytes fetched) and ``bytes_needed`` (bytes of the boxes requested)."""
+    ``bytes_read`` (payload bytes fetched) and ``bytes_needed`` (bytes of the boxes requested);
+    ``keys``, if given, receives ``missing`` and ``unexpected`` (``strict=False`` loads)."""
     m = manifest or read_manifest(storage, folder)
     where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
@@ -227,6 +282,10 @@ def load_checkpoint(
         saved = tree_codec.decode(m.tree, m.tensors, where)
         plan = Merge(m, rank, world_size, per_rank, where=where)
         result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
+    if strict:
+        plan.check_keys()
+    if keys is not None:
+        keys.update(missing=plan.missing, unexpected=plan.unexpected)
     run_plan(plan, storage, folder, m, verify=verify, threads=threads, stats=stats)
     return resolve_lazy(result)
 
@@ -254,6 +313,6 @@ def run_plan(
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
         stats["bytes_needed"] = sum(r.tensor.numel() * r.tensor.element_size() for r in plan.requests)
-    for fn in (*plan.copies, *plan.fills, *plan.loads):
+    for fn in (*plan.sets, *plan.copies, *plan.fills, *plan.loads):
         fn()
 

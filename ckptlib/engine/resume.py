@@ -155,20 +155,27 @@ def restore(
     verify: bool = True,
     per_rank: str = "error",
     timeout: float = 600.0,
+    strict: bool = True,
+    keys: dict[str, list[str]] | None = None,
 ) -> int | None:
-    """``CheckpointManager.restore``: load the newest usable step into ``state`` in place."""
+    """``CheckpointManager.restore``: load the newest usable step into ``state`` in place.
+    ``strict``/``keys``: as :func:`ckptlib.engine.load.load_checkpoint` (keys of the step restored)."""
 
     def listing() -> list[Candidate]:
         cands = step_candidates(storage)
         return cands if step is None else [c for c in cands if c.step == step]
 
-    def attempt(c: Candidate) -> None:
+    def attempt(c: Candidate) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
         load_flow.load_checkpoint(
             storage, c.folder, state, verify=verify,
-            rank=coord.rank, world_size=coord.world_size, per_rank=per_rank,
+            rank=coord.rank, world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found,
         )
+        return found
 
     got = resume_newest(coord, listing, attempt, timeout=timeout, where=storage.url)
+    if got is not None and keys is not None:
+        keys.update(got.value)
     if got is None and step is not None:
         raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
     return got.candidate.step if got else None

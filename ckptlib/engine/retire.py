@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ckptlib import crashpoints
 from ckptlib.backends import Entry, Storage, join
+from ckptlib.engine import target
 from ckptlib.engine.scan import StepInfo, check_step, read_manifest, scan
 from ckptlib.errors import (
     CheckpointError,
@@ -410,26 +411,12 @@ def _delete_marker_last(storage: Storage, folder: str) -> None:
 
 
 def _only_ours(storage: Storage, folder: str) -> bool:
-    """Whether a marker-less ``*.tmp-``/``*.del-`` folder holds only what ckptlib writes there."""
+    """Whether a marker-less ``*.tmp-``/``*.del-`` folder holds only what ckptlib writes there
+    (the one ownership rule: :func:`ckptlib.engine.target.foreign_entries`)."""
     try:
-        entries = storage.listdir(folder)
+        return not target.foreign_entries(storage, folder)
     except FileNotFoundError:
         return False
-    for e in entries:
-        if not e.is_dir and (
-            e.name in (layout.MARKER, MANIFEST_NAME)
-            or (e.name.startswith(MANIFEST_NAME + ".") and e.name.endswith(".partial"))
-        ):
-            continue
-        if not (e.is_dir and SAVE_ID_RE.match(e.name)):
-            return False
-        try:
-            files = storage.listdir(join(folder, e.name))
-        except FileNotFoundError:
-            continue
-        if any(f.is_dir or not layout.is_payload_name(f.name) for f in files):
-            return False
-    return True
 
 
 def _prefix_ids(storage: Storage, folder: str) -> set[str]:

@@ -24,6 +24,7 @@ from ckptlib import crashpoints
 from ckptlib.backends import Storage, deadline_scope
 from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
+from ckptlib.engine import options as argcheck
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.writer import ChunkJob, split_chunks, write_files
 from ckptlib.errors import (
@@ -31,11 +32,11 @@ from ckptlib.errors import (
     CommitError,
     CommitTimeoutError,
     StepExistsError,
+    TargetNotEmptyError,
     UnsupportedValueError,
 )
 from ckptlib.format import manifest as mf
 from ckptlib.format.build import build_body, encode_body
-from ckptlib.format.codec import codec_for
 from ckptlib.format.dtypes import dtype_name
 from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
@@ -57,7 +58,12 @@ class SaveOptions:
     overwrite: bool = False
 
     def __post_init__(self) -> None:
-        codec_for(self.compression, 1)  # ValueError for unknown compression, before any I/O
+        """Every argument checked now, before any I/O (:mod:`ckptlib.engine.options`)."""
+        argcheck.compression(self.compression)
+        argcheck.positive_int("chunk_bytes", self.chunk_bytes)
+        argcheck.positive_int("num_files", self.num_files)
+        argcheck.positive_number("timeout", self.timeout)
+        argcheck.flag("overwrite", self.overwrite)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +105,17 @@ def new_save_id() -> str:
     return uuid.uuid4().hex
 
 
+_REFUSED: dict[str, type[CommitError]] = {"StepExistsError": StepExistsError,
+                                          "TargetNotEmptyError": TargetNotEmptyError}
+"""Target refusals of :func:`ckptlib.engine.commit.begin`, raised as is on every rank."""
+
+
 def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool = False) -> CommitError:
     detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
     timed_out = any(msg.startswith(("StorageTimeoutError", "CommitTimeoutError")) for msg in failures.values())
     cls = StepExistsError if exists else CommitTimeoutError if timed_out else CommitError
+    if any(msg.startswith("TargetNotEmptyError") for msg in failures.values()):
+        cls = TargetNotEmptyError  # a folder that filled up during the save (commit._clear_target)
     return cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
 
 
@@ -148,11 +161,12 @@ class SaveSession:
                         storage.makedirs("")
                         staging = commit.begin(storage, final, save_id, overwrite=opts.overwrite)
                 except (CheckpointError, OSError) as e:
-                    error = f"{type(e).__name__}: {e}"
+                    error = [type(e).__name__, str(e)]
             prefix, error = coord.agree((staging.payload_prefix if staging else None, error),
                                         max(0.1, deadline - time.monotonic()))
-            if error:
-                raise _fail(storage, final, {0: error})
+            if error:  # the same error on every rank, before any payload is written
+                refused = _REFUSED.get(error[0])
+                raise refused(error[1]) if refused else _fail(storage, final, {0: f"{error[0]}: {error[1]}"})
         except BaseException:
             coord.end_session()
             raise

@@ -51,7 +51,10 @@ class CkptlibWriter(Located, StorageWriter):
 
     ``url`` is the checkpoint folder (any ckptlib URL); with ``step`` it is the root and the
     folder is ``step-<step>`` under it (the layout :func:`load_latest` scans);
-    ``dcp.save(checkpoint_id=...)`` replaces ``url``. Options (``overwrite``, ``clean_debris``,
+    ``dcp.save(checkpoint_id=...)`` replaces ``url``. The folder may not exist yet or be empty
+    (``mkdtemp()``); a committed checkpoint there is kept unless ``overwrite``
+    (``StepExistsError``), and a folder holding other files is refused and left untouched
+    (``TargetNotEmptyError``), both before any rank writes. Options (``overwrite``, ``clean_debris``,
     ``timeout`` of the whole save, ...): docs/integrations/dcp.md. One save at a time per
     instance; ``dcp.save``'s ``process_group`` must span every rank, with DCP's coordinator
     on rank 0. Picklable before a save starts (``AsyncCheckpointerType.PROCESS``).
@@ -70,7 +73,11 @@ class CkptlibWriter(Located, StorageWriter):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        SaveOptions(compression=self.compression)  # ValueError for an unknown codec, now
+        self._options()  # bad arguments (codec, sizes, timeout) fail here, not in dcp.save
+
+    def _options(self) -> SaveOptions:
+        return SaveOptions(compression=self.compression, chunk_bytes=self.chunk_bytes, num_files=self.num_files,
+                           timeout=self.timeout, overwrite=self.overwrite)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -104,9 +111,8 @@ class CkptlibWriter(Located, StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Every rank (collective over ckptlib's coordinator): begin the save session."""
         storage, name, step = self.open_target()
-        opts = SaveOptions(compression=self.compression, chunk_bytes=self.chunk_bytes, num_files=self.num_files,
-                           timeout=self.timeout, overwrite=self.overwrite)
-        self._session = SaveSession.begin(storage, name, step=step, options=opts, coordinator=default_coordinator())
+        self._session = SaveSession.begin(storage, name, step=step, options=self._options(),
+                                          coordinator=default_coordinator())
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -1,0 +1,131 @@
+"""Arguments are checked when given, with messages that name the argument
+(ckptlib/engine/options.py), and a load pointed at the wrong path says what to pass instead."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.format import layout
+
+BAD_MANAGER_ARGS = [
+    ({"keep_last": "3"}, TypeError, "keep_last must be a positive int, got '3'"),
+    ({"keep_last": 0}, ValueError, "keep_last must be a positive int, got 0"),
+    ({"keep_last": True}, TypeError, "keep_last must be a positive int, got True"),
+    ({"keep_every": 2.5}, TypeError, "keep_every must be a positive int, got 2.5"),
+    ({"compression": "gzip"}, ValueError, "compression must be None or 'zstd', got 'gzip'"),
+    ({"compression": 3}, TypeError, "compression must be None or 'zstd', got 3"),
+    ({"async_save": "yes"}, TypeError, "async_save must be True or False, got 'yes'"),
+    ({"in_flight": "drop"}, ValueError, "in_flight must be one of 'wait', 'skip', got 'drop'"),
+    ({"save_timeout": 0}, ValueError, "save_timeout must be a positive, finite number, got 0"),
+    ({"save_timeout": "60"}, TypeError, "save_timeout must be a positive number, got '60'"),
+    ({"snapshot_timeout": float("nan")}, ValueError, "snapshot_timeout must be a positive, finite number"),
+    ({"overlap": 1}, TypeError, "overlap must be True or False, got 1"),
+    ({"persist_nice": "10"}, TypeError, "persist_nice must be an int or None, got '10'"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "message"), BAD_MANAGER_ARGS,
+                         ids=[next(iter(k)) + "=" + repr(next(iter(k.values()))) for k, _, _ in BAD_MANAGER_ARGS])
+def test_manager_arguments(tmp_path: Path, kwargs: dict[str, Any], exc: type[Exception], message: str) -> None:
+    with pytest.raises(exc) as info:
+        ckptlib.CheckpointManager(tmp_path / "run", **kwargs)
+    assert message in str(info.value)
+    assert not (tmp_path / "run").exists()  # refused before touching storage
+
+
+def test_manager_good_arguments_accepted(tmp_path: Path) -> None:
+    with ckptlib.CheckpointManager(tmp_path, keep_last=2, keep_every=10, compression="zstd", save_timeout=30,
+                                   snapshot_timeout=1.5, persist_nice=None, in_flight="skip") as mgr:
+        assert mgr.options.keep_last == 2 and mgr.options.compression == "zstd"
+
+
+BAD_SAVE_ARGS = [
+    ({"compression": "gzip"}, ValueError, "compression must be None or 'zstd', got 'gzip'"),
+    ({"overwrite": "no"}, TypeError, "overwrite must be True or False, got 'no'"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "message"), BAD_SAVE_ARGS, ids=["compression", "overwrite"])
+def test_save_arguments_refused_at_call_time(
+    tmp_path: Path, kwargs: dict[str, Any], exc: type[Exception], message: str
+) -> None:
+    with pytest.raises(exc, match=message):
+        ckptlib.save({"w": torch.ones(2)}, tmp_path / "ck", **kwargs)
+    assert os.listdir(tmp_path) == []  # nothing was created
+
+
+def test_manager_bad_compression_fails_construction_not_wait(tmp_path: Path) -> None:
+    """The old behaviour: accepted, and the error came from handle.wait() of the first save."""
+    with pytest.raises(ValueError, match="compression"):
+        ckptlib.CheckpointManager(tmp_path, compression="gzip")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_writer_arguments_checked_at_construction(tmp_path: Path) -> None:
+    from ckptlib.integrations.dcp import CkptlibWriter
+
+    with pytest.raises(ValueError, match="compression must be None or 'zstd', got 'lz4'"):
+        CkptlibWriter(tmp_path, compression="lz4")
+    with pytest.raises(ValueError, match="num_files must be a positive int, got 0"):
+        CkptlibWriter(tmp_path, num_files=0)
+    with pytest.raises(TypeError, match="timeout must be a positive number, got None"):
+        CkptlibWriter(tmp_path, timeout=None)  # type: ignore[arg-type]
+
+
+def test_strict_must_be_a_bool(tmp_path: Path) -> None:
+    ckptlib.save({"w": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(TypeError, match="strict must be True or False, got 'no'"):
+        ckptlib.load(tmp_path / "ck", into={"w": torch.zeros(2)}, strict="no")
+
+
+# --------------------------------------------------------------------------- wrong load paths
+
+
+def test_load_a_file_says_pass_the_folder(tmp_path: Path) -> None:
+    ckptlib.save({"w": torch.ones(2)}, tmp_path / "ck")
+    for f in (tmp_path / "ck" / "manifest.json", tmp_path / "model.pt"):
+        f.touch()
+        with pytest.raises(ckptlib.CheckpointNotFoundError) as info:
+            ckptlib.load(f)
+        assert str(info.value) == f"{f} is a file; pass the checkpoint folder (the one holding manifest.json)"
+        with pytest.raises(ckptlib.CheckpointNotFoundError, match="is a file"):
+            ckptlib.load_metadata(f)
+
+
+def test_load_a_run_root_points_to_a_step_or_restore(tmp_path: Path) -> None:
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        for step in (3, 5, 7):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+    with pytest.raises(ckptlib.CheckpointNotFoundError) as info:
+        ckptlib.load(tmp_path)
+    msg = str(info.value)
+    assert f"{tmp_path} is a run root holding steps 3, 5, 7; pass a step folder" in msg
+    assert f"{tmp_path}/{layout.step_dir(7)}" in msg and ".restore(state)" in msg and "ckptlib.open(" in msg
+    # The suggested folder is one that loads.
+    assert torch.equal(ckptlib.load(tmp_path / layout.step_dir(7))["w"], torch.full((2,), 7.0))
+
+
+def test_load_an_empty_or_unrelated_folder(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match="is an empty folder"):
+        ckptlib.load(tmp_path / "empty")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.safetensors").write_bytes(b"x")
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"files ckptlib did not write \(a.safetensors\)"):
+        ckptlib.load(tmp_path / "other")
+
+
+def test_load_a_damaged_checkpoint_keeps_its_own_error(tmp_path: Path) -> None:
+    """Only wrong paths get the "pass instead" message; a broken checkpoint still says what broke."""
+    ckptlib.save({"w": torch.ones(2)}, tmp_path / "ck")
+    (tmp_path / "ck" / "manifest.json").write_text("{")
+    with pytest.raises(ckptlib.CorruptCheckpointError):
+        ckptlib.load(tmp_path / "ck")
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match="no manifest"):
+        ckptlib.load(tmp_path / "missing")
