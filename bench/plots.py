@@ -233,6 +233,7 @@ def plot_ratios(plt: Any) -> Path:
     axes[2].axhline(1.0, color="k", ls="--", lw=1)
     axes[2].set_title(f"DCP API, {dc['bytes'] / GIB:.2f} GiB:\nckptlib writer / FileSystem",
                       fontsize=10)
+    axes[2].set_ylabel("time ratio (< 1: ckptlib faster)")
     axes[2].grid(True, axis="y", alpha=0.3)
     return _save(fig, "save_load_vs_raw.png", ["save_load.json", "dcp.json"])
 
@@ -269,25 +270,29 @@ def _plain_log(ax: Any) -> None:
     ax.tick_params(axis="y", which="minor", labelsize=7)
 
 
-def _footer(fig: Any, files: list[str]) -> None:
-    """One line under the chart: when and where its data was measured (from meta.json)."""
+def _footer(fig: Any, files: list[str]) -> str:
+    """The line under a chart: when and where its data was measured (from meta.json)."""
     runs = json.loads((DATA / "meta.json").read_text())["runs"]
     got = [runs[f] for f in files if f in runs]
-    days = sorted({r["finished"][:10] for r in got})
-    loads = [r["loadavg_before"] for r in got if r.get("loadavg_before") is not None]
-    machine = got[0]["machine"] if got else "?"
-    text = (f"measured {', '.join(days) or '?'} on {machine}, torch {got[0]['torch'] if got else '?'}"
-            + (f", load average {min(loads):.0f}-{max(loads):.0f} (shared machine)" if loads else "")
-            + "; one run of bench/plots.py collect: compare ratios, not seconds")
-    fig.text(0.5, 0.005, text, ha="center", va="bottom", fontsize=7, color="0.35")
+    days = ", ".join(sorted({r["finished"][:10] for r in got})) or "?"
+    where = f"{got[0]['machine']}, torch {got[0]['torch']}" if got else "?"
+    loads = sorted(round(r["loadavg_before"]) for r in got if r.get("loadavg_before") is not None)
+    load = "" if not loads else (
+        f", load average {loads[0]}" + (f"-{loads[-1]}" if loads[-1] != loads[0] else "")
+        + " (shared machine)")
+    return (f"measured {days} on {where}{load};"
+            " one run of bench/plots.py collect: compare ratios, not seconds")
 
 
 def _save(fig: Any, name: str, files: list[str]) -> Path:
     IMG.mkdir(parents=True, exist_ok=True)
     path = IMG / name
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    _footer(fig, files)
-    # A fixed creation date and no software tag keep re-rendered PNGs byte-identical.
+    text = _footer(fig, files)
+    if fig.get_figwidth() < 10:  # too narrow for one line: break after the semicolon
+        text = text.replace("; ", ";\n")
+    fig.tight_layout(rect=(0, 0.04 * (text.count("\n") + 1), 1, 1))
+    fig.text(0.5, 0.005, text, ha="center", va="bottom", fontsize=7, color="0.35")
+    # No "Software" tag (matplotlib's version): re-rendering the same data gives the same bytes.
     fig.savefig(path, dpi=110, metadata={"Software": None})
     return path
 
