@@ -138,7 +138,7 @@ def _per_round(rows_a: list[dict[str, float]], rows_b: list[dict[str, float]], k
     return _median([a[key] / b[key] for a, b in zip(rows_a, rows_b, strict=True)])
 
 
-def plot_stall(plt: Any) -> Path:
+def plot_stall(plt: Any, out: Path) -> Path:
     """Stall (time until training may go on) vs state size, and stall / memcpy floor."""
     series = {
         "memcpy (floor)": "memcpy",
@@ -175,7 +175,7 @@ def plot_stall(plt: Any) -> Path:
     a2.set_ylabel("stall / memcpy (per-round ratio, median)")
     a2.set_title("Stall relative to the memcpy floor")
     a1.legend(fontsize=8)
-    return _save(fig, "stall_vs_size.png", [f"async-{g}.json" for g in ASYNC_GIB])
+    return _save(fig, "stall_vs_size.png", [f"async-{g}.json" for g in ASYNC_GIB], out)
 
 
 SAVE_ROWS = (("ckptlib", "ckptlib"), ("torch.save", "torch.save"), ("DCP", "dcp"))
@@ -200,7 +200,7 @@ def save_load_ratios() -> dict[str, dict[str, dict[str, float]]]:
     return out
 
 
-def plot_ratios(plt: Any) -> Path:
+def plot_ratios(plt: Any, out: Path) -> Path:
     """Save time / raw write+fsync and cold load time / raw read per workload (bars), and the
     DCP storage layer: ckptlib's StorageWriter/Reader time / DCP's FileSystemWriter/Reader."""
     r = save_load_ratios()
@@ -235,10 +235,10 @@ def plot_ratios(plt: Any) -> Path:
                       fontsize=10)
     axes[2].set_ylabel("time ratio (< 1: ckptlib faster)")
     axes[2].grid(True, axis="y", alpha=0.3)
-    return _save(fig, "save_load_vs_raw.png", ["save_load.json", "dcp.json"])
+    return _save(fig, "save_load_vs_raw.png", ["save_load.json", "dcp.json"], out)
 
 
-def plot_ranks(plt: Any) -> Path:
+def plot_ranks(plt: Any, out: Path) -> Path:
     """Throughput (GB/s) vs world size for raw write/read and ckptlib save/load."""
     d = _load("distributed.json")
     ranks = [row["ranks"] for row in d["rows"]]
@@ -255,7 +255,7 @@ def plot_ranks(plt: Any) -> Path:
     ax.set_title(f"Same total bytes ({d['rows'][0]['bytes'] / GIB:.2f} GiB) over 1-4 ranks")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, "throughput_vs_ranks.png", ["distributed.json"])
+    return _save(fig, "throughput_vs_ranks.png", ["distributed.json"], out)
 
 
 def _plain_log(ax: Any) -> None:
@@ -284,9 +284,9 @@ def _footer(fig: Any, files: list[str]) -> str:
             " one run of bench/plots.py collect: compare ratios, not seconds")
 
 
-def _save(fig: Any, name: str, files: list[str]) -> Path:
-    IMG.mkdir(parents=True, exist_ok=True)
-    path = IMG / name
+def _save(fig: Any, name: str, files: list[str], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
     text = _footer(fig, files)
     if fig.get_figwidth() < 10:  # too narrow for one line: break after the semicolon
         text = text.replace("; ", ";\n")
@@ -297,13 +297,14 @@ def _save(fig: Any, name: str, files: list[str]) -> Path:
     return path
 
 
-def render() -> list[Path]:
+def render(out: Path = IMG) -> list[Path]:
+    """Draw every chart from DATA into ``out`` (default docs/img); return the PNG paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = [plot_stall(plt), plot_ratios(plt), plot_ranks(plt)]
+    paths = [plot_stall(plt, out), plot_ratios(plt, out), plot_ranks(plt, out)]
     plt.close("all")
     return paths
 
