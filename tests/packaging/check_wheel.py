@@ -98,11 +98,17 @@ def sh(argv: list[str | Path], cwd: Path, what: str) -> str:
 
 
 def copy_source(dst: Path) -> None:
-    """Copy the files git sees (tracked + untracked-not-ignored) from REPO into dst."""
-    out = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO, capture_output=True, check=True,
-    ).stdout
+    """Copy the files git sees (tracked + untracked-not-ignored) from REPO into dst; outside a
+    git checkout (a source tarball), the tree without build outputs, venvs and caches."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO, capture_output=True, check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(REPO, dst, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".*_cache"))
+        return
     for rel in filter(None, out.decode().split("\0")):
         src = REPO / rel
         if src.is_file():  # skips files deleted in the work tree but still in the index
