@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -84,10 +85,15 @@ def readme_blocks(text: str) -> tuple[str, list[str]]:
 
 
 def sh(argv: list[str | Path], cwd: Path, what: str) -> str:
-    """Run argv; return its stdout; raise CheckFailed with its output if it fails."""
+    """Run argv (without PYTHONPATH, so nothing but the fresh venv supplies ckptlib); return
+    its stdout; raise CheckFailed with its output if it fails or outlasts STEP_TIMEOUT."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     t0 = time.perf_counter()
-    p = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True,
-                       timeout=STEP_TIMEOUT)
+    try:
+        p = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True,
+                           text=True, timeout=STEP_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        raise CheckFailed(f"{what} did not finish within {STEP_TIMEOUT} s") from e
     print(f"  {what}: {time.perf_counter() - t0:.1f} s", flush=True)
     if p.returncode != 0:
         raise CheckFailed(
