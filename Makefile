@@ -43,5 +43,16 @@ lint: check
 bench: venv
 	$(VPY) bench/bench_save_load.py
 
+# Build the wheel, install it with core dependencies only into a fresh venv, run the README's
+# quick start and CLI lines against it (tests/packaging/check_wheel.py; .ci/run calls it).
+.PHONY: wheel-check bench-plots
+wheel-check: venv
+	$(VPY) tests/packaging/check_wheel.py
+
+# Redraw docs/img/*.png from the stored results in bench/results/plots/ (no benchmark runs);
+# `$(VPY) bench/plots.py collect` re-runs the benchmarks first (minutes).
+bench-plots: venv
+	$(VPY) bench/plots.py render
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -457,7 +457,7 @@ def loop_stall(sd: dict[str, torch.Tensor], workdir: str, fwd_bwd: float, saves:
 
 
 # ----------------------------------------------------------------------------- RSS child
-def rss_child(gib: float, budget: int | None, workdir: str) -> dict[str, float]:
+def rss_child(gib: float, budget: int | None, workdir: str, width: int = 2048) -> dict[str, float]:
     def status(key: str) -> int:
         with open("/proc/self/status") as f:
             for line in f:
@@ -466,7 +466,7 @@ def rss_child(gib: float, budget: int | None, workdir: str) -> dict[str, float]:
         raise KeyError(key)
 
     base = status("VmRSS:")
-    sd = gpt_state(gib)
+    sd = gpt_state(gib, width)
     state_bytes = nbytes(sd)
     mgr = ckptlib.CheckpointManager(workdir, keep_last=1, staging_budget=budget)
     mgr.save(1, sd).wait(timeout=600)  # warm-up: the arena exists from here on
@@ -502,6 +502,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--width", type=int, default=2048,
+        help="hidden size d; the fp32 embedding alone is 50257 x d x 4 bytes (0.38 GiB at 2048)",
+    )
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp folder)")
     ap.add_argument(
         "--budget-mib",
@@ -522,7 +526,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="ckptlib-async-", dir=args.dir)
     try:
         if args.rss_child:
-            print(json.dumps(rss_child(args.gib, None if args.budget < 0 else args.budget, work)))
+            print(json.dumps(rss_child(args.gib, None if args.budget < 0 else args.budget, work, args.width)))
             return
         run(args, work)
     finally:
@@ -531,7 +535,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: str) -> None:
     t_start = time.time()
-    sd = gpt_state(args.gib)
+    sd = gpt_state(args.gib, args.width)
     b = Bench(sd, work, None)
     size = b.bytes
     names = ["memcpy", "memcpy.foreach", "clone", "raw", "torch.save", "ckptlib", "ckptlib.overlap", "dcp", "dcp+stager"]
@@ -577,6 +581,8 @@ def run(args: argparse.Namespace, work: str) -> None:
                     str(args.gib),
                     "--budget",
                     str(budget),
+                    "--width",
+                    str(args.width),
                 ]
                 + (["--dir", args.dir] if args.dir else []),
                 capture_output=True,
@@ -593,7 +599,8 @@ def run(args: argparse.Namespace, work: str) -> None:
         Path(args.out).write_text(report)
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"rows": rows, "loop": loop, "rss": rss, "bytes": size}, indent=1)
+            json.dumps({"rows": rows, "loop": loop, "rss": rss, "bytes": size, "width": args.width},
+                       indent=1)
         )
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=2000, help="number of 4 KiB tensors")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="also write the timings and ratios here")
     args = ap.parse_args()
 
     state = make_state(args.mib, args.small)
@@ -125,6 +128,10 @@ def main() -> None:
             f"| {op} | {c:.3f} ({gib / c:.2f} GiB/s) | {d:.3f} ({gib / d:.2f} GiB/s) | "
             f"{statistics.median(ratios[op]):.2f} |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"),
+                       "bytes": nbytes, "times": times, "ratios": ratios}, f, indent=1)
 
 
 def _tensors(x):

@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None, help="also write the median seconds per world size here")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="ckptlib-bench-dist-", dir=args.dir)
     rows = []
@@ -130,6 +131,10 @@ def main() -> None:
             print(f"| {world} | {total / (1 << 30):.2f} | {gb / med['raw']:.2f} | {gb / med['save']:.2f} | "
                   f"{med['save'] / med['raw']:.2f} | {gb / med['rawload']:.2f} | {gb / med['load']:.2f} | "
                   f"{med['load'] / med['rawload']:.2f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": sys.argv, "gib": args.gib, "rounds": args.rounds,
+                           "rows": [{"ranks": w, "bytes": b, "median_s": m} for w, b, m in rows]}, f, indent=1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
