@@ -43,6 +43,9 @@ class StepInfo:
     world_size: int = 0
     num_tensors: int = 0
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
+    tiers: dict[str, str | None] | None = None
+    """With a local tier (ckptlib/tiers): ``{"local": status or None, "persistent": status or
+    None}``; a persistent status may also be ``pending`` or ``failed`` (its drain)."""
 
 
 def read_manifest(storage: Storage, folder: str) -> Manifest:
