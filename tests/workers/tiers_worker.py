@@ -89,6 +89,9 @@ def main() -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
+    if "crash" in result:  # a peer may be dead (chaos): tearing the group down could wait on it
+        sys.stdout.flush()
+        os._exit(0)
     if world > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
