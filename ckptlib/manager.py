@@ -248,7 +248,8 @@ class CheckpointManager:
             self._raise_pending()
         flat = save_flow.prepare(state, self.coordinator.rank)
         crashpoints.point("snapshot", self.coordinator.rank)
-        self._ensure_root()
+        if self._tier is None:  # with tiers the drain makes it (the persistent tier may be down)
+            self._ensure_root()
         save_id = save_flow.new_save_id()
         created = time.time()
         if not self.options.async_save:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from distributed.test_tiers import finish_job, resumed, run_job, start_job
 
 from ckptlib.backends import open_storage
 from ckptlib.engine.scan import scan
-from distributed.test_tiers import finish_job, resumed, run_job, start_job
 
 from .conftest import sampled
 
