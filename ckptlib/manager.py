@@ -189,6 +189,7 @@ class CheckpointManager:
         self._tier: tier_local.LocalTier | None = None
         self._drainer: Drainer | None = None
         self._saves = 0
+        self._persist_next = False
         if local is None:
             return
         if type(persist_every) is not int or persist_every < 1:
@@ -232,7 +233,7 @@ class CheckpointManager:
         handle = SaveHandle(step, self.options.save_timeout)
         if self._tier is not None:
             handle._tiered = True
-            if getattr(self, "_persist_next", False):
+            if self._persist_next:
                 handle._drain = DrainTicket(step)
         if self._thread is not None and self._thread.is_alive():
             if self.options.in_flight == "skip":

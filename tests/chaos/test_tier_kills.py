@@ -29,7 +29,7 @@ CASES = [
     ("local_write", 1, 3, {2}),
     ("replica_transfer", 1, 3, {2}),  # a half-received replica is never a source
     ("replica_transfer", 0, 3, {2}),
-    ("local_commit", 0, 2, {2}),  # the coordinator before its node's commit of step 3 (nth: its 2nd)
+    ("local_commit", 0, 3, {2}),  # the coordinator before its node's commit of step 3
     ("local_commit", 1, 3, {3}),  # node 1 before its commit: node 0 committed, rank 1's bytes in its replica
     ("drain_upload", 0, 1, {2, 3}),  # the drain of step 2: steps stay local, nothing half-visible
     ("drain_upload", 1, 1, {2, 3}),
