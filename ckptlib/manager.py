@@ -367,7 +367,8 @@ class CheckpointManager:
             self._drainer.submit(handle._drain)
         topo = self._tier.topology
         if topo is not None and topo.is_leader(self.coordinator.rank):
-            tier_local.after_local_commit(self._tier, self._active_ids | {save_id}, self._drainer.pending_steps())
+            tier_local.after_local_commit(self._tier, self._active_ids | {save_id}, self._drainer.pending_steps(),
+                                          self.coordinator.rank)
 
     def _after_drain(self) -> None:
         """Drain thread, coordinator, after a step was committed on the persistent tier."""

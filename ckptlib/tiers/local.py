@@ -188,7 +188,8 @@ def local_steps(storage: Storage) -> dict[int, str]:
     return out
 
 
-def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int]) -> list[int]:
+def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int], rank: int = 0,
+                       ) -> list[int]:
     """A node leader, after a local commit (persist thread): remove debris of crashed local
     saves and apply local retention: the newest ``keep_last`` locally committed steps stay, so
     does every step in ``protect`` (drain pending). Failures are logged, never raised."""
@@ -198,7 +199,7 @@ def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Co
         steps = sorted(local_steps(tier.storage))
         for d in retention.decide(steps, tier.keep_last, None):
             if not d.keep and d.step not in protect:
-                crashpoints.point("local_retention")
+                crashpoints.point("local_retention", rank)
                 retire.delete_step(tier.storage, layout.step_dir(d.step))
                 deleted.append(d.step)
     except Exception as e:

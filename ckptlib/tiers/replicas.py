@@ -10,12 +10,14 @@ payload is durable and before the local commit) and the restore's fetch of files
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
+from ckptlib.backends.base import WriteStream
 from ckptlib.coord.coordinator import Coordinator
-from ckptlib.errors import CheckpointError, CommitTimeoutError
+from ckptlib.errors import CheckpointError, CommitError, CommitTimeoutError
 from ckptlib.tiers.node import Topology
 
 REPLICA_DIR = "replicas"
@@ -62,39 +64,79 @@ def replica_path(work: str, payload: str) -> str:
     return join(work, REPLICA_DIR, payload)
 
 
+PIECE = int(os.environ.get("CKPTLIB_REPLICA_PIECE", 64 << 20))
+"""Bytes per message of a replica stream (memory held: one piece per peer and per source);
+env ``CKPTLIB_REPLICA_PIECE`` (tests use small pieces to run many rounds)."""
+
+
+def pieces(files: list[tuple[str, int]], piece: int = PIECE) -> list[tuple[str, int, int]]:
+    """A rank's replica stream: ``(path, start, length)`` of every piece of every file, in order."""
+    out = []
+    for path, size in files:
+        out += [(path, start, min(piece, size - start)) for start in range(0, size, piece)]
+    return out
+
+
 def replicate(storage: Storage, coord: Coordinator, topo: Topology, *, work: str, mine: list[tuple[str, int]],
-              replicas: int, jump: int, timeout: float) -> int:
+              replicas: int, jump: int, timeout: float, piece: int = PIECE) -> int:
     """Every rank (collective): send this rank's payload files ``mine`` (paths under ``work``,
     sizes) to its peers and make the replicas of its sources durable under ``work``'s
-    ``replicas/`` on ``storage`` (this node's local tier). Returns the bytes this rank received.
-    Raises on any failure (the caller fails the save through the commit protocol)."""
+    ``replicas/`` on ``storage`` (this node's local tier). Streamed in rounds of one piece per
+    pair (every rank runs the same number of rounds, so no send waits on an unposted receive).
+    Returns the bytes this rank received. Raises on any failure (the caller fails the save
+    through the commit protocol)."""
     pairs = topo.pairs(replicas, jump)
     if not pairs:
         return 0
     rel = [(p[len(work) + 1:] if p.startswith(work + "/") else p, n) for p, n in mine]
     listing = coord.agree(coord.gather(rel, timeout), timeout) if coord.world_size > 1 else [rel]
+    streams = [pieces([(str(p), int(n)) for p, n in files], piece) for files in listing]
     me = coord.rank
-    sends = [(dst, storage.read(join(work, path))) for src, dst in pairs if src == me for path, _ in rel]
-    recv_plan = [(src, path, size) for src, dst in pairs if dst == me for path, size in listing[src]]
-    got = transfer(coord, sends, [(src, size) for src, _, size in recv_plan], timeout)
+    peers = [dst for src, dst in pairs if src == me]
+    sources = [src for src, dst in pairs if dst == me]
+    writers: dict[tuple[int, str], WriteStream] = {}
     folders: set[str] = set()
-    for i, ((_src, path, _size), data) in enumerate(zip(recv_plan, got, strict=True)):
-        target = replica_path(work, path)
-        folder = target.rsplit("/", 1)[0]
-        if folder not in folders:
-            storage.makedirs(folder)
-            folders.add(folder)
-        w = storage.open_write(target)
-        try:
-            w.write(data)
-            if i == 0:
-                crashpoints.point("replica_transfer", me)
-            w.close()  # durable (fsync) before the save may commit
-        except BaseException:
+    received = 0
+    try:
+        for k in range(max(len(st) for st in streams)):
+            sends: list[tuple[int, bytes]] = []
+            if k < len(streams[me]):
+                path, start, length = streams[me][k]
+                with storage.open_read(join(work, path)) as h:
+                    data = h.read(start, length)
+                sends = [(dst, data) for dst in peers]
+            want = [(src, streams[src][k]) for src in sources if k < len(streams[src])]
+            got = transfer(coord, sends, [(src, length) for src, (_, _, length) in want], timeout)
+            for (src, (path, start, length)), data in zip(want, got, strict=True):
+                w = writers.get((src, path))
+                if w is None:
+                    target = replica_path(work, path)
+                    folder = target.rsplit("/", 1)[0]
+                    if folder not in folders:
+                        storage.makedirs(folder)
+                        folders.add(folder)
+                    w = writers[(src, path)] = storage.open_write(target)
+                w.write(data)
+                if not received:
+                    crashpoints.point("replica_transfer", me)  # once per save: a replica half-written
+                received += len(data)
+                if start + length == dict(listing[src]).get(path):
+                    writers.pop((src, path)).close()  # durable (fsync) before the save may commit
+        if writers:
+            raise CommitError(f"replica streams ended early: {sorted(p for _, p in writers)}")
+        for src in sources:  # files of size 0 have no pieces
+            for path, size in listing[src]:
+                if int(size) == 0:
+                    target = replica_path(work, str(path))
+                    folders.add(target.rsplit("/", 1)[0])
+                    storage.makedirs(target.rsplit("/", 1)[0])
+                    storage.open_write(target).close()
+    except BaseException:
+        for w in writers.values():
             w.abort()
-            raise
+        raise
     for folder in sorted(folders):
         storage.sync_dir(folder)
     if folders:
         storage.sync_dir(join(work, REPLICA_DIR))
-    return sum(len(d) for d in got)
+    return received

@@ -92,13 +92,17 @@ def test_corrupt_local_copy_and_other_world_size_posix(tmp_path: Path) -> None:
     """2 nodes x 2 ranks save (nothing drained); a corrupt own copy on node 0; resume on
     2 nodes x 1 rank: the copy on node 1 (a replica) is used."""
     args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "node{node}"), "persist_every": 100}
-    run_job(tmp_path, [0, 0, 1, 1], {**args, "mode": "save", "steps": [1, 2]})
+    # Small replica pieces: many rounds, and ranks with different numbers of pieces.
+    outcomes = finish_job(*start_job(tmp_path, [0, 0, 1, 1], {**args, "mode": "save", "steps": [1, 2]},
+                                     env={"CKPTLIB_REPLICA_PIECE": "100"}))
+    assert all(o.result and o.result.get("ok") for o in outcomes), [o.result or o.log for o in outcomes]
     assert committed_steps(tmp_path / "persist") == []
     for node, own, held in ((0, (0, 1), (2, 3)), (1, (2, 3), (0, 1))):
-        for r in own:
-            assert payload(tmp_path / f"node{node}", 2, r).stat().st_size > 0
-        for r in held:  # replicas land on the other node
-            assert payload(tmp_path / f"node{node}", 2, r, replica=True).stat().st_size > 0
+        for r in held:  # replicas land on the other node, byte for byte
+            mine = payload(tmp_path / f"node{1 - node}", 2, r).read_bytes()
+            assert len(mine) > 100 and payload(tmp_path / f"node{node}", 2, r, replica=True).read_bytes() == mine
+        assert not [p for r in own for p in (tmp_path / f"node{node}" / "step-000000000002" / "replicas").rglob(
+            f"r{r:05d}-*")]  # never a replica of its own ranks
     flip(payload(tmp_path / "node0", 2, 0))
     assert resumed(tmp_path, [0, 1], args) == 2
 
