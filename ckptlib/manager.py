@@ -111,6 +111,8 @@ class SaveHandle:
         err = ticket.take_error()
         if err is not None:
             raise err
+        if ticket.status != "persisted":  # its failure was raised before: say so again, as a fact
+            raise CheckpointError(f"step {self.step} is not on the persistent tier: its drain failed ({ticket.error})")
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,8 @@ class CheckpointManager:
                     stacklevel=3,
                 )
                 handle.skipped = True
+                if handle._drain is not None:
+                    handle._drain.cancel(CheckpointError(f"step {step} was skipped, so not drained"))
                 handle._finish()
                 return handle
             self._join_thread()

@@ -253,7 +253,7 @@ class SaveSession:
                manifest: bytes | None = None) -> SaveResult:
         """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
         outcome shared with every rank; the session is closed. Returns on every rank or raises
-        the same :class:`CommitError` on every rank."""
+        the same :class:`CommitError` on every rank. ``manifest``: see :meth:`publish`."""
         try:
             results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
             outcome: dict[str, Any] | None = None

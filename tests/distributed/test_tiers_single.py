@@ -147,3 +147,15 @@ def test_ls_tier_column(tmp_path: Path) -> None:
         assert cli_main(["ls", str(tmp_path / "p"), "--local", str(tmp_path / "n{node}"), "--json"]) == 0
     rows = {r["step"]: r["tiers"] for r in json.loads(buf.getvalue())["steps"]}
     assert rows == {3: {"persistent": None, "local_nodes": 1}, 2: {"persistent": "committed", "local_nodes": 1}}
+
+
+def test_wait_persisted_after_the_failure_was_raised_still_says_not_persisted(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    mgr = ckptlib.CheckpointManager(blocker / "p", local=str(tmp_path / "n{node}"))
+    h = mgr.save(1, state(1))
+    h.wait()
+    with pytest.raises(CommitError):
+        mgr.close()  # waits for the drain and raises its failure (once)
+    with pytest.raises(CheckpointError, match="not on the persistent tier"):
+        h.wait_persisted()
