@@ -139,7 +139,9 @@ class CheckpointManager:
     """Save steps under one root folder and resume from the newest consistent one.
 
     The async options (``in_flight``, ``staging_budget``, ``overlap``, ``save_timeout``,
-    ``snapshot_timeout``, ``persist_nice``) are described in docs/async.md.
+    ``snapshot_timeout``, ``persist_nice``) are described in docs/async.md; the tier options
+    (``local``, ``local_keep_last``, ``replicas``, ``replica_jump``, ``persist_every``,
+    ``drain_rate``) in docs/tiers.md.
     """
 
     def __init__(
