@@ -114,6 +114,10 @@ def save_local(
                 with session.bounded():
                     local.makedirs("")
                     node_staging = commit.begin(local, final, session.save_id)
+            except FileExistsError:
+                error = CommitError(f"node {tier.node}'s local folder {local.url} already holds this save's "
+                                    "staging folder: is it shared with another node? Put '{node}' in local= "
+                                    "or use node-local disks")
             except (CheckpointError, OSError) as e:
                 error = e
         failures = _errors(coord, error, session.left())

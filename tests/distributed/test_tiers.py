@@ -117,3 +117,13 @@ def test_seaweedfs_persistent_tier(seaweed, tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "node0")
     shutil.rmtree(tmp_path / "node1")
     assert resumed(tmp_path, [0], args) == 2
+
+
+def test_local_folder_shared_by_two_nodes_is_refused(tmp_path: Path) -> None:
+    """``local`` without ``{node}`` on a shared disk: the save fails on every rank, saying why."""
+    args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "shared"), "mode": "save", "steps": [1]}
+    outcomes = finish_job(*start_job(tmp_path, [0, 1], args))
+    for o in outcomes:
+        assert o.result is not None and "crash" in o.result, o.log
+        assert "shared with another node" in o.result["crash"], o.result["crash"]
+    assert committed_steps(tmp_path / "shared") == []
