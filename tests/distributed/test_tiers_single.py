@@ -159,3 +159,17 @@ def test_wait_persisted_after_the_failure_was_raised_still_says_not_persisted(tm
         mgr.close()  # waits for the drain and raises its failure (once)
     with pytest.raises(CheckpointError, match="not on the persistent tier"):
         h.wait_persisted()
+
+
+def test_preemption_save_is_drained(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    mgr = ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=100)
+    mgr.save_on_signal(signals=(signal.SIGUSR2,), deadline=60.0)
+    mgr.save(1, state(1)).wait()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    with pytest.raises(SystemExit) as exit_info:
+        mgr.maybe_save_on_preemption(2, state(2))
+    assert exit_info.value.code == 0
+    assert persisted(tmp_path / "p") == [2]  # the final save went to the persistent tier; step 1 did not
