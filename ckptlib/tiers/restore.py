@@ -7,11 +7,13 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
 - the candidates: every rank lists the steps committed in its node's folder; the coordinator
   merges them with the persistent tier's scan, newest first. A step counts once, as the local
   save it came from (a drained copy names it in ``extra["tiers"]``);
-- ``attempt(candidate)``, collective: each rank verifies the copies its node holds (own files
-  and replicas, checksums of every chunk); the coordinator plans, for every file a rank lacks,
-  a source: a peer rank holding a verified copy (sent over the process group, :mod:`.replicas`)
-  or else the persistent tier; a file with no source makes the step unrestorable (a damaged
-  candidate: the loop falls back, together, to an older step). The rank then loads through a
+- ``attempt(candidate)``, collective, two rounds: each rank verifies the copies its node holds
+  (own files and replicas, checksums of every chunk); round 1, the coordinator checks that every
+  file has a copy somewhere (or the step is persisted; else the step is damaged and the loop
+  falls back, together, to an older one) and has manifests sent to ranks without one; round 2,
+  each rank names the files its load plan reads and its node lacks (:func:`needed_files`), and
+  the coordinator gives each a source: a peer on another node holding a verified copy (sent
+  over the process group, :mod:`.replicas`), else the persistent tier. The rank then loads through a
   read-only :class:`SourceView` (own local > peer copy > persistent) with the reader's checksum
   checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
 """
@@ -31,7 +33,10 @@ from ckptlib.engine.scan import StepInfo, read_manifest, scan
 from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
+from ckptlib.format import tree as tree_codec
+from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
+from ckptlib.format.schema import Manifest
 from ckptlib.tiers.drain import local_save_id
 from ckptlib.tiers.local import LocalTier, local_steps
 from ckptlib.tiers.replicas import REPLICA_DIR, transfer
@@ -189,37 +194,98 @@ def _holdings(local: Storage, final: str, save_id: str, verify: bool) -> tuple[d
     return held, data, [[_name(f.path), f.size] for f in m.files]
 
 
-def _plan(reports: list[dict[str, Any]], nodes: tuple[int, ...] | None, persistent: bool) -> list[dict[str, Any]]:
-    """Coordinator: for each rank, what to send and receive, or why the step is unrestorable."""
+def _plan_manifests(reports: list[dict[str, Any]], persistent: bool) -> list[dict[str, Any]]:
+    """Coordinator, round 1: is every file of the step held somewhere (or is the step
+    persisted)? And for each rank without a local manifest, which rank sends it one."""
     world = len(reports)
     files = next((r["files"] for r in reports if r["files"] is not None), None)
     if files is None and not persistent:
         return [{"error": "no manifest on any node"}] * world
-    plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": [], "manifest": None} for _ in range(world)]
+    held = {name for rep in reports for name in rep["held"]}
+    if not persistent:
+        lost = [name for name, _ in files or [] if name not in held]
+        if lost:
+            return [{"error": f"no verified copy of {', '.join(lost)} on any node and the step is not persisted"}] * world
+    plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": []} for _ in range(world)]
+    holders = [r for r, rep in enumerate(reports) if rep["files"] is not None]
+    for r, rep in enumerate(reports):
+        if rep["files"] is None and holders:  # a local manifest, from a peer
+            src = holders[r % len(holders)]
+            plans[src]["send"].append([r, MANIFEST_NAME])
+            plans[r]["recv"].append([src, MANIFEST_NAME, reports[src]["msize"]])
+    return plans
+
+
+def _plan_files(reports: list[dict[str, Any]], needs: list[list[str]], nodes: tuple[int, ...],
+                persistent: bool) -> list[dict[str, Any]]:
+    """Coordinator, round 2: for every file a rank needs and its node lacks, a peer on another
+    node that holds a verified copy (least loaded first), else the persistent tier."""
+    world = len(reports)
+    files = next((r["files"] for r in reports if r["files"] is not None), None) or []
+    sizes = {name: int(size) for name, size in files}
+    plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": []} for _ in range(world)]
     load: Counter[int] = Counter()
     holders_of: dict[str, list[int]] = {}
     for r, rep in enumerate(reports):
         for name in rep["held"]:
             holders_of.setdefault(name, []).append(r)
-    manifest_holders = [r for r, rep in enumerate(reports) if rep["files"] is not None]
-    for r, rep in enumerate(reports):
-        if rep["files"] is None and manifest_holders:  # a local manifest, from a peer
-            src = manifest_holders[r % len(manifest_holders)]
-            plans[src]["send"].append([r, MANIFEST_NAME])
-            plans[r]["manifest"] = src
-        mine = set(rep["held"])
-        for name, size in files or []:
-            if name in mine:
-                continue
-            holders = [h for h in holders_of.get(name, []) if nodes is None or nodes[h] != nodes[r]]
+    for r, names in enumerate(needs):
+        for name in names:
+            holders = [h for h in holders_of.get(name, []) if nodes[h] != nodes[r]]
             if holders:
                 src = min(holders, key=lambda h: (load[h], h))
-                load[src] += size
+                load[src] += sizes.get(name, 0)
                 plans[src]["send"].append([r, name])
-                plans[r]["recv"].append([src, name, size])
+                plans[r]["recv"].append([src, name, sizes.get(name, 0)])
             elif not persistent:
-                return [{"error": f"file {name} has no verified copy on any node and the step is not persisted"}] * world
+                return [{"error": f"no rank of another node holds a verified copy of {name}"}] * world
     return plans
+
+
+def needed_files(m: Manifest, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> set[str]:
+    """The payload file names holding any byte of ``boxes`` (tensor name, offset, shape)."""
+    def meets(o1: tuple[int, ...], s1: tuple[int, ...], o2: tuple[int, ...], s2: tuple[int, ...]) -> bool:
+        return all(a < c + d and c < a + b for a, b, c, d in zip(o1, s1, o2, s2, strict=False))
+
+    out: set[str] = set()
+    for name, off, shape in boxes:
+        t = m.tensors.get(name)
+        if t is None:
+            continue
+        out |= {_name(m.files[c.file].path) for c in t.chunks if meets(off, shape, c.offset, c.shape)}
+        out |= {_name(m.files[m.packs[p.pack].file].path) for p in t.pieces if meets(off, shape, p.offset, p.shape)}
+    return out
+
+
+def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, where: str) -> set[str] | None:
+    """The files this rank's load reads (None: unknown, take them all). Never raises: a state
+    that does not match is reported by the load itself, after the collectives."""
+    if mdata is None:
+        return None
+    try:
+        m = decode(mdata, where)
+        plan = load_flow.Merge(m, coord.rank, coord.world_size, per_rank, where=where)
+        plan.merge(state, tree_codec.decode(m.tree, m.tensors, where), "")
+        return needed_files(m, [(q.name, tuple(q.offset), tuple(q.shape)) for q in plan.requests])
+    except Exception as e:
+        log.debug("ckptlib: cannot tell which files the restore reads (%s); fetching all it lacks", e)
+        return None
+
+
+def _all_files(mdata: bytes | None, where: str) -> set[str]:
+    try:
+        return set() if mdata is None else {_name(f.path) for f in decode(mdata, where).files}
+    except CheckpointError:
+        return set()  # the load reports the bad manifest
+
+
+def _exchange(coord: Coordinator, plan: dict[str, Any], local: Storage, have: dict[str, str],
+              mdata: bytes | None, timeout: float) -> dict[str, bytes]:
+    """Every rank: run one round of a plan (send what it lists, receive what it lists)."""
+    sends = [(int(dst), (mdata if name == MANIFEST_NAME else local.read(have[name])) or b"")
+             for dst, name in plan["send"]]
+    got = transfer(coord, sends, [(int(src), int(size)) for src, _, size in plan["recv"]], timeout)
+    return {name: data for (_src, name, _size), data in zip(plan["recv"], got, strict=True)}
 
 
 def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None = None,
@@ -237,40 +303,41 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
     def attempt(c: Candidate) -> None:
         extra = c.extra or {}
         pers_id = extra.get("persistent")
+        where = f"{c.folder} (tiers)"
         have, mdata, files = _holdings(tier.storage, c.folder, str(extra.get("save_id")), verify)
         report = {"held": sorted(have), "files": files, "msize": len(mdata) if mdata is not None else 0}
+        # Round 1: is the step whole somewhere; a manifest for every rank.
         reports = coord.gather(report, timeout) if coord.world_size > 1 else [report]
-        plans = None
-        if coord.is_coordinator:
-            assert reports is not None
-            plans = _plan(reports, topo.nodes, pers_id is not None)
-            msizes = [r["msize"] for r in reports]
-            for p in plans:
-                if p.get("manifest") is not None:
-                    p["msize"] = msizes[p["manifest"]]
+        plans = _plan_manifests(reports, pers_id is not None) if reports is not None else None
         plan = coord.scatter(plans, timeout) if coord.world_size > 1 else (plans or [{}])[0]
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
-        sends = []
-        for dst, name in plan["send"]:
-            data = mdata if name == MANIFEST_NAME else tier.storage.read(have[name])
-            sends.append((int(dst), data or b""))
-        recvs = [(int(src), int(size)) for src, _, size in plan["recv"]]
-        if plan["manifest"] is not None:
-            recvs.insert(0, (int(plan["manifest"]), int(plan["msize"])))
-        got = transfer(coord, sends, recvs, timeout)
-        fetched: dict[str, bytes] = {}
-        if plan["manifest"] is not None:
-            mdata = got.pop(0)
-        for (_src, name, _size), data in zip(plan["recv"], got, strict=True):
-            fetched[name] = data
+        mdata = _exchange(coord, plan, tier.storage, have, mdata, timeout).get(MANIFEST_NAME, mdata)
+        if mdata is None and pers_id is not None:  # only the persistent copy has a manifest
+            try:
+                mdata = persistent.read(join(c.folder, MANIFEST_NAME))
+            except (CheckpointError, OSError) as e:
+                log.warning("ckptlib: cannot read the persistent manifest of step %d: %s", c.step, e)
+        # Round 2: the files this rank reads and its node lacks, from peers (else persistent).
+        need = _needs(mdata, state, coord, per_rank, where)
+        if need is None:  # unknown: every file the manifest names
+            need = _all_files(mdata, where)
+        mine = sorted(need - set(have))
+        needs = coord.gather(mine, timeout) if coord.world_size > 1 else [mine]
+        plans = None
+        if reports is not None and needs is not None:
+            plans = _plan_files(reports, needs, topo.nodes, pers_id is not None)
+        plan = coord.scatter(plans, timeout) if coord.world_size > 1 else (plans or [{}])[0]
+        if plan["error"]:
+            raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
+        fetched = _exchange(coord, plan, tier.storage, have, mdata, timeout)
+        if mdata is None:
+            raise CorruptCheckpointError(f"step {c.step}: no readable manifest on any tier")
         view_args: dict[str, Any] = {}
         if pers_id is not None:
             view_args = {"persistent": persistent, "persistent_prefix": pers_id}
         else:
             view_args = {"persistent": None, "persistent_prefix": ""}
-        if mdata is None:  # only the persistent copy has a manifest (files match by name)
-            mdata = persistent.read(join(c.folder, MANIFEST_NAME))
         view = SourceView(c.folder, manifest=mdata, local=tier.storage, local_paths=have, fetched=fetched,
                           **view_args)
         try:

@@ -173,3 +173,17 @@ def test_preemption_save_is_drained(tmp_path: Path) -> None:
         mgr.maybe_save_on_preemption(2, state(2))
     assert exit_info.value.code == 0
     assert persisted(tmp_path / "p") == [2]  # the final save went to the persistent tier; step 1 did not
+
+
+def test_restore_fetches_only_the_files_a_rank_reads() -> None:
+    from ckptlib.format.schema import Chunk, FileEntry, Manifest, Pack, Piece, TensorEntry
+    from ckptlib.tiers.restore import needed_files
+
+    files = [FileEntry("id/r00000-0.bin", 100), FileEntry("id/r00001-0.bin", 100), FileEntry("id/r00002-0.bin", 8)]
+    w = TensorEntry("float32", (10, 4), [Chunk(0, 0, 80, "x", (0, 0), (5, 4)), Chunk(1, 0, 80, "x", (5, 0), (5, 4))])
+    b = TensorEntry("float32", (2,), [], [Piece(0, 0, (0,), (2,))])
+    m = Manifest(1, "id", 0.0, 3, "rename", files, {"w": w, "b": b}, None, packs=[Pack(2, 0, 8, "x", "raw", 8)])
+    assert needed_files(m, [("w", (0, 0), (3, 4))]) == {"r00000-0.bin"}
+    assert needed_files(m, [("w", (4, 0), (2, 4))]) == {"r00000-0.bin", "r00001-0.bin"}
+    assert needed_files(m, [("w", (7, 2), (3, 2))]) == {"r00001-0.bin"}
+    assert needed_files(m, [("b", (0,), (2,)), ("nope", (0,), (1,))]) == {"r00002-0.bin"}
