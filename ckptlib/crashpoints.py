@@ -23,6 +23,13 @@ PHASES = (
     "retention",  # coordinator: after the commit, while deleting old steps
     "cleanup",  # coordinator: after the commit, while removing crashed saves' debris
     "restore",  # while loading a checkpoint
+    # tiers (ckptlib/tiers): a local tier in front of the persistent one
+    "local_write",  # a rank's payload is durable in its node's local folder, before replicas
+    "replica_transfer",  # a holder has written part of a peer's replica, not yet durable
+    "local_commit",  # node leaders: every byte and replica durable, before the node's manifest
+    "drain_upload",  # drain thread: part of a payload file copied to the persistent tier
+    "drain_commit",  # drain thread, coordinator: every file uploaded, before the persistent commit
+    "local_retention",  # node leaders: after a local commit, while deleting old local steps
 )
 
 SIGNALS = {"": signal.SIGKILL, "KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}

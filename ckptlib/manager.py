@@ -42,6 +42,10 @@ from ckptlib.format.schema import check_metrics
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
 from ckptlib.schedule import HOUR, IntervalEstimator, SaveSchedule, check_bounds, check_positive
+from ckptlib.tiers import local as tier_local
+from ckptlib.tiers import restore as tier_restore
+from ckptlib.tiers.drain import Drainer, DrainTicket, drain_coordinator
+from ckptlib.tiers.node import local_root, node_index
 
 log = logging.getLogger("ckptlib")
 
@@ -63,6 +67,8 @@ class SaveHandle:
         self._raised = False
         self._snapshot: Snapshot | None = None
         self._durable_at: float | None = None  # time.monotonic() when committed
+        self._drain: DrainTicket | None = None
+        self._tiered = False
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -96,6 +102,24 @@ class SaveHandle:
         err = self._take_error()
         if err is not None:
             raise err
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Block until this step is committed on the persistent tier (tiers: its drain; without
+        a local tier this is :meth:`wait`). Raises the save's or the drain's failure if this is
+        the first to see it, and :class:`CheckpointError` if the step is not to be drained."""
+        if self._drain is None and self._tiered:
+            raise CheckpointError(f"step {self.step} is not drained to the persistent tier (persist=False "
+                                  "or persist_every); save it with persist=True")
+        self.wait(timeout)
+        ticket = self._drain
+        if ticket is None:
+            return
+        ticket.wait(self._timeout + 30.0 if timeout is None else timeout)
+        err = ticket.take_error()
+        if err is not None:
+            raise err
+        if ticket.status != "persisted":  # its failure was raised before: say so again, as a fact
+            raise CheckpointError(f"step {self.step} is not on the persistent tier: its drain failed ({ticket.error})")
 
 
 @dataclass(frozen=True)
@@ -173,6 +197,8 @@ class CheckpointManager:
     the measured step time, re-evaluated at every save and clamped to
     ``[save_interval_min_steps, save_interval_max_steps]``; the first two saves come
     ``save_interval_min_steps`` apart (they measure the cost).
+    The tier options (``local``, ``local_keep_last``, ``replicas``, ``replica_jump``,
+    ``persist_every``, ``drain_rate``) are described in docs/tiers.md.
     """
 
     def __init__(
@@ -199,6 +225,12 @@ class CheckpointManager:
         mtbf_hours: float | None = None,
         save_interval_min_steps: int = 1,
         save_interval_max_steps: int | None = None,
+        local: str | os.PathLike[str] | None = None,
+        local_keep_last: int = 2,
+        replicas: int = 1,
+        persist_every: int = 1,
+        replica_jump: int = 1,
+        drain_rate: float | None = None,
     ) -> None:
         self.options = ManagerOptions(
             keep_last=keep_last, keep_every=keep_every, async_save=async_save, compression=compression,
@@ -227,20 +259,48 @@ class CheckpointManager:
         self._root_ready = False
         self._final: FinalCheckpoint | None = None
         self._finalizer = weakref.finalize(self, _drain, self._handles)
+        self._init_tiers(local, local_keep_last, replicas, persist_every, replica_jump, drain_rate)
+
+    def _init_tiers(self, local: str | os.PathLike[str] | None, keep_last: int, replicas: int, persist_every: int,
+                    jump: int, rate: float | None) -> None:
+        """The local tier and its drain (docs/tiers.md); nothing without ``local``. Training
+        thread, every rank (the drain's coordinator is made collectively)."""
+        self._tier: tier_local.LocalTier | None = None
+        self._drainer: Drainer | None = None
+        self._saves = 0
+        self._persist_next = False
+        if local is None:
+            return
+        if type(persist_every) is not int or persist_every < 1:
+            raise ValueError("persist_every must be an int >= 1")
+        self._persist_every = persist_every
+        node = node_index()
+        self._tier = tier_local.LocalTier(open_storage(local_root(os.fspath(local), node)), node, replicas, jump,
+                                          keep_last)
+        nice = self.options.persist_nice
+        self._drainer = Drainer(self._tier, self.storage, drain_coordinator(self.coordinator),
+                                timeout=self.options.save_timeout, rate=rate,
+                                on_start=lambda: _lower_priority(nice))
+        if self.coordinator.is_coordinator:
+            self._drainer.after = self._after_drain
 
     # ------------------------------------------------------------------ saving
     def save(
-        self, step: int, state: Any, *, metadata: Any = None, metrics: dict[str, float] | None = None
+        self, step: int, state: Any, *, metadata: Any = None, metrics: dict[str, float] | None = None,
+        persist: bool | None = None,
     ) -> SaveHandle:
         """Save ``state`` as ``step``. Training thread. Async (default): returns once the
         snapshot is safe; persist and commit run on a background thread, reported by the handle.
-        ``metrics``: a flat dict of str -> finite float stored in the manifest (``keep_best``)."""
+        ``metrics``: a flat dict of str -> finite float stored in the manifest (``keep_best``).
+        With a local tier, ``persist`` forces (True) or skips (False) the drain of this step to
+        ``url``; None follows ``persist_every`` (preemption saves are always drained)."""
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         metrics = check_metrics(metrics)
         final = self._final
+        self._persist_next = self._wants_drain(persist)
         if final is None:
             return self._scheduled(step, time.monotonic(), self._save(step, state, metadata, metrics))
         final.busy = True  # a save_in_handler signal now waits until this call returns
@@ -287,6 +347,10 @@ class CheckpointManager:
         self._overlap.finish()
         self._raise_pending()
         handle = SaveHandle(step, self.options.save_timeout)
+        if self._tier is not None:
+            handle._tiered = True
+            if self._persist_next:
+                handle._drain = DrainTicket(step)
         if self._thread is not None and self._thread.is_alive():
             if self.options.in_flight == "skip":
                 warnings.warn(
@@ -295,6 +359,8 @@ class CheckpointManager:
                     stacklevel=3,
                 )
                 handle.skipped = True
+                if handle._drain is not None:
+                    handle._drain.cancel(CheckpointError(f"step {step} was skipped, so not drained"))
                 handle._finish()
                 return handle
             waited = time.monotonic()
@@ -304,7 +370,8 @@ class CheckpointManager:
         self._agree_interval()
         flat = save_flow.prepare(state, self.coordinator.rank)
         crashpoints.point("snapshot", self.coordinator.rank)
-        self._ensure_root()
+        if self._tier is None:  # with tiers the drain makes it (the persistent tier may be down)
+            self._ensure_root()
         save_id = save_flow.new_save_id()
         created = time.time()
         if not self.options.async_save:
@@ -370,15 +437,25 @@ class CheckpointManager:
                 else:
                     snap.wait_staged(deadline)
                     rounds = None if snap.error is None else _failed_rounds(snap.error)
-            save_flow.persist(
-                self.storage, layout.step_dir(step), flat, step=step, metadata=metadata,
-                options=save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout),
-                coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
-            )
-            if self.coordinator.is_coordinator:
-                self._after_commit(save_id)
+            if self._tier is not None:
+                tier_local.save_local(
+                    self._tier, layout.step_dir(step), flat, step=step, metadata=metadata,
+                    options=save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout),
+                    coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
+                )
+                self._after_local_commit(handle, save_id)
+            else:
+                save_flow.persist(
+                    self.storage, layout.step_dir(step), flat, step=step, metadata=metadata,
+                    options=save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout),
+                    coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
+                )
+                if self.coordinator.is_coordinator:
+                    self._after_commit(save_id)
         except Exception as e:
             error = e
+            if handle._drain is not None and not handle._drain.done():
+                handle._drain.cancel(CheckpointError(f"step {step} was not drained: its save failed"))
         finally:
             if snap is not None:
                 snap.writer_finished()
@@ -395,6 +472,31 @@ class CheckpointManager:
                                    best_metric=o.best_metric, best_mode=o.best_mode)
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)
+
+    # ------------------------------------------------------------------ tiers
+    def _wants_drain(self, persist: bool | None) -> bool:
+        """Training thread, once per save call: is this save to be drained to ``url``?"""
+        if self._tier is None:
+            return False
+        self._saves += 1
+        if persist is not None:
+            return bool(persist)
+        return self.preempted or self._saves % self._persist_every == 0
+
+    def _after_local_commit(self, handle: SaveHandle, save_id: str) -> None:
+        """Persist thread, every rank, after a local commit: queue the drain, then (node
+        leaders) local debris and retention, sparing steps whose drain is pending."""
+        assert self._tier is not None and self._drainer is not None
+        if handle._drain is not None:
+            self._drainer.submit(handle._drain)
+        topo = self._tier.topology
+        if topo is not None and topo.is_leader(self.coordinator.rank):
+            tier_local.after_local_commit(self._tier, self._active_ids | {save_id}, self._drainer.pending_steps(),
+                                          self.coordinator.rank)
+
+    def _after_drain(self) -> None:
+        """Drain thread, coordinator, after a step was committed on the persistent tier."""
+        self._after_commit("")
 
     # ------------------------------------------------------------------ overlap mode
     def wait_for_snapshot(self, timeout: float | None = None) -> None:
@@ -428,6 +530,13 @@ class CheckpointManager:
                 err = h._take_error()
                 if err is not None:
                     raise err
+        if self._drainer is not None:
+            for t in list(self._drainer.tickets):
+                if t.done():
+                    self._drainer.tickets.remove(t)
+                    err = t.take_error()
+                    if err is not None:
+                        raise err
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for all pending saves; raise the first failure not yet raised."""
@@ -435,13 +544,21 @@ class CheckpointManager:
         self._join_thread(timeout)
         self._raise_pending()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, drain: bool = True) -> None:
         """Wait for pending saves (a save in flight commits), then release staging memory
-        and threads, and restore signal handlers. Also via ``with``."""
+        and threads, and restore signal handlers. Also via ``with``. With a local tier,
+        ``drain=True`` also waits for pending drains (``False``: they are abandoned; the steps
+        stay local) and raises a drain failure not yet raised."""
         if self._closed:
             return
         try:
             self.wait(timeout)
+            if self._drainer is not None and drain:
+                limit = self.options.save_timeout + 30.0 if timeout is None else timeout
+                for t in list(self._drainer.tickets):
+                    t.wait(limit)
+                self._drainer.stop(limit)
+                self._raise_pending()
         finally:
             self._closed = True
             if self._thread is None or not self._thread.is_alive():
@@ -502,7 +619,10 @@ class CheckpointManager:
         try:
             infos = scan(self.storage, deep=deep)
         except CheckpointNotFoundError:
-            return []
+            infos = []
+        if self._tier is not None:
+            assert self._drainer is not None
+            infos = tier_restore.step_infos(self._tier, infos, self._drainer.history)
         return sorted(infos, key=lambda i: (i.step, i.status == "committed"))
 
     def latest_step(self) -> int | None:
@@ -538,10 +658,16 @@ class CheckpointManager:
             raise TypeError(f"strict must be True or False, got {strict!r}")
         self.wait()
         keys: dict[str, list[str]] = {}
-        got = resume.restore(
-            self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-            timeout=self.options.save_timeout, strict=strict, keys=keys,
-        )
+        if self._tier is not None:
+            got = tier_restore.restore(
+                self._tier, self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
+                timeout=self.options.save_timeout, strict=strict, keys=keys,
+            )
+        else:
+            got = resume.restore(
+                self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
+                timeout=self.options.save_timeout, strict=strict, keys=keys,
+            )
         if strict or got is None:
             return got
         return LoadResult(state, keys["missing"], keys["unexpected"], got)

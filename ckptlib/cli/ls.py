@@ -87,6 +87,41 @@ def _verdict(d: retire.Debris | None) -> dict[str, Any] | None:
     return None if d is None else {"removes": d.removable, "why": d.why}
 
 
+def _local_nodes(template: str) -> dict[int, int]:
+    """Tier column: step -> how many node folders matching ``template`` hold it committed."""
+    import glob
+
+    from ckptlib.backends import open_storage
+    from ckptlib.tiers.local import local_steps
+
+    counts: dict[int, int] = {}
+    for folder in sorted(glob.glob(template.replace("{node}", "*"))):
+        for step in local_steps(open_storage(folder)):
+            counts[step] = counts.get(step, 0) + 1
+    return counts
+
+
+def _add_tiers(rows: list[dict[str, Any]], local: dict[int, int]) -> list[dict[str, Any]]:
+    """``tiers`` of every row (persistent status, local node count); local-only steps added."""
+    seen = {r["step"] for r in rows}
+    for step in sorted(set(local) - seen, reverse=True):
+        rows.append({"step": step, "status": "committed", "bytes": None, "world_size": None, "num_tensors": None,
+                     "created": None, "age_seconds": None, "save_id": None, "path": "", "reason": "local tier only",
+                     "local_only": True, "kind": "step", "prune": None})
+    for r in rows:
+        pers = None if r.get("local_only") or r["kind"] != "step" else r["status"]
+        r["tiers"] = {"persistent": pers, "local_nodes": local.get(r["step"], 0)}
+    rows.sort(key=lambda r: (-1 if r["step"] is None else r["step"], r["kind"] != "step", r["path"]))
+    return rows
+
+
+def _tiers_text(t: dict[str, Any]) -> str:
+    parts = [f"local x{t['local_nodes']}"] if t["local_nodes"] else []
+    if t["persistent"] == "committed":
+        parts.append("persistent")
+    return ", ".join(parts) or "-"
+
+
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     """List every step under a root: status, size, ranks, age, and why unusable ones are;
     then the debris, with sizes and what ``prune`` would do with it."""
@@ -99,10 +134,13 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
             rows = _rows(target, list_steps(target), now)
     finally:
         target.storage.close()
+    tiered = getattr(args, "local", None) is not None
+    if tiered:
+        rows = _add_tiers(rows, _local_nodes(args.local))
     out.emit({"url": args.url, "kind": target.kind, "steps": rows})
     if not has_rows(out, rows, f"no checkpoints under {target.where()} (no step-* folders yet)"):
         return EXIT_OK
-    t = table("step", "status", "size", "ranks", "age", "reason",
+    t = table("step", "status", "size", "ranks", "age", *(["tiers"] if tiered else []), "reason",
               right=("step", "size", "ranks", "age"), fold=("reason",))
     for r in rows:
         reason = target.short(r["reason"])
@@ -116,6 +154,7 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
             human_bytes(r["bytes"]),
             str(r["world_size"] or "-"),
             human_age(r["age_seconds"]),
+            *([_tiers_text(r["tiers"])] if tiered else []),
             reason,
         )
     out.print(t)

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "status (committed/incomplete/corrupt), size, ranks, age, and why a step "
                        "is not usable.")
     p.add_argument("url", metavar="URL", help="checkpoint root (local path or fsspec URL)")
+    p.add_argument("--local", metavar="TEMPLATE", default=None,
+                   help="the run's node-local tier (CheckpointManager local=, '{node}' matches every node): "
+                   "adds a tiers column")
 
     p = sub.add_parser("inspect", parents=[common], help="show a checkpoint's header and tensors",
                        description="Header (step, save id, world size, commit mode, metadata, ...) "

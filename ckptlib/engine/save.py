@@ -172,6 +172,11 @@ class SaveSession:
             raise
         return cls(storage, final, coord, opts, save_id, step, created, deadline, prefix, staging)
 
+    @property
+    def files(self) -> list[tuple[str, int]]:
+        """This rank's payload files so far: (path under the storage root, size)."""
+        return list(self._files)
+
     def left(self) -> float:
         """Seconds left before the session's deadline (at least 0.1)."""
         return max(0.1, self.deadline - time.monotonic())
@@ -224,26 +229,34 @@ class SaveSession:
         return coord.gather(mine, self.left())
 
     def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
-                extra: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> None:
+                extra: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
+                manifest: bytes | None = None) -> None:
         """Coordinator, with :meth:`collect`'s results: build the manifest and commit it.
         ``metadata``: from :func:`encode_metadata`; ``tree``: recorded instead of the merged
         ranks' trees (adapters); ``extra``: the manifest's adapter data (JSON); ``metrics``: the
         step's metrics (str -> float, for ``keep_best``). On failure the
-        staging area is removed and :class:`CommitError` (or :class:`StepExistsError`) raised."""
+        staging area is removed and :class:`CommitError` (or :class:`StepExistsError`) raised.
+        ``manifest``: ready-made manifest bytes committed instead of building one from
+        ``results`` (a tier drain copying a committed step's files, ckptlib/tiers/drain.py)."""
         staging = self._staging
         if staging is None:
             raise CommitError("publish() runs on the coordinator of an open session")
         try:
-            with paused_gc():
-                if tree is None:
-                    one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
-                    tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
-                body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
-                                  staging.payload_prefix, tree=tree, metrics=metrics)
-                body["extra"] = extra or {}
-                data = encode_body(body)
-            if extra:  # adapter data: never publish what a reader would refuse
-                mf.decode(data, f"{self.storage.url}/{staging.final}/{mf.MANIFEST_NAME}")
+            if manifest is not None:  # never publish what a reader would refuse
+                data = manifest
+                nbytes = mf.decode(data, f"{self.storage.url}/{staging.final}/{mf.MANIFEST_NAME}").payload_bytes
+            else:
+                with paused_gc():
+                    if tree is None:
+                        one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
+                        tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
+                    body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
+                                      staging.payload_prefix, tree=tree, metrics=metrics)
+                    body["extra"] = extra or {}
+                    data = encode_body(body)
+                nbytes = sum(size for _, size in body["files"])
+                if extra:  # adapter data: never publish what a reader would refuse
+                    mf.decode(data, f"{self.storage.url}/{staging.final}/{mf.MANIFEST_NAME}")
             with self.bounded():
                 commit.publish(self.storage, staging, data, overwrite=self.options.overwrite)
         except TreeMismatch as e:
@@ -254,16 +267,17 @@ class SaveSession:
             raise _fail(self.storage, self.final, {0: f"{type(e).__name__}: {e}"},
                         isinstance(e, FileExistsError)) from e
         self._staging = None
-        self.payload_bytes = sum(size for _, size in body["files"])
+        self.payload_bytes = nbytes
 
     def finish(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
                error: BaseException | None = None, metadata: Any = None, extra: dict[str, Any] | None = None,
-               metrics: dict[str, float] | None = None) -> SaveResult:
+               metrics: dict[str, float] | None = None, manifest: bytes | None = None) -> SaveResult:
         """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
         outcome shared with every rank; the session is closed. Returns on every rank or raises
         the same :class:`CommitError` on every rank. A rank that sent its results but gets no
         verdict from the coordinator (silent, unreachable, past the deadline) settles the save
-        on storage itself (:meth:`_settle`), so what it reports is what storage holds."""
+        on storage itself (:meth:`_settle`), so what it reports is what storage holds.
+        ``manifest``: see :meth:`publish`."""
         try:
             try:
                 results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
@@ -272,7 +286,7 @@ class SaveSession:
                     assert results is not None
                     outcome = {"failures": {}}
                     try:
-                        self.publish(results, metadata=metadata, extra=extra, metrics=metrics)
+                        self.publish(results, metadata=metadata, extra=extra, metrics=metrics, manifest=manifest)
                     except CommitError as e:
                         outcome = {"failures": e.failures or {0: str(e)}, "exists": isinstance(e, StepExistsError)}
                 outcome = self.coord.share_outcome(outcome, self.deadline)
@@ -348,22 +362,30 @@ def persist(
     session = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator,
                                 save_id=save_id, created=created)
     try:
-        items = _plan(session, flat.items)
-        mine = {it.name for it in items}
-        error: BaseException | None = None
-        try:
-            for rnd in [items] if rounds is None else rounds:
-                with paused_gc():
-                    jobs = [j for it in rnd if it.name in mine
-                            for j in session.split(it.name, it.tensor, it.global_offset)]
-                session.write(jobs)
-        except Exception as e:  # any failure must still reach the commit protocol and abort
-            error = e
+        error = write_state(session, flat, rounds)
         shapes = {it.name: it.global_shape for it in flat.items}
         return session.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
                               metadata=meta_tree, metrics=metrics)
     finally:
         session.abort()  # a no-op after finish
+
+
+def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[TensorItem]] | None = None,
+                ) -> BaseException | None:
+    """Every rank (collective: the plan), between ``begin`` and ``finish``: plan who writes
+    what and write this rank's part (``rounds``: see :func:`persist`). Returns this rank's
+    write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save."""
+    items = _plan(session, flat.items)
+    mine = {it.name for it in items}
+    try:
+        for rnd in [items] if rounds is None else rounds:
+            with paused_gc():
+                jobs = [j for it in rnd if it.name in mine
+                        for j in session.split(it.name, it.tensor, it.global_offset)]
+            session.write(jobs)
+    except Exception as e:  # any failure must still reach the commit protocol and abort
+        return e
+    return None
 
 
 def _describe(it: TensorItem) -> PieceDesc:

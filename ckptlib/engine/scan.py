@@ -45,6 +45,9 @@ class StepInfo:
     metrics: dict[str, float] = field(default_factory=dict)
     """Metrics passed to ``save(..., metrics=)`` (empty when none or not readable)."""
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
+    tiers: dict[str, str | None] | None = None
+    """With a local tier (ckptlib/tiers): ``{"local": status or None, "persistent": status or
+    None}``; a persistent status may also be ``pending`` or ``failed`` (its drain)."""
 
 
 def read_manifest(storage: Storage, folder: str) -> Manifest:

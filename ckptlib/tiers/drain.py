@@ -1,0 +1,245 @@
+"""Drain: copy a locally committed step to the persistent tier and commit it there.
+
+The manager owns one :class:`Drainer` (thread ``ckptlib-drain``, lowered priority) when it has a
+local tier. Its persist thread calls :meth:`Drainer.submit` after each local commit that is to
+be persisted (``persist_every``, ``persist=True``, preemption saves); every rank submits the same
+steps in the same order, so the drain threads of all ranks meet in the same collectives (on a
+coordinator of their own: :func:`drain_coordinator`, never the save's).
+
+:func:`drain_step`, every rank, on the drain thread: :meth:`SaveSession.begin` on the persistent
+storage (a fresh save id, that backend's staging) -> each rank checks the checksums of the files
+it wrote in its node's local copy and copies them into the session's payload prefix (throttled
+to ``rate`` bytes/s) -> :meth:`SaveSession.finish` with the local manifest rewritten for the new
+save id (``extra["tiers"]["local_save_id"]`` links the two): that backend's commit (rename on
+POSIX, conditional put on S3), so a drain is never half-visible. A failure fails the drain on
+every rank; the ticket carries it to the training thread (raised once) and the step stays local.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from ckptlib import crashpoints
+from ckptlib.backends import Storage, join
+from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
+from ckptlib.engine import commit
+from ckptlib.engine.save import SaveOptions, SaveSession
+from ckptlib.engine.scan import check_step, read_manifest
+from ckptlib.engine.verify import verify_chunks
+from ckptlib.errors import CheckpointError, CommitError, CommitTimeoutError
+from ckptlib.format import layout
+from ckptlib.format.build import encode_body, to_body
+from ckptlib.format.schema import Manifest
+from ckptlib.tiers.local import LocalTier
+
+log = logging.getLogger("ckptlib")
+
+COPY_PIECE = 8 << 20
+
+
+def drain_coordinator(coord: Coordinator) -> Coordinator:
+    """A coordinator for the drain thread, with its own group (every rank, training thread,
+    when the manager is made: creating one is collective)."""
+    if coord.world_size <= 1:
+        return LocalCoordinator()
+    from ckptlib.coord.torch_coordinator import TorchCoordinator
+
+    return TorchCoordinator(getattr(coord, "dead_after", 30.0))
+
+
+def writer_of(path: str) -> int | None:
+    """The rank that wrote payload ``path`` (``<save id>/r<rank>...bin``), or None."""
+    name = path.rsplit("/", 1)[-1]
+    return int(name[1:6]) if layout.is_payload_name(name) else None
+
+
+def persisted_manifest(m: Manifest, save_id: str, mode: str) -> bytes:
+    """The local manifest ``m`` rewritten for the persistent copy: save id ``save_id``,
+    payload paths under it, commit mode ``mode``, the local save id in ``extra["tiers"]``."""
+    body = to_body(m)
+    old = m.save_id
+    body["save_id"], body["commit"] = save_id, mode
+    body["files"] = [[save_id + p[len(old):] if p.startswith(old + "/") else p, n] for p, n in body["files"]]
+    body["extra"] = {**(m.extra or {}), "tiers": {"local_save_id": old}}
+    return encode_body(body)
+
+
+def local_save_id(m: Manifest) -> str:
+    """The save id of the local step ``m`` came from (its own for a local manifest)."""
+    tiers = (m.extra or {}).get("tiers")
+    if isinstance(tiers, dict) and isinstance(tiers.get("local_save_id"), str):
+        return str(tiers["local_save_id"])
+    return m.save_id
+
+
+def _copy(src: Storage, src_path: str, dst: Storage, dst_path: str, rate: float | None, rank: int,
+          first: bool) -> int:
+    w = dst.open_write(dst_path)
+    try:
+        with src.open_read(src_path) as h:
+            start, t0 = 0, time.monotonic()
+            while start < h.size:
+                n = min(COPY_PIECE, h.size - start)
+                w.write(h.read(start, n))
+                start += n
+                if first:
+                    crashpoints.point("drain_upload", rank)
+                    first = False
+                if rate:
+                    ahead = start / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return start
+
+
+def drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: int, *, timeout: float,
+               rate: float | None = None) -> bool:
+    """Every rank (collective), drain thread: copy ``step`` from the local tier and commit it on
+    ``persistent`` (module docstring). False when it was already there (nothing done)."""
+    final = layout.step_dir(step)
+    m: Manifest | None = None
+    error: BaseException | None = None
+    try:
+        m = read_manifest(tier.storage, final)
+        if m.world_size != coord.world_size:
+            raise CheckpointError(f"step {step} was saved by {m.world_size} ranks, draining on {coord.world_size}")
+    except CheckpointError as e:
+        error = e
+    done = None
+    if coord.is_coordinator and m is not None:
+        try:
+            there = check_step(persistent, final, step)
+            done = there.status == "committed" and there.manifest is not None and (
+                local_save_id(there.manifest) == m.save_id)
+        except (CheckpointError, OSError):
+            done = False
+    if coord.world_size > 1:
+        done = coord.agree(done, timeout)
+    if done:
+        return False
+    session = SaveSession.begin(persistent, final, step=step, options=SaveOptions(timeout=timeout),
+                                coordinator=coord)
+    try:
+        if m is not None and error is None:
+            try:
+                mine = {i for i, f in enumerate(m.files) if writer_of(f.path) == coord.rank}
+                verify_chunks(tier.storage, final, m, files=mine)  # never spread a bad copy
+                first = True
+                with session.bounded():
+                    for i in sorted(mine):
+                        name = m.files[i].path.rsplit("/", 1)[-1]
+                        _copy(tier.storage, join(final, m.files[i].path), persistent, join(session.prefix, name),
+                              rate, coord.rank, first)
+                        first = False
+            except Exception as e:
+                error = e
+        data = None
+        if coord.is_coordinator and m is not None and error is None:
+            data = persisted_manifest(m, session.save_id, commit.commit_mode(persistent))
+            crashpoints.point("drain_commit", coord.rank)
+        if coord.is_coordinator and data is None and error is None:
+            error = CommitError("no local manifest to drain")
+        session.finish(error=error, manifest=data)
+        return True
+    finally:
+        session.abort()
+
+
+class DrainTicket:
+    """One step's drain: set by the drain thread, waited for on any thread."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.status = "pending"
+        """``pending``, ``persisted`` or ``failed``."""
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._raised = False
+
+    def finish(self, error: BaseException | None) -> None:
+        self.error = error
+        self.status = "failed" if error is not None else "persisted"
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self, error: BaseException) -> None:
+        """Never drained because its save failed (that failure is raised by the save)."""
+        self._raised = True
+        self.finish(error)
+
+    def take_error(self) -> BaseException | None:
+        """The failure, the first time it is asked for (raised once)."""
+        with self._lock:
+            if self.error is not None and not self._raised:
+                self._raised = True
+                return self.error
+            return None
+
+    def wait(self, timeout: float) -> None:
+        if not self._event.wait(timeout):
+            raise CommitTimeoutError(f"drain of step {self.step} still running after {timeout:.0f}s")
+
+
+class Drainer:
+    """The drain thread and its queue (module docstring). Made by the manager."""
+
+    def __init__(self, tier: LocalTier, persistent: Storage, coord: Coordinator, *, timeout: float,
+                 rate: float | None = None, on_start: Callable[[], None] | None = None) -> None:
+        self.tier, self.persistent, self.coord = tier, persistent, coord
+        self.timeout, self.rate, self._on_start = timeout, rate, on_start
+        self._queue: queue.Queue[DrainTicket | None] = queue.Queue()
+        self.tickets: list[DrainTicket] = []
+        """Drains whose outcome was not yet taken by the training thread."""
+        self.history: dict[int, DrainTicket] = {}
+        """The latest drain of each step (for ``steps()``)."""
+        self.after: Callable[[], None] | None = None
+        """Called on the drain thread after each successful drain (the manager's retention)."""
+        self._thread: threading.Thread | None = None
+
+    def pending_steps(self) -> set[int]:
+        return {t.step for t in self.tickets if not t.done()}
+
+    def submit(self, ticket: DrainTicket) -> None:
+        """The persist thread, after the local commit of ``ticket.step``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ckptlib-drain", daemon=True)
+            self._thread.start()
+        self.tickets.append(ticket)
+        self.history[ticket.step] = ticket
+        self._queue.put(ticket)
+
+    def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
+        while True:
+            ticket = self._queue.get()
+            if ticket is None:
+                return
+            try:
+                drain_step(self.tier, self.persistent, self.coord, ticket.step, timeout=self.timeout, rate=self.rate)
+                if self.after is not None:
+                    self.after()
+                ticket.finish(None)
+            except Exception as e:
+                log.warning("ckptlib: drain of step %d to %s failed; it stays local: %s",
+                            ticket.step, self.persistent.url, e)
+                ticket.finish(e)
+
+    def stop(self, timeout: float) -> None:
+        """After the last submit: let the thread finish the queue, then end it (bounded)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._thread = None

@@ -1,0 +1,391 @@
+"""Restore across tiers: candidates from every node's local folder and the persistent tier; each
+payload file read from the fastest source that verifies.
+
+:func:`restore` (``CheckpointManager.restore`` with a local tier; every rank, caller's thread)
+is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two things:
+
+- the candidates: every rank lists the steps committed in its node's folder; the coordinator
+  merges them with the persistent tier's scan, newest first. A step counts once, as the local
+  save it came from (a drained copy names it in ``extra["tiers"]``);
+- ``attempt(candidate)``, collective, two rounds: each rank verifies the copies its node holds
+  (own files and replicas, checksums of every chunk); round 1, the coordinator checks that every
+  file has a copy somewhere (or the step is persisted; else the step is damaged and the loop
+  falls back, together, to an older one) and has manifests sent to ranks without one; round 2,
+  each rank names the files its load plan reads and its node lacks (:func:`needed_files`), and
+  the coordinator gives each a source: a peer on another node holding a verified copy (sent
+  over the process group, :mod:`.replicas`), else the persistent tier. The rank then loads through a
+  read-only :class:`SourceView` (own local > peer copy > persistent) with the reader's checksum
+  checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from ckptlib.backends import Storage, join
+from ckptlib.backends.base import Entry, ReadHandle, WriteStream
+from ckptlib.coord.coordinator import Coordinator
+from ckptlib.engine import load as load_flow
+from ckptlib.engine.resume import Candidate, resume_newest
+from ckptlib.engine.scan import StepInfo, read_manifest, scan
+from ckptlib.engine.verify import verify_chunks
+from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.format import layout
+from ckptlib.format import tree as tree_codec
+from ckptlib.format.decode import decode
+from ckptlib.format.manifest import MANIFEST_NAME
+from ckptlib.format.schema import Manifest
+from ckptlib.tiers.drain import local_save_id
+from ckptlib.tiers.local import LocalTier, local_steps
+from ckptlib.tiers.replicas import REPLICA_DIR, transfer
+
+log = logging.getLogger("ckptlib")
+
+
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+class _Bytes(ReadHandle):
+    def __init__(self, data: bytes, where: str) -> None:
+        self.data, self.size, self.where = data, len(data), where
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        end = start + len(out)
+        if end > self.size:
+            raise CorruptCheckpointError(f"file is shorter than expected (needed bytes up to {end}, has {self.size})",
+                                         self.where)
+        out[:] = self.data[start:end]
+
+    def close(self) -> None:
+        pass
+
+
+class SourceView(Storage):
+    """A read-only view of one step folder ``final`` whose files come from several sources, by
+    file name: ``fetched`` bytes (peer copies and the manifest), ``local`` paths on this node's
+    storage, else the persistent tier's folder (files under its ``persistent_prefix``)."""
+
+    def __init__(self, final: str, *, manifest: bytes, local: Storage | None, local_paths: dict[str, str],
+                 fetched: dict[str, bytes], persistent: Storage | None, persistent_prefix: str) -> None:
+        self.final, self.manifest = final, manifest
+        self.local, self.local_paths, self.fetched = local, local_paths, fetched
+        self.persistent, self.persistent_prefix = persistent, persistent_prefix
+        self.url = f"tiers:{final}"
+
+    def _where(self, path: str) -> tuple[str, Any]:
+        if path == join(self.final, MANIFEST_NAME):
+            return "bytes", self.manifest
+        name = _name(path)
+        if name in self.fetched:
+            return "bytes", self.fetched[name]
+        if self.local is not None and name in self.local_paths:
+            return "local", self.local_paths[name]
+        if self.persistent is not None:
+            return "persistent", join(self.final, self.persistent_prefix, name)
+        return "none", None
+
+    def open_read(self, path: str) -> ReadHandle:
+        kind, ref = self._where(path)
+        if kind == "bytes":
+            return _Bytes(ref, f"{self.url}/{path}")
+        if kind == "local":
+            assert self.local is not None
+            return self.local.open_read(ref)
+        if kind == "persistent":
+            assert self.persistent is not None
+            return self.persistent.open_read(ref)
+        raise FileNotFoundError(path)
+
+    def size(self, path: str) -> int | None:
+        kind, ref = self._where(path)
+        if kind == "bytes":
+            return len(ref)
+        if kind == "local":
+            assert self.local is not None
+            return self.local.size(ref)
+        if kind == "persistent":
+            assert self.persistent is not None
+            return self.persistent.size(ref)
+        return None
+
+    def exists(self, path: str = "") -> bool:
+        return self.size(path) is not None
+
+    def listdir(self, path: str = "") -> list[Entry]:
+        raise NotImplementedError("a tier view lists nothing")
+
+    def open_write(self, path: str) -> WriteStream:
+        raise CheckpointError("a tier view is read-only")
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        raise CheckpointError("a tier view is read-only")
+
+    def makedirs(self, path: str) -> None:
+        raise CheckpointError("a tier view is read-only")
+
+    def delete(self, path: str) -> None:
+        raise CheckpointError("a tier view is read-only")
+
+    def delete_tree(self, path: str) -> None:
+        raise CheckpointError("a tier view is read-only")
+
+
+def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]]) -> list[Candidate]:
+    """Coordinator: every step of either tier, newest first. ``held``: each rank's
+    :func:`local_steps`. ``extra``: ``save_id`` (the local save), ``persistent`` (the
+    persistent copy's save id, or None), ``nodes`` (how many ranks' nodes hold it locally)."""
+    try:
+        infos = scan(persistent)
+    except CheckpointNotFoundError:
+        infos = []
+    out: dict[int, Candidate] = {}
+    for i in infos:
+        if i.step in out:
+            continue
+        if i.status == "committed" and i.manifest is not None:
+            out[i.step] = Candidate(i.step, layout.step_dir(i.step), "committed", "",
+                                    {"save_id": local_save_id(i.manifest), "persistent": i.save_id})
+        else:
+            out[i.step] = Candidate(i.step, layout.step_dir(i.step), i.status, i.reason, None)
+    local: dict[int, Counter[str]] = {}
+    for mine in held:
+        for step, sid in mine.items():
+            local.setdefault(int(step), Counter())[sid] += 1
+    for step, ids in local.items():
+        c = out.get(step)
+        if c is not None and c.status == "committed":
+            continue
+        out[step] = Candidate(step, layout.step_dir(step), "committed", "",
+                              {"save_id": ids.most_common(1)[0][0], "persistent": None})
+    return [out[s] for s in sorted(out, reverse=True)]
+
+
+def _holdings(local: Storage, final: str, save_id: str, verify: bool) -> tuple[dict[str, str], bytes | None,
+                                                                              list[list[Any]] | None]:
+    """This rank: the files of step ``final`` (save ``save_id``) its node holds that verify:
+    name -> path on ``local``; the manifest bytes; the manifest's (name, size) list."""
+    try:
+        m = read_manifest(local, final)
+    except CheckpointError:
+        return {}, None, None
+    if m.save_id != save_id:
+        return {}, None, None
+    held: dict[str, str] = {}
+    for i, f in enumerate(m.files):
+        for folder in (final, join(final, REPLICA_DIR)):
+            if local.size(join(folder, f.path)) != f.size:
+                continue
+            try:
+                if verify:
+                    verify_chunks(local, folder, m, files={i})
+            except (CheckpointError, OSError) as e:
+                log.warning("ckptlib: local copy %s is bad, looking for another: %s", join(folder, f.path), e)
+                continue
+            held[_name(f.path)] = join(folder, f.path)
+            break
+    try:
+        data = local.read(join(final, MANIFEST_NAME))
+    except (CheckpointError, OSError):
+        return {}, None, None
+    return held, data, [[_name(f.path), f.size] for f in m.files]
+
+
+def _plan_manifests(reports: list[dict[str, Any]], persistent: bool) -> list[dict[str, Any]]:
+    """Coordinator, round 1: is every file of the step held somewhere (or is the step
+    persisted)? And for each rank without a local manifest, which rank sends it one."""
+    world = len(reports)
+    files = next((r["files"] for r in reports if r["files"] is not None), None)
+    if files is None and not persistent:
+        return [{"error": "no manifest on any node"}] * world
+    held = {name for rep in reports for name in rep["held"]}
+    if not persistent:
+        lost = [name for name, _ in files or [] if name not in held]
+        if lost:
+            return [{"error": f"no verified copy of {', '.join(lost)} on any node and the step is not persisted"}] * world
+    plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": []} for _ in range(world)]
+    holders = [r for r, rep in enumerate(reports) if rep["files"] is not None]
+    for r, rep in enumerate(reports):
+        if rep["files"] is None and holders:  # a local manifest, from a peer
+            src = holders[r % len(holders)]
+            plans[src]["send"].append([r, MANIFEST_NAME])
+            plans[r]["recv"].append([src, MANIFEST_NAME, reports[src]["msize"]])
+    return plans
+
+
+def _plan_files(reports: list[dict[str, Any]], needs: list[list[str]], nodes: tuple[int, ...],
+                persistent: bool) -> list[dict[str, Any]]:
+    """Coordinator, round 2: for every file a rank needs and its node lacks, a peer on another
+    node that holds a verified copy (least loaded first), else the persistent tier."""
+    world = len(reports)
+    files = next((r["files"] for r in reports if r["files"] is not None), None) or []
+    sizes = {name: int(size) for name, size in files}
+    plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": []} for _ in range(world)]
+    load: Counter[int] = Counter()
+    holders_of: dict[str, list[int]] = {}
+    for r, rep in enumerate(reports):
+        for name in rep["held"]:
+            holders_of.setdefault(name, []).append(r)
+    for r, names in enumerate(needs):
+        for name in names:
+            holders = [h for h in holders_of.get(name, []) if nodes[h] != nodes[r]]
+            if holders:
+                src = min(holders, key=lambda h: (load[h], h))
+                load[src] += sizes.get(name, 0)
+                plans[src]["send"].append([r, name])
+                plans[r]["recv"].append([src, name, sizes.get(name, 0)])
+            elif not persistent:
+                return [{"error": f"no rank of another node holds a verified copy of {name}"}] * world
+    return plans
+
+
+def needed_files(m: Manifest, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> set[str]:
+    """The payload file names holding any byte of ``boxes`` (tensor name, offset, shape)."""
+    def meets(o1: tuple[int, ...], s1: tuple[int, ...], o2: tuple[int, ...], s2: tuple[int, ...]) -> bool:
+        return all(a < c + d and c < a + b for a, b, c, d in zip(o1, s1, o2, s2, strict=False))
+
+    out: set[str] = set()
+    for name, off, shape in boxes:
+        t = m.tensors.get(name)
+        if t is None:
+            continue
+        out |= {_name(m.files[c.file].path) for c in t.chunks if meets(off, shape, c.offset, c.shape)}
+        out |= {_name(m.files[m.packs[p.pack].file].path) for p in t.pieces if meets(off, shape, p.offset, p.shape)}
+    return out
+
+
+def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, where: str) -> set[str] | None:
+    """The files this rank's load reads (None: unknown, take them all). Never raises: a state
+    that does not match is reported by the load itself, after the collectives."""
+    if mdata is None:
+        return None
+    try:
+        m = decode(mdata, where)
+        plan = load_flow.Merge(m, coord.rank, coord.world_size, per_rank, where=where)
+        plan.merge(state, tree_codec.decode(m.tree, m.tensors, where), "")
+        return needed_files(m, [(q.name, tuple(q.offset), tuple(q.shape)) for q in plan.requests])
+    except Exception as e:
+        log.debug("ckptlib: cannot tell which files the restore reads (%s); fetching all it lacks", e)
+        return None
+
+
+def _all_files(mdata: bytes | None, where: str) -> set[str]:
+    try:
+        return set() if mdata is None else {_name(f.path) for f in decode(mdata, where).files}
+    except CheckpointError:
+        return set()  # the load reports the bad manifest
+
+
+def _exchange(coord: Coordinator, plan: dict[str, Any], local: Storage, have: dict[str, str],
+              mdata: bytes | None, timeout: float) -> dict[str, bytes]:
+    """Every rank: run one round of a plan (send what it lists, receive what it lists)."""
+    sends = [(int(dst), (mdata if name == MANIFEST_NAME else local.read(have[name])) or b"")
+             for dst, name in plan["send"]]
+    got = transfer(coord, sends, [(int(src), int(size)) for src, _, size in plan["recv"]], timeout)
+    return {name: data for (_src, name, _size), data in zip(plan["recv"], got, strict=True)}
+
+
+def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None = None,
+            verify: bool = True, per_rank: str = "error", timeout: float = 600.0, strict: bool = True,
+            keys: dict[str, list[str]] | None = None) -> int | None:
+    """``CheckpointManager.restore`` with a local tier (module docstring). Every rank.
+    ``strict``/``keys``: as :func:`ckptlib.engine.resume.restore`."""
+    topo = tier.topo(coord, timeout)
+    mine = {str(s): sid for s, sid in local_steps(tier.storage).items()}
+    held = coord.gather(mine, timeout) if coord.world_size > 1 else [mine]
+
+    def listing() -> list[Candidate]:
+        assert held is not None
+        cands = candidates(tier, persistent, [{int(s): sid for s, sid in h.items()} for h in held])
+        return cands if step is None else [c for c in cands if c.step == step]
+
+    def attempt(c: Candidate) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        extra = c.extra or {}
+        pers_id = extra.get("persistent")
+        where = f"{c.folder} (tiers)"
+        have, mdata, files = _holdings(tier.storage, c.folder, str(extra.get("save_id")), verify)
+        report = {"held": sorted(have), "files": files, "msize": len(mdata) if mdata is not None else 0}
+        # Round 1: is the step whole somewhere; a manifest for every rank.
+        reports = coord.gather(report, timeout) if coord.world_size > 1 else [report]
+        plans = _plan_manifests(reports, pers_id is not None) if reports is not None else None
+        plan = coord.scatter(plans, timeout) if coord.world_size > 1 else (plans or [{}])[0]
+        if plan["error"]:
+            raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
+        mdata = _exchange(coord, plan, tier.storage, have, mdata, timeout).get(MANIFEST_NAME, mdata)
+        if mdata is None and pers_id is not None:  # only the persistent copy has a manifest
+            try:
+                mdata = persistent.read(join(c.folder, MANIFEST_NAME))
+            except (CheckpointError, OSError) as e:
+                log.warning("ckptlib: cannot read the persistent manifest of step %d: %s", c.step, e)
+        # Round 2: the files this rank reads and its node lacks, from peers (else persistent).
+        need = _needs(mdata, state, coord, per_rank, where)
+        if need is None:  # unknown: every file the manifest names
+            need = _all_files(mdata, where)
+        mine = sorted(need - set(have))
+        needs = coord.gather(mine, timeout) if coord.world_size > 1 else [mine]
+        plans = None
+        if reports is not None and needs is not None:
+            plans = _plan_files(reports, needs, topo.nodes, pers_id is not None)
+        plan = coord.scatter(plans, timeout) if coord.world_size > 1 else (plans or [{}])[0]
+        if plan["error"]:
+            raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
+        fetched = _exchange(coord, plan, tier.storage, have, mdata, timeout)
+        if mdata is None:
+            raise CorruptCheckpointError(f"step {c.step}: no readable manifest on any tier")
+        view_args: dict[str, Any] = {}
+        if pers_id is not None:
+            view_args = {"persistent": persistent, "persistent_prefix": pers_id}
+        else:
+            view_args = {"persistent": None, "persistent_prefix": ""}
+        view = SourceView(c.folder, manifest=mdata, local=tier.storage, local_paths=have, fetched=fetched,
+                          **view_args)
+        try:
+            load_flow.load_checkpoint(view, c.folder, state, verify=verify, rank=coord.rank,
+                                      world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found)
+        except CorruptCheckpointError as e:
+            if pers_id is None or (not have and not fetched):
+                raise
+            log.warning("ckptlib: a local or peer copy of step %d is bad (%s); reading the persistent copy", c.step, e)
+            load_flow.load_checkpoint(persistent, c.folder, state, verify=verify, rank=coord.rank,
+                                      world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found)
+        return found
+
+    got = resume_newest(coord, listing, attempt, timeout=timeout, where=f"{tier.storage.url} and {persistent.url}")
+    if got is not None and keys is not None:
+        keys.update(got.value)
+    if got is None and step is not None:
+        raise CheckpointNotFoundError(f"no step {step} under {tier.storage.url} or {persistent.url}")
+    return got.candidate.step if got else None
+
+
+def step_infos(tier: LocalTier, persistent: list[StepInfo], drains: dict[int, Any]) -> list[StepInfo]:
+    """``CheckpointManager.steps`` with a local tier: the persistent tier's steps and this node's
+    locally committed ones, each with ``tiers`` filled in; ``drains``: step -> its latest
+    drain ticket (pending/failed show as the persistent status of a step not committed there)."""
+    by_step: dict[int, StepInfo] = {}
+    out: list[StepInfo] = []
+    for i in persistent:
+        i.tiers = {"local": None, "persistent": i.status}
+        out.append(i)
+        if i.step not in by_step or i.status == "committed":
+            by_step[i.step] = i
+    for step in local_steps(tier.storage):
+        info = by_step.get(step)
+        if info is None:
+            info = StepInfo(step, "committed", path=layout.step_dir(step), tiers={"local": None, "persistent": None})
+            by_step[step] = info
+            out.append(info)
+        assert info.tiers is not None
+        info.tiers["local"] = "committed"
+        if info.status != "committed":
+            info.status, info.reason = "committed", ""
+    for step, ticket in drains.items():
+        info = by_step.get(step)
+        if (info is not None and info.tiers is not None and info.tiers["persistent"] != "committed"
+                and ticket.status in ("pending", "failed")):
+            info.tiers["persistent"] = ticket.status
+    return out

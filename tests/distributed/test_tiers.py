@@ -1,0 +1,129 @@
+"""Tiers across processes: 2 simulated nodes (CKPTLIB_NODE per rank, one local folder per node),
+gloo, persistent tier on POSIX and on the real SeaweedFS server. Every resume checks the
+restored bytes against the pure function that made them (tests/workers/tiers_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import launcher
+from backends.servers import S3_BUCKET
+
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "tiers_worker.py"
+JOB_TIMEOUT = 150.0
+
+
+def start_job(out: Path, nodes: list[int], args: dict, env: dict | None = None,
+              rank_env: dict[int, dict] | None = None) -> tuple[list, Path]:
+    """Start one rank per entry of ``nodes`` (its CKPTLIB_NODE); results go to a fresh folder."""
+    res = out / f"job-{uuid.uuid4().hex[:8]}"
+    res.mkdir(parents=True)
+    world = len(nodes)
+    renv = {r: {"CKPTLIB_NODE": str(n), **(rank_env or {}).get(r, {})} for r, n in enumerate(nodes)}
+    procs = launcher.start(lambda r, port: [str(WORKER), str(r), str(world), port, str(res), json.dumps(args)],
+                           world, env=env, rank_env=renv)
+    return procs, res
+
+
+def finish_job(procs: list, res: Path, timeout: float = JOB_TIMEOUT) -> list[launcher.Outcome]:
+    return launcher.finish("tiers job", procs, lambda r: res / f"result-{r}.json", timeout)
+
+
+def run_job(out: Path, nodes: list[int], args: dict) -> list[dict]:
+    """A job every rank of which must finish cleanly; their results."""
+    outcomes = finish_job(*start_job(out, nodes, args))
+    for o in outcomes:
+        assert o.result is not None, f"rank {o.rank} wrote no result:\n{o.log}"
+        assert "crash" not in o.result, f"rank {o.rank} crashed:\n{o.result['crash']}\n{o.log}"
+    return [o.result for o in outcomes if o.result is not None]
+
+
+def resumed(out: Path, nodes: list[int], args: dict) -> int:
+    """Resume on ``nodes``; every rank restored the same step, bitwise; that step."""
+    res = run_job(out, nodes, {**args, "mode": "resume"})
+    assert all(r["bitwise"] for r in res), res
+    steps = {r["restored"] for r in res}
+    assert len(steps) == 1, res
+    return steps.pop()
+
+
+def payload(folder: Path, step: int, rank: int, replica: bool = False) -> Path:
+    """The payload file of ``rank`` in a node's local step folder (own copy or replica)."""
+    base = folder / f"step-{step:012d}"
+    if replica:
+        base = base / "replicas"
+    (found,) = list(base.glob(f"[0-9a-f]*/r{rank:05d}-*.bin"))
+    return found
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "manifest.json").exists()
+                  and "." not in p.name)
+
+
+def test_node_lost_then_both_holders_lost_posix(tmp_path: Path) -> None:
+    """2 nodes x 1 rank; step 2 drained (persist_every=2), step 3 local only."""
+    args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "node{node}"), "persist_every": 2}
+    res = run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]})
+    tiers = {s: t for s, _, t in res[0]["steps"]}
+    assert tiers[2] == {"local": "committed", "persistent": "committed"}
+    assert tiers[3] == {"local": "committed", "persistent": None}
+    assert committed_steps(tmp_path / "persist") == [2]  # only what was drained, whole
+    # Node 1 lost: its ranks' bytes come back from the replica on node 0.
+    shutil.rmtree(tmp_path / "node1")
+    assert resumed(tmp_path, [0, 1], args) == 3
+    # Both holders of rank 1's step-3 bytes gone (node 1, and the replica on node 0 damaged):
+    # the newest step with a source for every piece is the persisted one.
+    shutil.rmtree(tmp_path / "node1", ignore_errors=True)
+    flip(payload(tmp_path / "node0", 3, 1, replica=True))
+    assert resumed(tmp_path, [0, 1], args) == 2
+
+
+def test_corrupt_local_copy_and_other_world_size_posix(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks save (nothing drained); a corrupt own copy on node 0; resume on
+    2 nodes x 1 rank: the copy on node 1 (a replica) is used."""
+    args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "node{node}"), "persist_every": 100}
+    # Small replica pieces: many rounds, and ranks with different numbers of pieces.
+    outcomes = finish_job(*start_job(tmp_path, [0, 0, 1, 1], {**args, "mode": "save", "steps": [1, 2]},
+                                     env={"CKPTLIB_REPLICA_PIECE": "100"}))
+    assert all(o.result and o.result.get("ok") for o in outcomes), [o.result or o.log for o in outcomes]
+    assert committed_steps(tmp_path / "persist") == []
+    for node, own, held in ((0, (0, 1), (2, 3)), (1, (2, 3), (0, 1))):
+        for r in held:  # replicas land on the other node, byte for byte
+            mine = payload(tmp_path / f"node{1 - node}", 2, r).read_bytes()
+            assert len(mine) > 100 and payload(tmp_path / f"node{node}", 2, r, replica=True).read_bytes() == mine
+        assert not [p for r in own for p in (tmp_path / f"node{node}" / "step-000000000002" / "replicas").rglob(
+            f"r{r:05d}-*")]  # never a replica of its own ranks
+    flip(payload(tmp_path / "node0", 2, 0))
+    assert resumed(tmp_path, [0, 1], args) == 2
+
+
+def test_seaweedfs_persistent_tier(seaweed, tmp_path: Path) -> None:
+    """Drain to the real SeaweedFS server; every node lost: resume from S3, also in one process."""
+    url = f"s3://{S3_BUCKET}/tiers-{uuid.uuid4().hex[:8]}"
+    args = {"url": url, "local": str(tmp_path / "node{node}"), "persist_every": 2,
+            "storage_options": seaweed.storage_options()}
+    res = run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]})
+    assert {s: t["persistent"] for s, _, t in res[0]["steps"]} == {2: "committed", 3: None}
+    shutil.rmtree(tmp_path / "node0")
+    shutil.rmtree(tmp_path / "node1")
+    assert resumed(tmp_path, [0], args) == 2
+
+
+def test_local_folder_shared_by_two_nodes_is_refused(tmp_path: Path) -> None:
+    """``local`` without ``{node}`` on a shared disk: the save fails on every rank, saying why."""
+    args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "shared"), "mode": "save", "steps": [1]}
+    outcomes = finish_job(*start_job(tmp_path, [0, 1], args))
+    for o in outcomes:
+        assert o.result is not None and "crash" in o.result, o.log
+        assert "shared with another node" in o.result["crash"], o.result["crash"]
+    assert committed_steps(tmp_path / "shared") == []

@@ -1,0 +1,189 @@
+"""Tiers in one process: scheduling of drains, their failures, retention, restore sources,
+peer placement and the ``ls`` tier column. (Multi-process cases: test_tiers.py.)"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.cli.main import main as cli_main
+from ckptlib.errors import CheckpointError, CommitError
+from ckptlib.tiers.node import Topology, local_root, node_index
+
+
+def state(step: int) -> dict:
+    return {"w": torch.arange(12, dtype=torch.float32) * step, "n": step}
+
+
+def zeros() -> dict:
+    return {"w": torch.zeros(12), "n": -1}
+
+
+def persisted(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("step-*") if "." not in p.name and (p / "manifest.json").exists())
+
+
+def tiers_of(mgr: ckptlib.CheckpointManager) -> dict[int, dict]:
+    return {i.step: i.tiers for i in mgr.steps()}
+
+
+def test_persist_every_and_persist_flag(tmp_path: Path) -> None:
+    mgr = ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=3,
+                                    local_keep_last=10)
+    for step in range(1, 7):
+        mgr.save(step, state(step), persist=True if step == 1 else None).wait()
+    h = mgr.save(7, state(7), persist=False)
+    h.wait()
+    with pytest.raises(CheckpointError, match="persist=True"):
+        h.wait_persisted()
+    mgr.close()
+    assert persisted(tmp_path / "p") == [1, 3, 6]  # save calls 3 and 6, and the forced one
+    assert sorted((tmp_path / "n0").glob("step-*")) == sorted((tmp_path / "n0").glob("step-*[0-9]"))
+    again = ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"))
+    t = tiers_of(again)
+    assert t[6] == {"local": "committed", "persistent": "committed"}
+    assert t[7] == {"local": "committed", "persistent": None}
+    out = zeros()
+    assert again.restore(out) == 7 and torch.equal(out["w"], state(7)["w"]) and out["n"] == 7
+    again.close()
+
+
+def test_restore_with_empty_local_folder_reads_persistent(tmp_path: Path) -> None:
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    shutil.rmtree(tmp_path / "n0")  # a replaced node
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr:
+        out = zeros()
+        assert mgr.restore(out) == 2
+        assert torch.equal(out["w"], state(2)["w"])
+
+
+def test_corrupt_local_copy_falls_to_persistent_copy(tmp_path: Path) -> None:
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+    (payload,) = (tmp_path / "n0" / "step-000000000002").glob("[0-9a-f]*/r00000-*.bin")
+    data = bytearray(payload.read_bytes())
+    data[-5] ^= 0x40
+    payload.write_bytes(bytes(data))
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr:
+        out = zeros()
+        assert mgr.restore(out) == 2  # the persistent copy of the same step, not an older step
+        assert torch.equal(out["w"], state(2)["w"])
+
+
+def test_failed_drain_raised_once_and_step_stays_local(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    mgr = ckptlib.CheckpointManager(blocker / "p", local=str(tmp_path / "n{node}"), local_keep_last=1)
+    h = mgr.save(1, state(1))
+    h.wait()  # committed locally
+    with pytest.raises(CommitError):
+        h.wait_persisted()
+    assert tiers_of(mgr)[1] == {"local": "committed", "persistent": "failed"}
+    mgr.save(2, state(2), persist=False).wait()  # the failure was raised once, not again
+    mgr.save(3, state(3), persist=False).wait()
+    # local_keep_last=1, but the failed drain's step is not pending: only newest steps are kept
+    assert sorted(p.name for p in (tmp_path / "n0").glob("step-*")) == ["step-000000000003"]
+    mgr.close()
+
+
+def test_pending_drain_is_not_deleted_by_local_retention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from ckptlib.tiers import drain
+
+    gate = threading.Event()
+    real = drain.drain_step
+
+    def held(*args: object, **kwargs: object) -> bool:
+        assert gate.wait(60), "test gate never opened"
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(drain, "drain_step", held)  # step 1's drain stays pending until the gate opens
+    mgr = ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), local_keep_last=1,
+                                    persist_every=100)
+    h = mgr.save(1, state(1), persist=True)
+    mgr.save(2, state(2)).wait()
+    mgr.save(3, state(3)).wait()
+    names = sorted(p.name for p in (tmp_path / "n0").glob("step-*"))
+    assert names == ["step-000000000001", "step-000000000003"]
+    assert tiers_of(mgr)[1] == {"local": "committed", "persistent": "pending"}
+    gate.set()
+    h.wait_persisted()
+    mgr.close(drain=True)
+    assert persisted(tmp_path / "p") == [1]
+
+
+def test_node_index_and_placement() -> None:
+    assert node_index({}) == 0
+    assert node_index({"GROUP_RANK": "3"}) == 3
+    assert node_index({"CKPTLIB_NODE": "1", "GROUP_RANK": "3"}) == 1
+    with pytest.raises(ValueError, match="CKPTLIB_NODE"):
+        node_index({"CKPTLIB_NODE": "x"})
+    assert local_root("/nvme/run/node{node}", 7) == "/nvme/run/node7"
+    topo = Topology((0, 0, 1, 1, 2, 2))
+    assert topo.peers(0, 1) == [2] and topo.peers(3, 1) == [5] and topo.peers(5, 1) == [1]
+    assert topo.peers(0, 2) == [2, 4] and topo.peers(0, 1, jump=2) == [4]
+    assert all(topo.nodes[p] != topo.nodes[r] for r in range(6) for p in topo.peers(r, 5))
+    assert Topology((0, 0)).peers(1, 1) == []  # one node: nowhere else to put a replica
+    assert topo.is_leader(2) and not topo.is_leader(3)
+
+
+def test_ls_tier_column(tmp_path: Path) -> None:
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli_main(["ls", str(tmp_path / "p"), "--local", str(tmp_path / "n{node}"), "--json"]) == 0
+    rows = {r["step"]: r["tiers"] for r in json.loads(buf.getvalue())["steps"]}
+    assert rows == {3: {"persistent": None, "local_nodes": 1}, 2: {"persistent": "committed", "local_nodes": 1}}
+
+
+def test_wait_persisted_after_the_failure_was_raised_still_says_not_persisted(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    mgr = ckptlib.CheckpointManager(blocker / "p", local=str(tmp_path / "n{node}"))
+    h = mgr.save(1, state(1))
+    h.wait()
+    with pytest.raises(CommitError):
+        mgr.close()  # waits for the drain and raises its failure (once)
+    with pytest.raises(CheckpointError, match="not on the persistent tier"):
+        h.wait_persisted()
+
+
+def test_preemption_save_is_drained(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    mgr = ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=100)
+    mgr.save_on_signal(signals=(signal.SIGUSR2,), deadline=60.0)
+    mgr.save(1, state(1)).wait()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    with pytest.raises(SystemExit) as exit_info:
+        mgr.maybe_save_on_preemption(2, state(2))
+    assert exit_info.value.code == 0
+    assert persisted(tmp_path / "p") == [2]  # the final save went to the persistent tier; step 1 did not
+
+
+def test_restore_fetches_only_the_files_a_rank_reads() -> None:
+    from ckptlib.format.schema import Chunk, FileEntry, Manifest, Pack, Piece, TensorEntry
+    from ckptlib.tiers.restore import needed_files
+
+    files = [FileEntry("id/r00000-0.bin", 100), FileEntry("id/r00001-0.bin", 100), FileEntry("id/r00002-0.bin", 8)]
+    w = TensorEntry("float32", (10, 4), [Chunk(0, 0, 80, "x", (0, 0), (5, 4)), Chunk(1, 0, 80, "x", (5, 0), (5, 4))])
+    b = TensorEntry("float32", (2,), [], [Piece(0, 0, (0,), (2,))])
+    m = Manifest(1, "id", 0.0, 3, "rename", files, {"w": w, "b": b}, None, packs=[Pack(2, 0, 8, "x", "raw", 8)])
+    assert needed_files(m, [("w", (0, 0), (3, 4))]) == {"r00000-0.bin"}
+    assert needed_files(m, [("w", (4, 0), (2, 4))]) == {"r00000-0.bin", "r00001-0.bin"}
+    assert needed_files(m, [("w", (7, 2), (3, 2))]) == {"r00001-0.bin"}
+    assert needed_files(m, [("b", (0,), (2,)), ("nope", (0,), (1,))]) == {"r00002-0.bin"}

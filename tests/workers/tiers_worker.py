@@ -1,0 +1,100 @@
+"""One rank of a tiers test job (gloo on 127.0.0.1). Started by tests/distributed/test_tiers.py
+and tests/chaos/test_tier_kills.py through tests/launcher.py.
+
+usage: tiers_worker.py RANK WORLD PORT OUT JSON-ARGS
+The node comes from CKPTLIB_NODE (set per rank by the test). args: ``mode`` (``save``: save
+``steps`` with ``persist_every``/``persist``; ``resume``: restore into zeros and report),
+``url`` (persistent tier), ``local`` (template with ``{node}``), ``storage_options``,
+``drain`` (close(drain=...)). Writes OUT/result-<rank>.json. Every tensor's content is a pure
+function of (name, step), so any rank of any world size can check restored bytes exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ckptlib
+
+SHAPES = {"w": (24, 8), "b": (13,), "e": (10, 6)}
+
+
+def full(name: str, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * step)
+    return torch.randn(SHAPES[name], generator=g)
+
+
+def piece(name: str, world: int, rank: int, step: int | None) -> ckptlib.Shard:
+    t = full(name, step or 0)
+    base, extra = divmod(t.shape[0], world)
+    start = rank * base + min(rank, extra)
+    n = base + (1 if rank < extra else 0)
+    local = t.narrow(0, start, n).clone() if step is not None else torch.zeros(n, *t.shape[1:])
+    return ckptlib.Shard(local, t.shape, [start] + [0] * (t.dim() - 1))
+
+
+def state(world: int, rank: int, step: int | None) -> dict:
+    """The state of ``step`` (None: zeros, a restore target)."""
+    return {
+        "w": piece("w", world, rank, step),
+        "e": piece("e", world, rank, step),
+        "b": full("b", step) if step is not None else torch.zeros(SHAPES["b"]),
+        "step": step if step is not None else -1,
+    }
+
+
+def matches(st: dict, world: int, rank: int, step: int) -> bool:
+    want = state(world, rank, step)
+    return all(torch.equal(st[k].local, want[k].local) for k in ("w", "e")) and torch.equal(st["b"], want["b"]) \
+        and st["step"] == step
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    args = json.loads(sys.argv[5])
+    result: dict = {"rank": rank, "node": os.environ.get("CKPTLIB_NODE")}
+    path = os.path.join(out, f"result-{rank}.json")
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=60))
+        mgr = ckptlib.CheckpointManager(
+            args["url"], local=args["local"], persist_every=args.get("persist_every", 1),
+            replicas=args.get("replicas", 1), storage_options=args.get("storage_options"),
+            local_keep_last=args.get("local_keep_last", 2), save_timeout=60.0,
+        )
+        if args["mode"] == "save":
+            persist = args.get("persist", {})
+            for step in args["steps"]:
+                h = mgr.save(step, state(world, rank, step), persist=persist.get(str(step)))
+                h.wait()
+            mgr.close(drain=args.get("drain", True))
+            result["steps"] = [[i.step, i.status, i.tiers] for i in mgr.steps()]
+        else:
+            st = state(world, rank, None)
+            got = mgr.restore(st)
+            result["restored"] = got
+            result["bitwise"] = got is not None and matches(st, world, rank, got)
+            mgr.close()
+        result["ok"] = True
+    except BaseException as e:  # reported to the test, which fails with it
+        result["crash"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    if "crash" in result:  # a peer may be dead (chaos): tearing the group down could wait on it
+        sys.stdout.flush()
+        os._exit(0)
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
