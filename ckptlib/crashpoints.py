@@ -15,7 +15,7 @@ import os
 import signal
 import time
 
-PHASES = (
+SAVE_PHASES = (
     "snapshot",  # save() on the caller's thread, after flattening, before staging copies
     "write",  # a rank has opened its first payload file and written part of it
     "before_commit",  # every byte of this rank is durable, before the coordinator publishes
@@ -23,6 +23,10 @@ PHASES = (
     "retention",  # coordinator: after the commit, while deleting old steps
     "cleanup",  # coordinator: after the commit, while removing crashed saves' debris
     "restore",  # while loading a checkpoint
+)
+"""The phases of a single-tier save and restore (tests/chaos/test_phase_kills.py)."""
+
+TIER_PHASES = (
     # tiers (ckptlib/tiers): a local tier in front of the persistent one
     "local_write",  # a rank's payload is durable in its node's local folder, before replicas
     "replica_transfer",  # a holder has written part of a peer's replica, not yet durable
@@ -31,6 +35,9 @@ PHASES = (
     "drain_commit",  # drain thread, coordinator: every file uploaded, before the persistent commit
     "local_retention",  # node leaders: after a local commit, while deleting old local steps
 )
+"""The phases only a tiered manager reaches (tests/chaos/test_tier_kills.py)."""
+
+PHASES = SAVE_PHASES + TIER_PHASES
 
 SIGNALS = {"": signal.SIGKILL, "KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 

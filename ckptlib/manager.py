@@ -561,6 +561,8 @@ class CheckpointManager:
                 self._raise_pending()
         finally:
             self._closed = True
+            if self._drainer is not None:
+                self._drainer.abandon()  # drain=False or a failed close: no drain thread outlives close
             if self._thread is None or not self._thread.is_alive():
                 self._stager.release()  # never free memory a stuck writer still reads
             self._finalizer.detach()

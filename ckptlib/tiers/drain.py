@@ -236,6 +236,22 @@ class Drainer:
                             ticket.step, self.persistent.url, e)
                 ticket.finish(e)
 
+    def abandon(self) -> None:
+        """``close`` (``drain=False``, or a close that raised): drop the drains not started
+        (their tickets fail; the steps stay local) and let the thread end after the one in
+        progress, if any. Never waits. No-op once :meth:`stop` ended the thread."""
+        while True:
+            try:
+                ticket = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if ticket is not None:
+                ticket.finish(CommitError(f"drain of step {ticket.step} abandoned: the manager was closed "
+                                          "before it started; the step stays local"))
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+
     def stop(self, timeout: float) -> None:
         """After the last submit: let the thread finish the queue, then end it (bounded)."""
         if self._thread is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptlib.crashpoints import PHASES
+from ckptlib.crashpoints import SAVE_PHASES as PHASES
 
 from .launch import STEPS, Campaign, reference
 

@@ -17,6 +17,7 @@ import pytest
 from distributed.test_tiers import finish_job, resumed, run_job, start_job
 
 from ckptlib.backends import open_storage
+from ckptlib.crashpoints import TIER_PHASES
 from ckptlib.engine.scan import scan
 
 from .conftest import sampled
@@ -38,6 +39,11 @@ CASES = [
     ("local_retention", 1, 1, {3}),
 ]
 IDS = [f"{p}-r{r}-n{n}" for p, r, n, _ in CASES]
+
+
+def test_every_tier_phase_has_a_case() -> None:
+    """A new tier crash point must be added to CASES (as test_phase_kills does for saves)."""
+    assert {c[0] for c in CASES} == set(TIER_PHASES)
 
 
 @pytest.mark.parametrize(("phase", "victim", "nth", "allowed"), sampled(CASES, IDS, 2, "tier-kills"))
