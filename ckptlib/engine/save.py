@@ -25,7 +25,7 @@ from ckptlib.backends import Storage, deadline_scope
 from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
 from ckptlib.engine.gc_pause import paused_gc
-from ckptlib.engine.writer import ChunkJob, split_chunks, write_files
+from ckptlib.engine.writer import ChunkJob, split_chunks, write_files, write_index
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
@@ -34,11 +34,12 @@ from ckptlib.errors import (
     UnsupportedValueError,
 )
 from ckptlib.format import manifest as mf
-from ckptlib.format.build import build_body, encode_body
+from ckptlib.format.build import build_body, build_body_v2, encode_body
 from ckptlib.format.codec import codec_for
 from ckptlib.format.dtypes import dtype_name
 from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
+from ckptlib.plan.grid import conform, describe, propose
 from ckptlib.plan.trees import TreeMismatch
 from ckptlib.plan.trees import merge as merge_trees
 
@@ -119,6 +120,11 @@ class SaveSession:
         self._chunks: list[Any] = []
         self._writes = 0
         self._open = True
+        self.v2 = False
+        """Format v2 (set by :func:`persist` on every rank): each rank writes a piece index file
+        and the gather carries per-rank summaries, not chunks."""
+        self.layout: dict[str, dict[str, Any]] | None = None
+        """v2, coordinator: every tensor's dtype, shape and sharding (from :func:`_plan`)."""
         self.payload_bytes = 0
         """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
 
@@ -187,6 +193,13 @@ class SaveSession:
         wait for every rank, gather each rank's files, chunks, ``tree``, ``per_rank`` values and
         global ``shapes``: the list on the coordinator, None elsewhere. A failed or dead rank
         raises :class:`CommitError` on every rank (staging removed, session closed)."""
+        index = None
+        if self.v2 and error is None:
+            try:
+                with self.bounded():
+                    index = write_index(self.storage, self.prefix, self.coord.rank, self._files, self._chunks)
+            except Exception as e:  # reported like a failed write: the save fails on every rank
+                error = e
         msg = None if error is None else f"{type(error).__name__}: {error}"
         if msg is None:
             crashpoints.point("before_commit", self.coord.rank)
@@ -200,8 +213,11 @@ class SaveSession:
         if failures:
             self.abort()
             raise _fail(self.storage, self.final, failures)
-        mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
-                "shapes": shapes or {}}
+        if self.v2:  # a summary: O(files) + the tree, never one record per piece
+            mine: dict[str, Any] = {"files": self._files, "index": index, "tree": tree, "per_rank": per_rank}
+        else:
+            mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
+                    "shapes": shapes or {}}
         return coord.gather(mine, self.left())
 
     def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
@@ -218,8 +234,12 @@ class SaveSession:
                 if tree is None:
                     one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
                     tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
-                body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
-                                  staging.payload_prefix, tree=tree)
+                if self.layout is not None:
+                    body = build_body_v2(results, self.layout, self.step, self.save_id, self.created, staging.mode,
+                                         metadata, staging.payload_prefix, tree=tree)
+                else:
+                    body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
+                                      staging.payload_prefix, tree=tree)
                 body["extra"] = extra or {}
                 data = encode_body(body)
             if extra:  # adapter data: never publish what a reader would refuse
@@ -297,6 +317,7 @@ def persist(
     session = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator,
                                 save_id=save_id, created=created)
     try:
+        session.v2 = True
         items = _plan(session, flat.items)
         mine = {it.name for it in items}
         error: BaseException | None = None
@@ -323,24 +344,43 @@ def _describe(it: TensorItem) -> PieceDesc:
 
 def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
-    (the coordinator plans). Raises :class:`CommitError` on every rank when planning fails."""
+    (the coordinator plans) -- and, on the coordinator, ``session.layout`` (every tensor's
+    sharding for the v2 manifest). Sharded tensors that form a grid with cell ``k`` on rank
+    ``k`` are agreed on with :mod:`ckptlib.plan.grid` (a proposal out, a list of exceptions
+    back); only the pieces of the other tensors are gathered. Raises :class:`CommitError` on
+    every rank when planning fails."""
     coord = session.coord
     if coord.world_size <= 1:
+        session.layout = describe([], set(), [], [], [(0, _describe(it)) for it in items])
         return items
     rep = [it for it in items if it.replicated]
     shd = [it for it in items if not it.replicated]
     rep_desc = [_describe(it) for it in rep]
-    mine_in = (digest(rep_desc), rep_desc if coord.is_coordinator else None, [_describe(it) for it in shd])
-    everyone = coord.gather(mine_in, session.left())
+    shd_desc = [_describe(it) for it in shd]
+    proposal = coord.agree(propose(shd_desc) if coord.is_coordinator else None, session.left())
+    odd = conform(proposal, shd_desc, coord.rank)
+    everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, odd), session.left())
+    union = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
+    union = set(coord.agree(union, session.left()))
+    mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
+    explicit = coord.gather([shd_desc[i] for i in mine_odd], session.left()) if union else [[]] * coord.world_size
     plans: list[Any] | None = None
     if coord.is_coordinator:
-        assert everyone is not None
+        assert everyone is not None and explicit is not None
         try:
-            plans = [("ok", p) for p in assign(everyone[0][1], [e[0] for e in everyone], [e[2] for e in everyone])]
+            got = assign(everyone[0][1], [e[0] for e in everyone], explicit)
+            writer = [0] * len(rep_desc)
+            for r, p in enumerate(got):
+                for i in p.replicated:
+                    writer[i] = r
+            chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
+            session.layout = describe(proposal, union, everyone[0][1], writer, chosen)
+            plans = [("ok", p) for p in got]
         except PlanError as e:
             plans = [("error", str(e))] * coord.world_size
     status, plan = coord.scatter(plans, session.left())
     if status == "error":
         session.abort()
         raise _fail(session.storage, session.final, {0: plan})
-    return [rep[i] for i in plan.replicated] + [shd[i] for i in plan.sharded]
+    grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union]
+    return [rep[i] for i in plan.replicated] + grid + [shd[mine_odd[i]] for i in plan.sharded]

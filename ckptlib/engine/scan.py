@@ -45,9 +45,11 @@ class StepInfo:
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
 
 
-def read_manifest(storage: Storage, folder: str) -> Manifest:
+def read_manifest(storage: Storage, folder: str, *, pieces: bool = True) -> Manifest:
     """Read and validate ``folder/manifest.json``; over ``MAX_MANIFEST_BYTES`` it is refused by
-    its size before opening and by the open file's size (never more than the limit is read)."""
+    its size before opening and by the open file's size (never more than the limit is read).
+    Format v2: ``pieces=True`` also loads every piece index file (engine/index_io.py);
+    ``pieces=False`` leaves that to the reader, which loads only the ones it needs."""
     path = join(folder, MANIFEST_NAME)
     where = f"{storage.url.rstrip('/')}/{path}"
     try:
@@ -60,7 +62,12 @@ def read_manifest(storage: Storage, folder: str) -> Manifest:
             _check_size(h.size, where)
             data = h.read(0, h.size)
         with paused_gc():
-            return decode(data, where)
+            m = decode(data, where)
+        if pieces and not m.complete:
+            from ckptlib.engine.index_io import resolve
+
+            resolve(storage, folder, m)
+        return m
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
     except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt
@@ -75,7 +82,7 @@ def _check_size(size: int | None, where: str) -> None:
 
 
 def check_files(storage: Storage, folder: str, m: Manifest) -> None:
-    for f in m.files:
+    for f in [*m.files, *m.indexes]:  # payload files, then v2 piece index files
         size = storage.size(join(folder, f.path))
         where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"
         if size is None:
