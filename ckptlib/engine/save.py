@@ -11,6 +11,7 @@ itself, calls ``collect``, ``publish`` (coordinator), then ``close``; ``abort`` 
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterable
@@ -53,9 +54,18 @@ class SaveOptions:
     num_files: int = 2
     timeout: float = 600.0
     overwrite: bool = False
+    format_version: int | None = None
+    """Manifest format :func:`persist` writes: 2 (piece index files per rank), 1, or None: 2 when
+    several ranks save, else 1 (env ``CKPTLIB_FORMAT_VERSION`` overrides None)."""
 
     def __post_init__(self) -> None:
         codec_for(self.compression, 1)  # ValueError for unknown compression, before any I/O
+        if self.format_version not in (None, 1, 2):
+            raise ValueError(f"format_version must be 1, 2 or None, not {self.format_version!r}")
+
+    def writes_v2(self, world_size: int) -> bool:
+        version = self.format_version or int(os.environ.get("CKPTLIB_FORMAT_VERSION") or 0)
+        return version == 2 if version in (1, 2) else world_size > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,8 +327,8 @@ def persist(
     session = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator,
                                 save_id=save_id, created=created)
     try:
-        session.v2 = True
-        items = _plan(session, flat.items)
+        session.v2 = session.options.writes_v2(session.coord.world_size)
+        items = _plan(session, flat.items) if session.v2 else _plan_v1(session, flat.items)
         mine = {it.name for it in items}
         error: BaseException | None = None
         try:
@@ -342,6 +352,30 @@ def _describe(it: TensorItem) -> PieceDesc:
                      dtype_name(t.dtype), it.global_shape)
 
 
+def _plan_v1(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
+    """Every rank (collective), format v1: every sharded piece is gathered and assigned."""
+    coord = session.coord
+    if coord.world_size <= 1:
+        return items
+    rep = [it for it in items if it.replicated]
+    shd = [it for it in items if not it.replicated]
+    rep_desc = [_describe(it) for it in rep]
+    mine_in = (digest(rep_desc), rep_desc if coord.is_coordinator else None, [_describe(it) for it in shd])
+    everyone = coord.gather(mine_in, session.left())
+    plans: list[Any] | None = None
+    if coord.is_coordinator:
+        assert everyone is not None
+        try:
+            plans = [("ok", p) for p in assign(everyone[0][1], [e[0] for e in everyone], [e[2] for e in everyone])]
+        except PlanError as e:
+            plans = [("error", str(e))] * coord.world_size
+    status, plan = coord.scatter(plans, session.left())
+    if status == "error":
+        session.abort()
+        raise _fail(session.storage, session.final, {0: plan})
+    return [rep[i] for i in plan.replicated] + [shd[i] for i in plan.sharded]
+
+
 def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
     (the coordinator plans) -- and, on the coordinator, ``session.layout`` (every tensor's
@@ -359,7 +393,10 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     shd_desc = [_describe(it) for it in shd]
     proposal = coord.agree(propose(shd_desc) if coord.is_coordinator else None, session.left())
     odd = conform(proposal, shd_desc, coord.rank)
-    everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, odd), session.left())
+    odd_set = set(odd)
+    grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
+    everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, odd, grid_bytes),
+                            session.left())
     union = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
     union = set(coord.agree(union, session.left()))
     mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
@@ -368,7 +405,7 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     if coord.is_coordinator:
         assert everyone is not None and explicit is not None
         try:
-            got = assign(everyone[0][1], [e[0] for e in everyone], explicit)
+            got = assign(everyone[0][1], [e[0] for e in everyone], explicit, [e[3] for e in everyone])
             writer = [0] * len(rep_desc)
             for r, p in enumerate(got):
                 for i in p.replicated:

@@ -680,8 +680,8 @@ def _entries() -> list[Entry]:
         E(
             "version-future",
             "version",
-            "format_version 2 (checksum valid)",
-            lambda ck: write_body(ck, body_of(ck), format_version=2),
+            "format_version 3 (checksum valid)",
+            lambda ck: write_body(ck, body_of(ck), format_version=3),
             expect=("ManifestVersionError",),
         ),
         E(
@@ -1777,7 +1777,7 @@ UNIT_ENTRIES: list[Entry] = [
     unit("bit-flip-in-manifest", flip_in_manifest_body, "checksum mismatch|save_id"),
     unit("checksum-not-string", raw_manifest(text_sub('"checksum":"xxh3_64:', '"checksum":5,"x":"')), "checksum"),
     unit("format-marker", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), fmt="other")), "format marker"),
-    unit("version-2", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=2)), "format_version 2 is newer", error=ckptlib.ManifestVersionError),
+    unit("version-3", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=3)), "format_version 3 is newer", error=ckptlib.ManifestVersionError),
     unit("version-10**6", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=10**6)), "newer", error=ckptlib.ManifestVersionError),
     *[
         unit(f"version-{v!r}", lambda f, v=v: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=v)), "format_version")
