@@ -219,7 +219,8 @@ def load_checkpoint(
     stats: dict[str, int] | None = None,
 ) -> Any:
     """Load ``folder`` (see the module docstring). ``stats``, if given, receives
-    ``bytes_read`` (payload bytes fetched) and ``bytes_needed`` (bytes of the boxes requested)."""
+    ``bytes_read`` (payload bytes fetched), ``bytes_needed`` (bytes of the boxes requested) and
+    ``index_files_read`` (format v2 piece index files this load read)."""
     m = manifest or read_manifest(storage, folder, pieces=False)  # v2: run_plan loads the index files it needs
     where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
@@ -245,7 +246,7 @@ def run_plan(
     one read path after planning (:func:`load_checkpoint`, the integrations), caller's thread.
     The caller resolves lazy values afterwards with :func:`resolve_lazy`. Format v2: first loads
     the piece index files that hold boxes overlapping the requests (and only those)."""
-    index_io.resolve(storage, folder, m, ((r.name, r.offset, r.shape) for r in plan.requests))
+    indexes = index_io.resolve(storage, folder, m, ((r.name, r.offset, r.shape) for r in plan.requests))
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:
         reader.read(plan.requests)
@@ -255,6 +256,7 @@ def run_plan(
         reader.close()
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
+        stats["index_files_read"] = indexes
         stats["bytes_needed"] = sum(r.tensor.numel() * r.tensor.element_size() for r in plan.requests)
     for fn in (*plan.copies, *plan.fills, *plan.loads):
         fn()
