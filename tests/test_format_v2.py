@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from chaos.corpus import STEP_DIR, V2_ENTRIES, build, make_templates
 
 import ckptlib
 from ckptlib.backends import open_storage
@@ -28,8 +29,6 @@ from ckptlib.format.sharding import Sharding, check_index, decode_sharding
 from ckptlib.format.validate import Checker
 from ckptlib.plan.assign import PieceDesc
 from ckptlib.plan.grid import cell, conform, describe, propose
-
-from chaos.corpus import STEP_DIR, V2_ENTRIES, build, make_templates
 
 
 @pytest.fixture
@@ -162,7 +161,7 @@ def test_grid_plan_sends_no_pieces_for_grids_and_boxes_for_the_rest() -> None:
     world = 4
     grid = _fsdp(world, 10)  # blocks of 3: 3,3,3,1
     uneven = []  # 10 rows split 3,3,2,2: not a grid of rank 0's block
-    for r, (lo, n) in enumerate([(0, 3), (3, 3), (6, 2), (8, 2)]):
+    for lo, n in [(0, 3), (3, 3), (6, 2), (8, 2)]:
         uneven.append([PieceDesc("u", (lo,), (n,), n * 4, "float32", (10,))])
     small = _fsdp(world, 2, "s")  # two cells: ranks 2 and 3 hold nothing
     mine = [grid[r] + uneven[r] + small[r] for r in range(world)]

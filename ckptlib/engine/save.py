@@ -397,8 +397,8 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
     everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, odd, grid_bytes),
                             session.left())
-    union = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
-    union = set(coord.agree(union, session.left()))
+    proposed_odd = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
+    union: set[str] = set(coord.agree(proposed_odd, session.left()))
     mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
     explicit = coord.gather([shd_desc[i] for i in mine_odd], session.left()) if union else [[]] * coord.world_size
     plans: list[Any] | None = None

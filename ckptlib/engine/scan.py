@@ -21,7 +21,7 @@ from ckptlib.errors import (
 )
 from ckptlib.format import layout
 from ckptlib.format.decode import decode
-from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, IndexRef, Manifest
 
 
 @dataclass(slots=True)
@@ -82,7 +82,8 @@ def _check_size(size: int | None, where: str) -> None:
 
 
 def check_files(storage: Storage, folder: str, m: Manifest) -> None:
-    for f in [*m.files, *m.indexes]:  # payload files, then v2 piece index files
+    entries: list[FileEntry | IndexRef] = [*m.files, *m.indexes]  # payload files, then v2 index files
+    for f in entries:
         size = storage.size(join(folder, f.path))
         where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"
         if size is None:

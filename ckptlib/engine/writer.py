@@ -28,8 +28,8 @@ from ckptlib.format import codec as codecs
 from ckptlib.format import layout
 from ckptlib.format.build import PackMember, WrittenChunk, WrittenPack
 from ckptlib.format.checksum import checksum
-from ckptlib.format.index_file import build_index
 from ckptlib.format.dtypes import NAMES, dtype_name
+from ckptlib.format.index_file import build_index
 
 ALIGN = 64
 PACK_MEMBER_MAX = 64 << 10  # tensors up to this size are packed together

@@ -17,10 +17,8 @@ file lists tile exactly the cells the manifest gives its rank, before any is use
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from ckptlib.format.index_file import CODEC_NAMES, IndexTable, digest_hex
 from ckptlib.format.schema import MAX_ZSTD_RATIO, Chunk, Pack, Piece, volume
@@ -44,16 +42,22 @@ class Sharding:
     first: int = 0
     step: int = 0
     boxes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    counts: tuple[int, ...] = field(default=(), compare=False)
+    """Grid: cells per dimension (computed)."""
 
-    @property
-    def counts(self) -> tuple[int, ...]:
-        assert self.block is not None
-        return tuple(-(-n // b) for n, b in zip(self.shape, self.block, strict=True))
+    def __post_init__(self) -> None:
+        if self.block is not None:
+            counts = tuple(-(-n // b) for n, b in zip(self.shape, self.block, strict=True))
+            object.__setattr__(self, "counts", counts)
 
     def cell_box(self, k: int) -> Box:
+        """Cell ``k`` in row-major order (the save planner's numbering, ``plan.grid.cell``)."""
         assert self.block is not None
-        idx = np.unravel_index(k, self.counts) if self.shape else ()
-        off = tuple(int(i) * b for i, b in zip(idx, self.block, strict=True))
+        idx = []
+        for c in reversed(self.counts):
+            k, i = divmod(k, c)
+            idx.append(i)
+        off = tuple(i * b for i, b in zip(reversed(idx), self.block, strict=True))
         return off, tuple(min(b, n - o) for o, b, n in zip(off, self.block, self.shape, strict=True))
 
     def rank_boxes(self, rank: int) -> list[Box]:
@@ -86,7 +90,9 @@ class Sharding:
         counts = self.counts
         out = set()
         for idx in itertools.product(*ranges):
-            k = int(np.ravel_multi_index(idx, counts)) if idx else 0
+            k = 0
+            for i, c in zip(idx, counts, strict=True):
+                k = k * c + i
             out.add(self.first + k * self.step)
         return out
 
@@ -186,7 +192,7 @@ def check_index(table: IndexTable, rank: int, file_base: int, pack_base: int,
         off, shp = _box(box, b0, nd, shape, f"chunk {i} of {names[t]!r:.200}", v)
         raw = volume(shp) * itemsizes[dtype]
         codec = CODEC_NAMES[k]
-        if codec == "raw" and n != raw or codec != "raw" and raw > n * MAX_ZSTD_RATIO + 65536:
+        if (codec == "raw" and n != raw) or (codec != "raw" and raw > n * MAX_ZSTD_RATIO + 65536):
             raise v.fail(f"index of rank {rank}: chunk {i} of {names[t]!r:.200} stores {n} bytes for {raw} raw")
         chunks.setdefault(names[t], []).append(Chunk(file_base + f, s, n, digest_hex(d, algorithm), off, shp, codec))
     mbox = c["member_box"].tolist()
