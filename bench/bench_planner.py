@@ -10,7 +10,7 @@ and the size of ``manifest.json``. Per rank (in parallel on a real job, so repor
 v2's grid check (``conform``) and v2 load planning for a rank loading its own cells of every
 tensor: manifest decode, choosing index files from the sharding, decoding and checking its one
 index file, and planning the reads (``Reader._tasks``); v1's load planning is the decode of the
-whole manifest (every piece), measured where v1 runs. v2 figures are the best of 3 runs, v1's
+whole manifest (every piece), measured where v1 runs. v2 figures are the best of 3 runs (coordinator: of 7), v1's
 of one (it takes minutes).
 
     python bench/bench_planner.py [--tensors 10000] [--ranks 128 1024 4096] [--v1-max-pieces 2000000]
@@ -103,7 +103,7 @@ def v2(tensors: int, world: int) -> dict[str, float]:
         layout = describe(prop, union, [], [], [])
         return encode_body(build_body_v2(summaries, layout, 1, "ab" * 16, 0.0, "rename", None, PREFIX, tree=None))
 
-    data, t_coord = timed(coordinator, REPEAT)
+    data, t_coord = timed(coordinator, 2 * REPEAT + 1)
 
     def load_plan() -> int:
         m = decode(data)

@@ -73,9 +73,13 @@ def _length(spec: str, counts: dict[str, int]) -> int:
     return 2 * counts[spec[2:]] if spec.startswith("2*") else counts[spec]
 
 
+_WIDTHS = [(np.dtype(dt).itemsize * (2 if spec.startswith("2*") else 1), spec.removeprefix("2*"))
+           for _, dt, spec in SCHEMA]
+
+
 def expected_size(counts: dict[str, int]) -> int:
     """Bytes an index file with ``counts`` has (exact integers: no overflow)."""
-    return len(MAGIC) + sum(_length(spec, counts) * np.dtype(dt).itemsize for _, dt, spec in SCHEMA)
+    return len(MAGIC) + sum(w * counts[k] for w, k in _WIDTHS)
 
 
 def digest_int(hexdigest: str) -> int:
