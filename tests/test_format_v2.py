@@ -189,6 +189,8 @@ def test_conform_catches_a_rank_whose_piece_is_not_its_cell() -> None:
     assert [conform(proposal, swapped[r], r) for r in range(3)] == [[], ["w"], ["w"]]
     extra = mine[1] + [PieceDesc("w", (0, 0), (3, 4), 48, "float32", (9, 4))]  # a replica of cell 0
     assert conform(proposal, extra, 1) == ["w"]
+    empty = [PieceDesc("w", (9, 0), (0, 4), 0, "float32", (9, 4))]  # torch.chunk's empty trailing shard
+    assert conform(proposal, empty, 3) == [] and conform(proposal, empty, 2) == ["w"]
 
 
 # --------------------------------------------------------------------------- round trips

@@ -419,5 +419,5 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     if status == "error":
         session.abort()
         raise _fail(session.storage, session.final, {0: plan})
-    grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union]
+    grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
     return [rep[i] for i in plan.replicated] + grid + [shd[mine_odd[i]] for i in plan.sharded]

@@ -54,13 +54,15 @@ def cell(k: int, gshape: tuple[int, ...], block: tuple[int, ...]) -> tuple[tuple
 
 def conform(proposal: Proposal, mine: Sequence[PieceDesc], rank: int) -> list[str]:
     """This rank: names whose pieces here differ from cell ``rank`` of the proposed grid, and
-    names of its pieces that were not proposed. O(len(proposal) + len(mine))."""
+    names of its pieces that were not proposed. Empty pieces (``torch.chunk`` gives trailing
+    ranks of a small tensor zero rows) count as holding nothing; the caller does not write
+    them. O(len(proposal) + len(mine))."""
     by_name: dict[str, list[PieceDesc]] = {}
     for p in mine:
         by_name.setdefault(p.name, []).append(p)
     odd = []
     for name, dtype, gshape, block in proposal:
-        ps = by_name.pop(name, [])
+        ps = [p for p in by_name.pop(name, []) if all(p.shape)]  # empty pieces hold nothing
         want = cell(rank, gshape, block)
         if want is None:
             ok = not ps
