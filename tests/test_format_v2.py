@@ -265,7 +265,7 @@ MESSAGES = {
     "v2-index-bit-flip": "index file checksum mismatch",
     "v2-index-bad-magic": "bad magic",
     "v2-index-absurd-counts": "counts describe",
-    "v2-index-absurd-size": "over the 1073741824 byte limit",
+    "v2-index-absurd-size": "over the 268435456 byte limit",
     "v2-index-schema-changed": "index_schema",
     "v2-index-absurd-dim": "lies outside the tensor's shape",
     "v2-index-offset-past-file": "ends past the end of payload file",

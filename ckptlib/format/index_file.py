@@ -29,8 +29,9 @@ from ckptlib.format.schema import MAX_ZSTD_RATIO
 from ckptlib.format.validate import MAX_NDIM, MAX_SIZE, Checker
 
 MAGIC = b"CKPTIDX2"
-MAX_INDEX_BYTES = 1 << 30
-"""Largest index file accepted (about 10M pieces); refused by its recorded size before reading."""
+MAX_INDEX_BYTES = 256 << 20
+"""Largest index file accepted, like the v1 manifest's limit (about 4M pieces of 2 dimensions
+written by one rank, ~66 bytes each); refused by its recorded size before reading."""
 
 CODEC_IDS = {"raw": 0, "zstd": 1, "zstd-shuffle": 2}
 CODEC_NAMES = tuple(CODEC_IDS)
