@@ -346,3 +346,26 @@ def test_cells_itertools_sanity() -> None:
     for off, box in boxes:
         covered[tuple(slice(o, o + n) for o, n in zip(off, box, strict=True))] += 1
     assert (covered == 1).all() and len(list(itertools.product(*map(range, sh.counts)))) == len(boxes)
+
+
+def test_tree_digests_merge_like_the_full_merge() -> None:
+    """v2 saves gather a skeleton digest and the PerRank values, not every rank's tree: the
+    result equals the full merge, and a plain value that differs is still refused."""
+    from ckptlib.format import jsonio
+    from ckptlib.plan import trees
+    from ckptlib.plan.flatten import flatten
+
+    def tree_of(rank: int, lr: float = 0.5) -> object:
+        st = {"m": {"w": torch.zeros(2)}, "lr": lr, 3: (1, "x"), "rng": ckptlib.PerRank({"seed": rank, "b": b"q"}),
+              "deep": [ckptlib.PerRank(rank * 10)]}
+        return flatten(st, rank).tree
+
+    def digest(skel: object) -> str:
+        return jsonio.dumps(skel, sort_keys=False)
+
+    parts = [trees.split(tree_of(r)) for r in range(3)]
+    joined = trees.join(parts[0][0], [digest(s) for s, _ in parts], [v for _, v in parts])
+    assert joined == trees.merge([tree_of(r) for r in range(3)])
+    bad = [trees.split(tree_of(r, lr=0.5 if r != 2 else 0.25)) for r in range(3)]
+    with pytest.raises(trees.TreeMismatch, match="rank 2's state differs .* ckptlib.PerRank"):
+        trees.join(bad[0][0], [digest(s) for s, _ in bad], [v for _, v in bad])

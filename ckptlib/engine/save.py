@@ -11,6 +11,7 @@ itself, calls ``collect``, ``publish`` (coordinator), then ``close``; ``abort`` 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import uuid
@@ -34,6 +35,7 @@ from ckptlib.errors import (
     StepExistsError,
     UnsupportedValueError,
 )
+from ckptlib.format import jsonio
 from ckptlib.format import manifest as mf
 from ckptlib.format.build import build_body, build_body_v2, encode_body
 from ckptlib.format.codec import codec_for
@@ -42,7 +44,9 @@ from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
 from ckptlib.plan.grid import conform, describe, propose
 from ckptlib.plan.trees import TreeMismatch
+from ckptlib.plan.trees import join as join_trees
 from ckptlib.plan.trees import merge as merge_trees
+from ckptlib.plan.trees import split as split_tree
 
 DEFAULT_CHUNK_BYTES = 32 << 20
 
@@ -223,8 +227,11 @@ class SaveSession:
         if failures:
             self.abort()
             raise _fail(self.storage, self.final, failures)
-        if self.v2:  # a summary: O(files) + the tree, never one record per piece
-            mine: dict[str, Any] = {"files": self._files, "index": index, "tree": tree, "per_rank": per_rank}
+        if self.v2:  # a summary: O(files), a tree digest and the PerRank values; never per piece
+            skeleton, values = split_tree(tree)
+            digest = hashlib.blake2b(jsonio.dumps(skeleton, sort_keys=False).encode(), digest_size=16).hexdigest()
+            mine: dict[str, Any] = {"files": self._files, "index": index, "tree_digest": digest,
+                                    "skeleton": skeleton if coord.is_coordinator else None, "per_rank_values": values}
         else:
             mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
                     "shapes": shapes or {}}
@@ -241,7 +248,10 @@ class SaveSession:
             raise CommitError("publish() runs on the coordinator of an open session")
         try:
             with paused_gc():
-                if tree is None:
+                if tree is None and "skeleton" in results[0]:  # v2 summaries: digests, O(ranks)
+                    tree = join_trees(results[0]["skeleton"], [res["tree_digest"] for res in results],
+                                      [res["per_rank_values"] for res in results])
+                elif tree is None:
                     one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
                     tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
                 if self.layout is not None:
