@@ -367,5 +367,5 @@ def test_tree_digests_merge_like_the_full_merge() -> None:
     joined = trees.join(parts[0][0], [digest(s) for s, _ in parts], [v for _, v in parts])
     assert joined == trees.merge([tree_of(r) for r in range(3)])
     bad = [trees.split(tree_of(r, lr=0.5 if r != 2 else 0.25)) for r in range(3)]
-    with pytest.raises(trees.TreeMismatch, match="rank 2's state differs .* ckptlib.PerRank"):
+    with pytest.raises(trees.TreeMismatch, match=r"rank 2's state differs .* ckptlib\.PerRank"):
         trees.join(bad[0][0], [digest(s) for s, _ in bad], [v for _, v in bad])
