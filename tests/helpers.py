@@ -27,7 +27,6 @@ from ckptlib.format import jsonio
 from ckptlib.format.checksum import checksum
 from ckptlib.format.manifest import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     TABLE_COLUMNS,
     TABLE_KEY,
@@ -139,7 +138,7 @@ def read_manifest_doc(folder: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def frame(
-    text: bytes, *, format_version: Any = FORMAT_VERSION, fmt: Any = FORMAT_NAME, digest: str | None = None
+    text: bytes, *, format_version: Any = 1, fmt: Any = FORMAT_NAME, digest: str | None = None
 ) -> bytes:
     """Manifest bytes around an already serialized body ``text`` (which may be invalid JSON),
     framed like ``ckptlib.format.manifest.encode_body``: a fixed head, the body, ``}``. The

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ckptlib.backends import Storage, join
-from ckptlib.engine import hugepages
+from ckptlib.engine import hugepages, index_io
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import check_files, read_manifest
@@ -273,9 +273,10 @@ def load_checkpoint(
     keys: dict[str, list[str]] | None = None,
 ) -> Any:
     """Load ``folder`` (see the module docstring). ``stats``, if given, receives
-    ``bytes_read`` (payload bytes fetched) and ``bytes_needed`` (bytes of the boxes requested);
-    ``keys``, if given, receives ``missing`` and ``unexpected`` (``strict=False`` loads)."""
-    m = manifest or read_manifest(storage, folder)
+    ``bytes_read`` (payload bytes fetched), ``bytes_needed`` (bytes of the boxes requested) and
+    ``index_files_read`` (format v2 piece index files this load read); ``keys``, if given,
+    receives ``missing`` and ``unexpected`` (``strict=False`` loads)."""
+    m = manifest or read_manifest(storage, folder, pieces=False)  # v2: run_plan loads the index files it needs
     where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
     with paused_gc():
@@ -302,7 +303,9 @@ def run_plan(
 ) -> None:
     """Fetch every box ``plan`` requested, then run its deferred copies, fills and loads: the
     one read path after planning (:func:`load_checkpoint`, the integrations), caller's thread.
-    The caller resolves lazy values afterwards with :func:`resolve_lazy`."""
+    The caller resolves lazy values afterwards with :func:`resolve_lazy`. Format v2: first loads
+    the piece index files that hold boxes overlapping the requests (and only those)."""
+    indexes = index_io.resolve(storage, folder, m, ((r.name, r.offset, r.shape) for r in plan.requests))
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:
         reader.read(plan.requests)
@@ -312,6 +315,7 @@ def run_plan(
         reader.close()
     if stats is not None:
         stats["bytes_read"] = reader.bytes_read
+        stats["index_files_read"] = indexes
         stats["bytes_needed"] = sum(r.tensor.numel() * r.tensor.element_size() for r in plan.requests)
     for fn in (*plan.sets, *plan.copies, *plan.fills, *plan.loads):
         fn()

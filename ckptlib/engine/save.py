@@ -11,6 +11,8 @@ itself, calls ``collect``, ``publish`` (coordinator), then ``close``; ``abort`` 
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 import uuid
 from collections.abc import Iterable
@@ -26,7 +28,7 @@ from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
 from ckptlib.engine import options as argcheck
 from ckptlib.engine.gc_pause import paused_gc
-from ckptlib.engine.writer import ChunkJob, split_chunks, write_files
+from ckptlib.engine.writer import ChunkJob, split_chunks, write_files, write_index
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
@@ -35,13 +37,17 @@ from ckptlib.errors import (
     TargetNotEmptyError,
     UnsupportedValueError,
 )
+from ckptlib.format import jsonio
 from ckptlib.format import manifest as mf
-from ckptlib.format.build import build_body, encode_body
+from ckptlib.format.build import build_body, build_body_v2, encode_body
 from ckptlib.format.dtypes import dtype_name
 from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
+from ckptlib.plan.grid import conform, describe, propose
 from ckptlib.plan.trees import TreeMismatch
+from ckptlib.plan.trees import join as join_trees
 from ckptlib.plan.trees import merge as merge_trees
+from ckptlib.plan.trees import split as split_tree
 
 DEFAULT_CHUNK_BYTES = 32 << 20
 FENCE_SECONDS = 60.0
@@ -56,6 +62,9 @@ class SaveOptions:
     num_files: int = 2
     timeout: float = 600.0
     overwrite: bool = False
+    format_version: int | None = None
+    """Manifest format :func:`persist` writes: 2 (piece index files per rank), 1, or None: 2 when
+    several ranks save, else 1 (env ``CKPTLIB_FORMAT_VERSION`` overrides None)."""
 
     def __post_init__(self) -> None:
         """Every argument checked now, before any I/O (:mod:`ckptlib.engine.options`)."""
@@ -64,6 +73,12 @@ class SaveOptions:
         argcheck.positive_int("num_files", self.num_files)
         argcheck.positive_number("timeout", self.timeout)
         argcheck.flag("overwrite", self.overwrite)
+        if self.format_version not in (None, 1, 2):
+            raise ValueError(f"format_version must be 1, 2 or None, not {self.format_version!r}")
+
+    def writes_v2(self, world_size: int) -> bool:
+        version = self.format_version or int(os.environ.get("CKPTLIB_FORMAT_VERSION") or 0)
+        return version == 2 if version in (1, 2) else world_size > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +151,11 @@ class SaveSession:
         self._writes = 0
         self._open = True
         self._sent = False  # this rank's results went to the coordinator: it may commit them
+        self.v2 = False
+        """Format v2 (set by :func:`persist` on every rank): each rank writes a piece index file
+        and the gather carries per-rank summaries, not chunks."""
+        self.layout: dict[str, dict[str, Any]] | None = None
+        """v2, coordinator: every tensor's dtype, shape and sharding (from :func:`_plan`)."""
         self.payload_bytes = 0
         """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
 
@@ -210,6 +230,13 @@ class SaveSession:
         wait for every rank, gather each rank's files, chunks, ``tree``, ``per_rank`` values and
         global ``shapes``: the list on the coordinator, None elsewhere. A failed or dead rank
         raises :class:`CommitError` on every rank (staging removed, session closed)."""
+        index = None
+        if self.v2 and error is None:
+            try:
+                with self.bounded():
+                    index = write_index(self.storage, self.prefix, self.coord.rank, self._files, self._chunks)
+            except Exception as e:  # reported like a failed write: the save fails on every rank
+                error = e
         msg = None if error is None else f"{type(error).__name__}: {error}"
         if msg is None:
             crashpoints.point("before_commit", self.coord.rank)
@@ -223,8 +250,14 @@ class SaveSession:
         if failures:
             self.abort()
             raise _fail(self.storage, self.final, failures)
-        mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
-                "shapes": shapes or {}}
+        if self.v2:  # a summary: O(files), a tree digest and the PerRank values; never per piece
+            skeleton, values = split_tree(tree)
+            digest = hashlib.blake2b(jsonio.dumps(skeleton, sort_keys=False).encode(), digest_size=16).hexdigest()
+            mine: dict[str, Any] = {"files": self._files, "index": index, "tree_digest": digest,
+                                    "skeleton": skeleton if coord.is_coordinator else None, "per_rank_values": values}
+        else:
+            mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
+                    "shapes": shapes or {}}
         self._sent = True
         return coord.gather(mine, self.left())
 
@@ -247,11 +280,19 @@ class SaveSession:
                 nbytes = mf.decode(data, f"{self.storage.url}/{staging.final}/{mf.MANIFEST_NAME}").payload_bytes
             else:
                 with paused_gc():
-                    if tree is None:
+                    if tree is None and "skeleton" in results[0]:  # v2 summaries: digests, O(ranks)
+                        tree = join_trees(results[0]["skeleton"], [res["tree_digest"] for res in results],
+                                          [res["per_rank_values"] for res in results])
+                    elif tree is None:
                         one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
                         tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
-                    body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
-                                      staging.payload_prefix, tree=tree, metrics=metrics)
+                    if self.layout is not None:
+                        body = build_body_v2(results, self.layout, self.step, self.save_id, self.created,
+                                             staging.mode, metadata, staging.payload_prefix, tree=tree,
+                                             metrics=metrics)
+                    else:
+                        body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
+                                          staging.payload_prefix, tree=tree, metrics=metrics)
                     body["extra"] = extra or {}
                     data = encode_body(body)
                 nbytes = sum(size for _, size in body["files"])
@@ -375,7 +416,8 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
     """Every rank (collective: the plan), between ``begin`` and ``finish``: plan who writes
     what and write this rank's part (``rounds``: see :func:`persist`). Returns this rank's
     write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save."""
-    items = _plan(session, flat.items)
+    session.v2 = session.options.writes_v2(session.coord.world_size)
+    items = _plan(session, flat.items) if session.v2 else _plan_v1(session, flat.items)
     mine = {it.name for it in items}
     try:
         for rnd in [items] if rounds is None else rounds:
@@ -394,9 +436,8 @@ def _describe(it: TensorItem) -> PieceDesc:
                      dtype_name(t.dtype), it.global_shape)
 
 
-def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
-    """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
-    (the coordinator plans). Raises :class:`CommitError` on every rank when planning fails."""
+def _plan_v1(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
+    """Every rank (collective), format v1: every sharded piece is gathered and assigned."""
     coord = session.coord
     if coord.world_size <= 1:
         return items
@@ -417,3 +458,50 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
         session.abort()
         raise _fail(session.storage, session.final, {0: plan})
     return [rep[i] for i in plan.replicated] + [shd[i] for i in plan.sharded]
+
+
+def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
+    """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
+    (the coordinator plans) -- and, on the coordinator, ``session.layout`` (every tensor's
+    sharding for the v2 manifest). Sharded tensors that form a grid with cell ``k`` on rank
+    ``k`` are agreed on with :mod:`ckptlib.plan.grid` (a proposal out, a list of exceptions
+    back); only the pieces of the other tensors are gathered. Raises :class:`CommitError` on
+    every rank when planning fails."""
+    coord = session.coord
+    if coord.world_size <= 1:
+        session.layout = describe([], set(), [], [], [(0, _describe(it)) for it in items])
+        return items
+    rep = [it for it in items if it.replicated]
+    shd = [it for it in items if not it.replicated]
+    rep_desc = [_describe(it) for it in rep]
+    shd_desc = [_describe(it) for it in shd]
+    proposal = coord.agree(propose(shd_desc) if coord.is_coordinator else None, session.left())
+    odd = conform(proposal, shd_desc, coord.rank)
+    odd_set = set(odd)
+    grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
+    everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, odd, grid_bytes),
+                            session.left())
+    proposed_odd = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
+    union: set[str] = set(coord.agree(proposed_odd, session.left()))
+    mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
+    explicit = coord.gather([shd_desc[i] for i in mine_odd], session.left()) if union else [[]] * coord.world_size
+    plans: list[Any] | None = None
+    if coord.is_coordinator:
+        assert everyone is not None and explicit is not None
+        try:
+            got = assign(everyone[0][1], [e[0] for e in everyone], explicit, [e[3] for e in everyone])
+            writer = [0] * len(rep_desc)
+            for r, p in enumerate(got):
+                for i in p.replicated:
+                    writer[i] = r
+            chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
+            session.layout = describe(proposal, union, everyone[0][1], writer, chosen)
+            plans = [("ok", p) for p in got]
+        except PlanError as e:
+            plans = [("error", str(e))] * coord.world_size
+    status, plan = coord.scatter(plans, session.left())
+    if status == "error":
+        session.abort()
+        raise _fail(session.storage, session.final, {0: plan})
+    grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
+    return [rep[i] for i in plan.replicated] + grid + [shd[mine_odd[i]] for i in plan.sharded]

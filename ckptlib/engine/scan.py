@@ -21,7 +21,7 @@ from ckptlib.errors import (
 )
 from ckptlib.format import fence, layout
 from ckptlib.format.decode import decode
-from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, IndexRef, Manifest
 
 
 @dataclass(slots=True)
@@ -50,9 +50,11 @@ class StepInfo:
     None}``; a persistent status may also be ``pending`` or ``failed`` (its drain)."""
 
 
-def read_manifest(storage: Storage, folder: str) -> Manifest:
+def read_manifest(storage: Storage, folder: str, *, pieces: bool = True) -> Manifest:
     """Read and validate ``folder/manifest.json``; over ``MAX_MANIFEST_BYTES`` it is refused by
-    its size before opening and by the open file's size (never more than the limit is read)."""
+    its size before opening and by the open file's size (never more than the limit is read).
+    Format v2: ``pieces=True`` also loads every piece index file (engine/index_io.py);
+    ``pieces=False`` leaves that to the reader, which loads only the ones it needs."""
     path = join(folder, MANIFEST_NAME)
     where = f"{storage.url.rstrip('/')}/{path}"
     try:
@@ -67,7 +69,12 @@ def read_manifest(storage: Storage, folder: str) -> Manifest:
         record = fence.parse_abort(data, where)  # a failed save's fence (engine/commit.py)
         if record is None:
             with paused_gc():
-                return decode(data, where)
+                m = decode(data, where)
+            if pieces and not m.complete:
+                from ckptlib.engine.index_io import resolve
+
+                resolve(storage, folder, m)
+            return m
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
     except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt
@@ -83,7 +90,8 @@ def _check_size(size: int | None, where: str) -> None:
 
 
 def check_files(storage: Storage, folder: str, m: Manifest) -> None:
-    for f in m.files:
+    entries: list[FileEntry | IndexRef] = [*m.files, *m.indexes]  # payload files, then v2 index files
+    for f in entries:
         size = storage.size(join(folder, f.path))
         where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"
         if size is None:

@@ -29,6 +29,7 @@ from ckptlib.format import layout
 from ckptlib.format.build import PackMember, WrittenChunk, WrittenPack
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import NAMES, dtype_name
+from ckptlib.format.index_file import build_index
 
 ALIGN = 64
 PACK_MEMBER_MAX = 64 << 10  # tensors up to this size are packed together
@@ -239,3 +240,24 @@ def write_files(
     return files, chunks
 
 
+
+
+def write_index(
+    storage: Storage, prefix: str, rank: int, files: list[tuple[str, int]], written: list[WrittenChunk | WrittenPack]
+) -> dict[str, object] | None:
+    """Format v2: write this rank's piece index file (every chunk and pack in ``written``, which
+    lie in ``files``) under ``prefix``, durably. Called once per save by ``SaveSession.collect``
+    after the rank's payload writes, on the same thread. Returns its summary for the manifest
+    (``path``, ``size``, xxh3_64 ``checksum``, ``counts``), or None when the rank wrote nothing."""
+    if not written:
+        return None
+    built = build_index(files, written)
+    path = join(prefix, layout.index_name(rank))
+    stream = storage.open_write(path)
+    try:
+        stream.write(built.data)
+        stream.close()
+    except BaseException:
+        stream.abort()
+        raise
+    return {"path": path, "size": len(built.data), "checksum": checksum(built.data), "counts": built.counts}

@@ -1,4 +1,5 @@
-"""Building the v1 manifest: its body from what the ranks wrote, and its bytes. Pure.
+"""Building the manifest: its body from what the ranks wrote (v1: every chunk; v2: per-rank
+summaries, :func:`build_body_v2`), and its bytes. Pure.
 
 Who calls what:
 - each rank's writer (engine/writer.py) describes what it wrote as :class:`WrittenChunk` and
@@ -22,7 +23,6 @@ from ckptlib.format.checksum import DEFAULT_ALGORITHM, checksum
 from ckptlib.format.packed_table import TABLE_KEY, PackedTable
 from ckptlib.format.schema import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     Manifest,
     TensorEntry,
     check_metrics,
@@ -195,11 +195,59 @@ def encode(m: Manifest) -> bytes:
 def encode_body(body: dict[str, Any]) -> bytes:
     """The manifest file: a fixed head, the body's compact JSON, and ``}``.
 
-    The head carries the format marker, version and an xxh3-64 checksum of exactly the body's
-    bytes, so any change to the body is detected without re-serializing it.
+    The head carries the format marker, version (2 when the body has ``indexes``, else 1) and
+    an xxh3-64 checksum of exactly the body's bytes, so any change to the body is detected
+    without re-serializing it.
     """
     text = jsonio.dumps(body, sort_keys=False).encode("ascii")
-    return manifest_head(FORMAT_VERSION, checksum(text)) + text + b"}"
+    return manifest_head(2 if "indexes" in body else 1, checksum(text)) + text + b"}"
+
+
+_BODY_KEYS_V2 = ("step", "save_id", "created", "world_size", "commit", "checksum_algorithm", "library", "files",
+                 "index_schema", "indexes", "tensors", "tree", "metadata", "extra", "metrics")  # fmt: skip
+
+
+def build_body_v2(
+    results: Sequence[Mapping[str, Any]],
+    tensors: Mapping[str, Mapping[str, Any]],
+    step: int | None,
+    save_id: str,
+    created: float,
+    mode: str,
+    metadata: Any,
+    prefix: str,
+    *,
+    tree: Any,
+    metrics: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The v2 manifest body from every rank's summary. Coordinator only; O(ranks + tensors).
+
+    ``results[r]`` is rank r's summary: ``files`` (its payload ``(path, size)`` pairs) and
+    ``index`` (``{"path", "size", "checksum", "counts"}`` of its piece index file, or None when
+    it wrote nothing). ``tensors``: name -> ``{"dtype", "shape", **sharding}`` (the sharding from
+    :func:`ckptlib.format.sharding.grid_json` / ``boxes_json``), made by the save planner. No
+    per-piece record passes through here: pieces live in the ranks' index files.
+    """
+    from ckptlib.format.index_file import COUNTS, schema_json
+
+    strip = len(prefix) - len(prefix.rsplit("/", 1)[-1])
+    files: list[list[Any]] = []
+    indexes: list[list[Any]] = []
+    for rank, res in enumerate(results):
+        first = len(files)
+        files += [[path[strip:], size] for path, size in res["files"]]
+        idx = res.get("index")
+        if idx is not None:
+            counts = [idx["counts"][k] for k in COUNTS]
+            indexes.append([idx["path"][strip:], idx["size"], idx["checksum"], rank, first, len(files) - first, counts])
+    body = {
+        "step": step, "save_id": save_id, "created": created, "world_size": len(results), "commit": mode,
+        "checksum_algorithm": DEFAULT_ALGORITHM, "library": f"ckptlib {__version__}", "files": files,
+        "index_schema": schema_json(), "indexes": indexes, "tensors": tensors, "tree": tree, "metadata": metadata,
+        "extra": {}, "metrics": check_metrics(metrics),
+    }  # fmt: skip
+    assert tuple(body) == _BODY_KEYS_V2
+    return body
 
 
 def manifest_head(version: int, digest: str) -> bytes:

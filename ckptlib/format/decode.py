@@ -1,4 +1,4 @@
-"""Decoding the v1 manifest: parse and validate untrusted bytes. Pure.
+"""Decoding the manifest (v1, and v2 without its index files): parse and validate untrusted bytes. Pure.
 
 Called by the scanner and the reader (engine/scan.py, on whichever thread judges or loads a
 step) on bytes read from storage, and by the save flows to check what they are about to
@@ -14,6 +14,7 @@ naming what is wrong. The tree of non-tensor values is validated lazily by
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from ckptlib.format import jsonio
 from ckptlib.format.build import manifest_head
 from ckptlib.format.checksum import ALGORITHMS, checksum
 from ckptlib.format.dtypes import ITEMSIZE
+from ckptlib.format.index_file import check_counts, schema_json
 from ckptlib.format.packed_table import NO_TABLE, TABLE_KEY, check_members, decode_table
 from ckptlib.format.schema import (
     CODECS,
@@ -33,6 +35,7 @@ from ckptlib.format.schema import (
     MAX_ZSTD_RATIO,
     Chunk,
     FileEntry,
+    IndexRef,
     Manifest,
     Pack,
     Piece,
@@ -40,6 +43,7 @@ from ckptlib.format.schema import (
     check_metrics,
     volume,
 )
+from ckptlib.format.sharding import Sharding, decode_sharding
 from ckptlib.format.validate import MAX_SIZE, Checker
 
 _PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
@@ -85,10 +89,13 @@ def decode(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         or checksum(data[len(head) : -1]) != digest
     ):
         raise v.fail("manifest checksum mismatch (the manifest was modified or is damaged)")
+    if version == 2:
+        return _decode_body_v2(body, v)
     return _decode_body(body, v)
 
 
-def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
+def _common(body: dict[str, Any], v: Checker) -> tuple[Any, ...]:
+    """The body fields v1 and v2 share: step .. checksum_algorithm, files, metadata, extra."""
     step = body.get("step")
     if step is not None:
         v.int_(step, "step")
@@ -117,7 +124,21 @@ def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
             raise v.fail(f"payload path {path!r} listed twice or shadows the manifest")
         seen_paths.add(path)
         files.append(FileEntry(path, v.int_(f[1], f"files[{i}].size")))
+    extra = body.get("extra", {})
+    v.obj(extra, "extra")
+    return step, save_id, created, world_size, commit, algorithm, files, extra, seen_paths
 
+
+def _metrics(body: dict[str, Any], v: Checker) -> dict[str, float]:
+    """The step's user metrics (``keep_best``); absent in manifests written before metrics existed."""
+    try:
+        return check_metrics(v.obj(body.get("metrics", {}), "metrics"))
+    except ValueError as e:
+        raise v.fail(str(e)) from None
+
+
+def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
+    step, save_id, created, world_size, commit, algorithm, files, extra, _ = _common(body, v)
     ranges: list[list[tuple[int, int, str]]] = [[] for _ in files]
     packs = _decode_packs(body.get("packs", []), files, ranges, v)
     members: list[tuple[int, int, int, str]] = []
@@ -143,12 +164,7 @@ def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
             prev_end, prev_name = end, tname
 
     metadata = body.get("metadata")
-    extra = body.get("extra", {})
-    v.obj(extra, "extra")
-    try:  # absent in manifests written before metrics existed
-        metrics = check_metrics(v.obj(body.get("metrics", {}), "metrics"))
-    except ValueError as e:
-        raise v.fail(str(e)) from None
+    metrics = _metrics(body, v)
     return Manifest(
         step=step,
         save_id=save_id,
@@ -165,6 +181,57 @@ def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
         extra=extra,
         metrics=metrics,
     )
+
+
+def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
+    """A v2 body: tensors described once with their sharding, pieces in index files (not read
+    here: ``engine/index_io.py`` loads the ones a reader needs, validated by
+    ``format.sharding.check_index``). Everything here is O(ranks + tensors)."""
+    step, save_id, created, world_size, commit, algorithm, files, extra, seen = _common(body, v)
+    if body.get("index_schema") != schema_json():
+        raise v.fail("index_schema is not the one this ckptlib knows (written by a newer version?)")
+    indexes: list[IndexRef] = []
+    by_rank: set[int] = set()
+    for i, e in enumerate(v.lst(body.get("indexes"), "indexes")):
+        w = f"indexes[{i}]"
+        e = v.lst(e, w)
+        if len(e) != 7:
+            raise v.fail(f"{w} must be [path, size, checksum, rank, first_file, num_files, counts]")
+        path = check_path(v.str_(e[0], f"{w}.path", 600), v.where)
+        if path in seen or path == MANIFEST_NAME:
+            raise v.fail(f"index path {path!r} listed twice or shadows the manifest or a payload file")
+        seen.add(path)
+        size = v.int_(e[1], f"{w}.size")
+        digest = v.str_(e[2], f"{w}.checksum", 16)
+        if not re.fullmatch(r"[0-9a-f]{16}", digest):
+            raise v.fail(f"{w}.checksum must be 16 lowercase hex digits")
+        rank = v.int_(e[3], f"{w}.rank", 0, world_size - 1)
+        if rank in by_rank:
+            raise v.fail(f"{w}: rank {rank} has two index files")
+        by_rank.add(rank)
+        first = v.int_(e[4], f"{w}.first_file", 0, len(files))
+        nfiles = v.int_(e[5], f"{w}.num_files", 0, len(files) - first)
+        counts = check_counts(e[6], size, v, w)
+        indexes.append(IndexRef(path, size, digest, rank, first, nfiles, counts))
+    tensors: dict[str, TensorEntry] = {}
+    sharding: dict[str, Sharding] = {}
+    for name, t in v.obj(body.get("tensors"), "tensors").items():
+        v.str_(name, "tensor name", 4096)
+        t = v.obj(t, f"tensor {name!r:.200}")
+        dtype = t.get("dtype")
+        if type(dtype) is not str or dtype not in ITEMSIZE:
+            raise v.fail(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist")
+        shape = v.shape(t.get("shape"), f"tensor {name!r:.200} shape")
+        if volume(shape) * ITEMSIZE[dtype] > MAX_SIZE:
+            raise v.fail(f"tensor {name!r:.200}: declares more than 2^62 bytes")
+        sharding[name] = decode_sharding(name, t, shape, world_size, v)
+        tensors[name] = TensorEntry(dtype, shape, [], [])
+    return Manifest(
+        step=step, save_id=save_id, created=float(created), world_size=world_size, commit=commit, files=files,
+        tensors=tensors, tree=body.get("tree"), metadata=body.get("metadata"), packs=[], checksum_algorithm=algorithm,
+        library=str(body.get("library", ""))[:200], extra=extra, version=2, indexes=indexes, sharding=sharding,
+        metrics=_metrics(body, v),
+    )  # fmt: skip
 
 
 def _decode_packs(
@@ -214,7 +281,7 @@ def _decode_tensor(
         for j, p in enumerate(v.lst(raw_pieces, f"tensor {name!r:.200} packed")):
             pieces.append(_decode_piece(name, j, p, shape, itemsize, packs, members, v))
     if not (len(chunks) + len(pieces) == 1 and (chunks or pieces)[0].shape == shape):
-        _check_tiling(shape, [*chunks, *pieces], f"tensor {name!r:.200}", v)
+        check_tiling(shape, [*chunks, *pieces], f"tensor {name!r:.200}", v)
     return TensorEntry(dtype, shape, chunks, pieces)
 
 
@@ -319,7 +386,7 @@ def _decode_piece(
 _GRID_LIMIT = 1 << 22
 
 
-def _check_tiling(shape: tuple[int, ...], chunks: list[Chunk | Piece], what: str, v: Checker) -> None:
+def check_tiling(shape: tuple[int, ...], chunks: Sequence[Chunk | Piece], what: str, v: Checker) -> None:
     """Chunks must cover the tensor exactly once: no gaps (garbage) and no overlaps."""
     total = volume(shape)
     if total == 0:

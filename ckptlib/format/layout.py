@@ -48,5 +48,11 @@ def payload_name(rank: int, tag: str, index: int) -> str:
     return f"r{rank:05d}{tag}-{index}.bin"
 
 
+def index_name(rank: int) -> str:
+    """Format v2: ``rank``'s piece index file, ``r<rank, 5 digits>-index.bin`` (written once per
+    save by engine/writer.py ``write_index``; it matches :data:`PAYLOAD_RE` for the debris rules)."""
+    return f"r{rank:05d}-index.bin"
+
+
 def is_payload_name(name: str) -> bool:
     return PAYLOAD_RE.match(name) is not None

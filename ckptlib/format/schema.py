@@ -13,11 +13,12 @@ from typing import Any, NamedTuple
 
 from ckptlib.format.dtypes import ITEMSIZE
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Chunk", "FileEntry", "Manifest", "Pack", "Piece",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Chunk", "FileEntry", "IndexRef", "Manifest", "Pack", "Piece",
            "TensorEntry"]  # fmt: skip
 
 FORMAT_NAME = "ckptlib"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version this library reads; it writes 2 for ``persist`` saves, 1 for adapters."""
 MANIFEST_NAME = "manifest.json"
 CODECS = ("raw", "zstd", "zstd-shuffle")
 COMMIT_MODES = ("rename", "conditional_put", "put_verify")
@@ -104,6 +105,22 @@ class FileEntry:
     """Exact size in bytes; the scanner checks it against storage."""
 
 
+@dataclass(frozen=True, slots=True)
+class IndexRef:
+    """v2: one rank's piece index file (``format/index_file.py``)."""
+
+    path: str
+    """Relative to the step folder, like payload paths."""
+    size: int
+    checksum: str
+    """xxh3_64 hex digest of the whole file."""
+    rank: int
+    first_file: int
+    """The rank's payload files are ``files[first_file : first_file + num_files]``."""
+    num_files: int
+    counts: dict[str, int]
+
+
 @dataclass(slots=True)
 class Manifest:
     step: int | None
@@ -121,6 +138,19 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     """User metrics of this step (``save(..., metrics=)``): retention's ``keep_best`` ranks by them."""
+    version: int = 1
+    """``format_version`` as read (2: pieces live in :attr:`indexes`, loaded on demand)."""
+    indexes: list[IndexRef] = field(default_factory=list)
+    """v2: one piece index file per writing rank (empty for v1)."""
+    sharding: dict[str, Any] = field(default_factory=dict)
+    """v2: tensor name -> :class:`ckptlib.format.sharding.Sharding`."""
+    loaded: set[int] = field(default_factory=set)
+    """v2: positions in :attr:`indexes` whose pieces are in :attr:`tensors` / :attr:`packs`."""
+
+    @property
+    def complete(self) -> bool:
+        """True when every tensor's chunks and pieces are present (always for v1)."""
+        return len(self.loaded) == len(self.indexes)
 
     @property
     def payload_bytes(self) -> int:

@@ -52,7 +52,10 @@ def assign(
     replicated: Sequence[PieceDesc],
     digests: Sequence[str],
     sharded: Sequence[Sequence[PieceDesc]],
+    base_load: Sequence[int] | None = None,
 ) -> list[Plan]:
+    """Each distinct piece to one rank (module docstring). ``base_load[r]``: bytes rank r
+    writes anyway (its grid pieces, format v2), counted when balancing."""
     world = len(sharded)
     want = digest(replicated)
     for r, d in enumerate(digests):
@@ -65,7 +68,7 @@ def assign(
     meta: dict[str, tuple[str, tuple[int, ...]]] = {p.name: (p.dtype, p.global_shape) for p in replicated}
     rep_out: list[list[int]] = [[] for _ in range(world)]
     shard_out: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
+    load = list(base_load) if base_load is not None else [0] * world
     # Sharded pieces: a piece held by one rank is written by it (the common case, O(1) each);
     # pieces held by several ranks (replicas of a shard) go to the least-loaded holder.
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}

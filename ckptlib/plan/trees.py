@@ -54,3 +54,55 @@ def _merge(nodes: list[Any], path: str) -> Any:
                 "wrap per-rank values in ckptlib.PerRank"
             )
     return first
+
+
+# -- format v2: trees compared by digest, per-rank values gathered alone ----------------------
+
+
+def split(tree: Any) -> tuple[Any, list[Any]]:
+    """Every rank (v2 save): ``tree`` with each outermost ``per_rank`` node replaced by a
+    numbered slot, and the values of those nodes in slot order. Ranks whose states agree outside
+    ``PerRank`` values have equal skeletons, so the coordinator compares digests, not trees."""
+    values: list[Any] = []
+
+    def walk(n: Any) -> Any:
+        if isinstance(n, dict):
+            kind = n.get("t")
+            if kind == "per_rank":
+                values.append(n["v"])
+                return {"t": "per_rank", "slot": len(values) - 1}
+            if kind in ("dict", "list", "tuple"):
+                if kind == "dict":
+                    return {"t": kind, "items": [[k, walk(v)] for k, v in n["items"]]}
+                return {"t": kind, "items": [walk(v) for v in n["items"]]}
+            if kind == "stateful":
+                return {**n, "v": walk(n["v"])}
+        return n
+
+    return walk(tree), values
+
+
+def join(skeleton: Any, digests: list[str], values: list[list[Any]]) -> Any:
+    """Coordinator (v2 save): the merged tree from rank 0's skeleton, every rank's skeleton
+    digest and per-rank values: O(ranks) checks plus the per-rank values themselves."""
+    for r, d in enumerate(digests):
+        if d != digests[0] or len(values[r]) != len(values[0]):
+            raise TreeMismatch(
+                f"rank {r}'s state differs from rank 0's outside ckptlib.PerRank values (its structure "
+                "or a plain value); wrap per-rank values in ckptlib.PerRank"
+            )
+
+    def walk(n: Any) -> Any:
+        if isinstance(n, dict):
+            kind = n.get("t")
+            if kind == "per_rank":
+                return {"t": "per_rank", "ranks": [vs[n["slot"]] for vs in values]}
+            if kind in ("dict", "list", "tuple"):
+                if kind == "dict":
+                    return {"t": kind, "items": [[k, walk(v)] for k, v in n["items"]]}
+                return {"t": kind, "items": [walk(v) for v in n["items"]]}
+            if kind == "stateful":
+                return {**n, "v": walk(n["v"])}
+        return n
+
+    return walk(skeleton)

@@ -104,7 +104,10 @@ def save_local(
     coord, local = coordinator, tier.storage
     topo = tier.topo(coord, options.timeout)
     meta_tree = encode_metadata(metadata)
-    opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout, overwrite=True)
+    # Format v1 on the local tier: drains, replicas and restore move the files the manifest lists
+    # (v2's piece index files are not among them yet).
+    opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout, overwrite=True,
+                       format_version=1)
     session = SaveSession.begin(local, final, step=step, options=opts, coordinator=coord, save_id=save_id,
                                 created=created)
     leader = topo.is_leader(coord.rank) and not coord.is_coordinator

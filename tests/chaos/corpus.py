@@ -81,7 +81,7 @@ SAVE_ID = "c0ffee00" * 4  # fixed save id of the templates (the corpus is determ
 CREATED = 1_700_000_000.0
 METADATA = {"run": "corpus", "seed": 1234}
 CORRUPT = ("CorruptCheckpointError",)
-TEMPLATE_NAMES = ("raw", "zstd")
+TEMPLATE_NAMES = ("raw", "zstd", "v2")
 
 
 # --------------------------------------------------------------------------- manifest editing
@@ -680,8 +680,8 @@ def _entries() -> list[Entry]:
         E(
             "version-future",
             "version",
-            "format_version 2 (checksum valid)",
-            lambda ck: write_body(ck, body_of(ck), format_version=2),
+            "format_version 3 (checksum valid)",
+            lambda ck: write_body(ck, body_of(ck), format_version=3),
             expect=("ManifestVersionError",),
         ),
         E(
@@ -1777,7 +1777,7 @@ UNIT_ENTRIES: list[Entry] = [
     unit("bit-flip-in-manifest", flip_in_manifest_body, "checksum mismatch|save_id"),
     unit("checksum-not-string", raw_manifest(text_sub('"checksum":"xxh3_64:', '"checksum":5,"x":"')), "checksum"),
     unit("format-marker", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), fmt="other")), "format marker"),
-    unit("version-2", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=2)), "format_version 2 is newer", error=ckptlib.ManifestVersionError),
+    unit("version-3", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=3)), "format_version 3 is newer", error=ckptlib.ManifestVersionError),
     unit("version-10**6", lambda f: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=10**6)), "newer", error=ckptlib.ManifestVersionError),
     *[
         unit(f"version-{v!r}", lambda f, v=v: write_manifest_bytes(f, encode_manifest(body_of(f), format_version=v)), "format_version")
@@ -1968,7 +1968,188 @@ UNIT_ENTRIES: list[Entry] = [
 ]
 
 
-ENTRIES: list[Entry] = _entries() + UNIT_ENTRIES
+# --------------------------------------------------------------------------- format v2 index files
+# The "v2" template is the raw template's state saved in format v2 (one piece index file);
+# tampering with an index file recomputes its checksum and the manifest's record of it (size,
+# checksum, counts) unless the entry is about exactly that, so the validation behind has to act.
+
+
+def v2_write(ck: Path, body: dict[str, Any]) -> None:
+    write_body(ck, body, format_version=2)
+
+
+def v2_edit_body(fn: Callable[[dict[str, Any]], Any]) -> Callable[[Path], None]:
+    def tamper(ck: Path) -> None:
+        body = body_of(ck)
+        fn(body)
+        v2_write(ck, body)
+
+    return tamper
+
+
+def v2_index_path(ck: Path, body: dict[str, Any]) -> Path:
+    return ck / body["indexes"][0][0]
+
+
+def v2_columns(data: bytes, counts: list[int]) -> dict[str, Any]:
+    """An index file's columns as numpy arrays (the layout of ``format/index_file.py``)."""
+    import numpy as np
+
+    from ckptlib.format.index_file import COUNTS, MAGIC, SCHEMA
+
+    c = dict(zip(COUNTS, counts, strict=True))
+    cols, pos = {}, len(MAGIC)
+    for name, dt, spec in SCHEMA:
+        n = 2 * c[spec[2:]] if spec.startswith("2*") else c[spec]
+        cols[name] = np.frombuffer(data, dtype=dt, count=n, offset=pos).copy()
+        pos += cols[name].nbytes
+    return cols
+
+
+def v2_index_edit(fn: Callable[[dict[str, Any]], Any], *, keep_record: bool = False) -> Callable[[Path], str]:
+    """Edit the index file's columns (``fn`` may replace arrays, changing their lengths: the
+    counts follow), write it, and record its new size/checksum/counts in the manifest."""
+
+    def tamper(ck: Path) -> str:
+        from ckptlib.format.index_file import COUNTS, MAGIC, SCHEMA
+
+        body = body_of(ck)
+        entry = body["indexes"][0]
+        path = v2_index_path(ck, body)
+        cols = v2_columns(path.read_bytes(), entry[6])
+        fn(cols)
+        counts = {"names": len(cols["name_end"]), "name_bytes": len(cols["name_bytes"]),
+                  "chunks": len(cols["chunk_start"]), "chunk_dims": len(cols["chunk_box"]) // 2,
+                  "packs": len(cols["pack_start"]), "members": len(cols["member_offset"]),
+                  "member_dims": len(cols["member_box"]) // 2}
+        data = MAGIC + b"".join(cols[n].astype(dt).tobytes() for n, dt, _ in SCHEMA)
+        path.write_bytes(data)
+        if not keep_record:
+            entry[1], entry[2], entry[6] = len(data), checksum(data), [counts[k] for k in COUNTS]
+            v2_write(ck, body)
+        return path.name
+
+    return tamper
+
+
+def v2_raw_index(fn: Callable[[bytes], bytes], *, fix_checksum: bool = True) -> Callable[[Path], str]:
+    """Replace the index file's bytes; the manifest keeps its size (and, unless
+    ``fix_checksum``, its checksum), so the size or checksum check must refuse it."""
+
+    def tamper(ck: Path) -> str:
+        body = body_of(ck)
+        path = v2_index_path(ck, body)
+        data = fn(path.read_bytes())
+        path.write_bytes(data)
+        if fix_checksum and len(data) == body["indexes"][0][1]:
+            body["indexes"][0][2] = checksum(data)
+            v2_write(ck, body)
+        return path.name
+
+    return tamper
+
+
+def _set(name: str, i: int, value: int) -> Callable[[dict[str, Any]], None]:
+    def edit(cols: dict[str, Any]) -> None:
+        cols[name][i] = value
+
+    return edit
+
+
+def _dup_first_chunk(cols: dict[str, Any]) -> None:
+    """A second chunk record over the first one's bytes and box (overlapping pieces)."""
+    import numpy as np
+
+    nd = int(cols["chunk_ndim"][0])
+    for name in ("chunk_start", "chunk_length", "chunk_checksum", "chunk_tensor", "chunk_file", "chunk_codec",
+                 "chunk_ndim"):
+        cols[name] = np.concatenate((cols[name], cols[name][:1]))
+    cols["chunk_box"] = np.concatenate((cols["chunk_box"], cols["chunk_box"][: 2 * nd]))
+
+
+def _split_overlapping(cols: dict[str, Any]) -> None:
+    """Chunk 0 cut in two records over disjoint halves of its bytes whose boxes overlap (rows
+    0-31 and 16-47 of a 64-row chunk): byte ranges are fine, the boxes do not tile the tensor."""
+    import numpy as np
+
+    nd = int(cols["chunk_ndim"][0])
+    start, length = int(cols["chunk_start"][0]), int(cols["chunk_length"][0])
+    rows = int(cols["chunk_box"][nd])
+    half = length // 2
+    box = cols["chunk_box"][: 2 * nd].copy()
+    box[nd] = rows // 2
+    second = box.copy()
+    second[0] = rows // 4
+    for name in ("chunk_checksum", "chunk_tensor", "chunk_file", "chunk_codec", "chunk_ndim"):
+        cols[name] = np.concatenate((cols[name][:1], cols[name]))
+    cols["chunk_start"] = np.concatenate(([start, start + half], cols["chunk_start"][1:]))
+    cols["chunk_length"] = np.concatenate(([half, half], cols["chunk_length"][1:]))
+    cols["chunk_box"] = np.concatenate((box, second, cols["chunk_box"][2 * nd :]))
+
+
+def _split_grid(body: dict[str, Any]) -> None:
+    """A grid whose cells the ranks cannot hold: two cells of /big on a one-rank save."""
+    t = body["tensors"]["/big"]
+    t["grid"] = [32, 1024]
+    t["ranks"] = [0, 1]
+
+
+def _overlapping_boxes(body: dict[str, Any]) -> None:
+    t = body["tensors"]["/big"]
+    t.pop("grid"), t.pop("ranks")
+    t["boxes"] = [[0, [0, 0], [64, 1024]], [0, [32, 0], [32, 1024]]]
+
+
+def _gap_boxes(body: dict[str, Any]) -> None:
+    t = body["tensors"]["/big"]
+    t.pop("grid"), t.pop("ranks")
+    t["boxes"] = [[0, [0, 0], [32, 1024]]]
+
+
+def _v2_entries() -> list[Entry]:
+    def V(name: str, what: str, tamper: Callable[[Path], Any], match: str = "", **kw: Any) -> Entry:
+        return Entry(f"v2-{name}", "v2-index", what, tamper, template="v2", match=match, **kw)
+
+    huge = 1 << 60
+    return [
+        V("index-truncated", "index file cut in half (manifest records the full size)",
+          v2_raw_index(lambda d: d[: len(d) // 2])),
+        V("index-empty", "index file emptied", v2_raw_index(lambda d: b"")),
+        V("index-missing", "index file deleted", lambda ck: v2_index_path(ck, body_of(ck)).unlink()),
+        V("index-bit-flip", "one bit flipped in the index file (manifest checksum kept)",
+          v2_raw_index(lambda d: d[:20] + bytes([d[20] ^ 4]) + d[21:], fix_checksum=False)),
+        V("index-bad-magic", "index magic replaced (checksum recomputed)",
+          v2_raw_index(lambda d: b"NOTANIDX" + d[8:])),
+        V("index-absurd-counts", "manifest counts claim 2^60 chunks",
+          v2_edit_body(lambda b: b["indexes"][0][6].__setitem__(2, huge))),
+        V("index-absurd-size", "manifest records a 2^62-byte index with matching counts",
+          v2_edit_body(lambda b: b["indexes"][0].__setitem__(1, 1 << 62))),
+        V("index-schema-changed", "index_schema lists another column order",
+          v2_edit_body(lambda b: b["index_schema"].reverse())),
+        V("index-absurd-dim", "a chunk box dimension of 2^60",
+          v2_index_edit(lambda c: c["chunk_box"].__setitem__(1 + int(c["chunk_ndim"][0]), huge))),
+        V("index-offset-past-file", "a chunk starts past the end of its payload file",
+          v2_index_edit(_set("chunk_start", 0, 1 << 40))),
+        V("index-pack-past-file", "a pack's length runs past the end of its payload file",
+          v2_index_edit(_set("pack_length", 0, 1 << 40))),
+        V("index-overlapping-pieces", "a chunk listed twice (same bytes, same box)", v2_index_edit(_dup_first_chunk)),
+        V("index-boxes-overlap", "chunk 0 cut into two records whose boxes overlap and leave a gap",
+          v2_index_edit(_split_overlapping)),
+        V("index-member-past-pack", "a packed piece starts past the end of its pack",
+          v2_index_edit(_set("member_offset", 0, 1 << 40))),
+        V("index-bad-tensor-ref", "a chunk names tensor 10^6 of a short name table",
+          v2_index_edit(_set("chunk_tensor", 0, 1_000_000))),
+        V("index-bad-codec", "a chunk codec id of 200", v2_index_edit(_set("chunk_codec", 0, 200))),
+        V("index-bad-name-utf8", "a tensor name in the index is not UTF-8",
+          v2_index_edit(lambda c: c["name_bytes"].__setitem__(0, 0xFF))),
+        V("grid-does-not-tile-ranks", "a grid of two cells on a one-rank save", v2_edit_body(_split_grid)),
+        V("boxes-overlap", "explicit boxes that overlap", v2_edit_body(_overlapping_boxes)),
+        V("boxes-gap", "explicit boxes that leave half the tensor uncovered", v2_edit_body(_gap_boxes)),
+    ]
+
+
+V2_ENTRIES = _v2_entries()
+ENTRIES: list[Entry] = _entries() + UNIT_ENTRIES + V2_ENTRIES
 BY_NAME: dict[str, Entry] = {e.name: e for e in ENTRIES}
 
 
@@ -2042,17 +2223,27 @@ def make_templates(out: Path) -> dict[str, Path]:
         root = out / name
         if root.exists():
             shutil.rmtree(root)
-        with ckptlib.CheckpointManager(
-            root, async_save=False, compression=None if name == "raw" else "zstd"
-        ) as m:
-            m.save(STEP, base_state(), metadata=METADATA)
+        old_env = os.environ.get("CKPTLIB_FORMAT_VERSION")
+        os.environ["CKPTLIB_FORMAT_VERSION"] = "2" if name == "v2" else "1"
+        try:
+            with ckptlib.CheckpointManager(
+                root, async_save=False, compression="zstd" if name == "zstd" else None
+            ) as m:
+                m.save(STEP, base_state(), metadata=METADATA)
+        finally:
+            if old_env is None:
+                os.environ.pop("CKPTLIB_FORMAT_VERSION")
+            else:
+                os.environ["CKPTLIB_FORMAT_VERSION"] = old_env
         ck = root / STEP_DIR
         body = body_of(ck)
         old = body["save_id"]
         (ck / old).rename(ck / SAVE_ID)
         body["save_id"], body["created"] = SAVE_ID, CREATED
         body["files"] = [[p.replace(old, SAVE_ID, 1), s] for p, s in body["files"]]
-        write_body(ck, body)
+        for ix in body.get("indexes", ()):
+            ix[0] = ix[0].replace(old, SAVE_ID, 1)
+        write_body(ck, body, format_version=2 if "indexes" in body else 1)
         marker = ck / ".ckptlib"
         if marker.exists():
             marker.write_text(json.dumps({"save_id": SAVE_ID, "created": CREATED}))

@@ -85,15 +85,14 @@ def _job(
 def _flip_payload_bit(step_dir: Path, writer_rank: int) -> str:
     """Flip one bit inside the largest checksummed range of a payload file written by
     ``writer_rank``; returns the file's path relative to the step folder."""
-    m = json.loads((step_dir / "manifest.json").read_text())["body"]
-    files = m["files"]
+    from ckptlib.backends import open_storage
+    from ckptlib.engine.scan import read_manifest
+
+    m = read_manifest(open_storage(str(step_dir.parent)), step_dir.name)  # v1, or v2 with its index files
+    files = [[f.path, f.size] for f in m.files]
     want = f"r{writer_rank:05d}-"
-    ranges = []  # (length, file index, start)
-    for p in m.get("packs", []):
-        ranges.append((p[2], p[0], p[1]))
-    for t in m["tensors"].values():
-        for c in t.get("chunks", []):
-            ranges.append((c[2], c[0], c[1]))
+    ranges = [(p.length, p.file, p.start) for p in m.packs]  # (length, file index, start)
+    ranges += [(c.length, c.file, c.start) for t in m.tensors.values() for c in t.chunks]
     ranges = [r for r in ranges if os.path.basename(files[r[1]][0]).startswith(want)]
     assert ranges, f"no payload written by rank {writer_rank} in {step_dir}"
     length, fidx, start = max(ranges)

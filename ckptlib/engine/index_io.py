@@ -1,0 +1,101 @@
+"""Loading format v2 piece index files into a manifest: all of them, or only those a read needs.
+
+Called on the caller's thread by :func:`ckptlib.engine.scan.read_manifest` (``pieces=True``:
+every index file, for tools that walk every chunk: verify, inspect, views) and by
+:func:`ckptlib.engine.load.run_plan` (only the index files whose ranks hold boxes overlapping the
+read requests, found from each tensor's sharding in time proportional to the cells a request
+overlaps). Each index file is read once per manifest (``Manifest.loaded``), its size and
+checksum checked against the manifest before it is parsed, then validated and merged by
+``format.sharding.check_index``. Bad input raises :class:`CorruptCheckpointError` naming the
+index file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import cache
+
+from ckptlib.backends import Storage, join
+from ckptlib.engine.gc_pause import paused_gc
+from ckptlib.errors import CorruptCheckpointError
+from ckptlib.format.checksum import checksum
+from ckptlib.format.dtypes import ITEMSIZE
+from ckptlib.format.index_file import decode_index
+from ckptlib.format.schema import IndexRef, Manifest, volume
+from ckptlib.format.sharding import Sharding, check_index
+from ckptlib.format.validate import Checker
+
+Want = tuple[str, tuple[int, ...], tuple[int, ...]]
+"""A box of a tensor a reader needs: ``(name, offset, shape)``."""
+
+
+def resolve(storage: Storage, folder: str, m: Manifest, wants: Iterable[Want] | None = None) -> int:
+    """Load into ``m`` the index files that hold pieces overlapping ``wants`` (None: every
+    index file, and every tensor checked to be covered). Returns how many files were read."""
+    if m.version < 2 or m.complete:
+        return 0
+    by_rank = {ix.rank: i for i, ix in enumerate(m.indexes)}
+    where = f"{storage.url.rstrip('/')}/{join(folder, 'manifest.json')}"
+    need: set[int] = set()
+    if wants is None:
+        need = set(range(len(m.indexes)))
+        have = frozenset(by_rank)
+
+        @cache  # grids with the same ranks share one answer: O(ranks x distinct layouts)
+        def lacking(first: int, step: int, ncells: int) -> frozenset[int]:
+            return frozenset(range(first, first + ncells * step, step) if step else (first,)) - have
+
+        for name, sh in m.sharding.items():
+            if sh.block is not None:
+                missing = lacking(sh.first, sh.step, volume(sh.counts))
+            else:
+                missing = frozenset(sh.ranks_held()) - have
+            if missing:
+                raise CorruptCheckpointError(
+                    f"tensor {name!r:.200} is held by rank {min(missing)}, which has no index file", where
+                )
+    else:
+        for name, offset, shape in wants:
+            for r in m.sharding[name].ranks_for(offset, shape):
+                i = by_rank.get(r)
+                if i is None:
+                    raise CorruptCheckpointError(
+                        f"tensor {name!r:.200} is held by rank {r}, which has no index file", where
+                    )
+                need.add(i)
+    need -= m.loaded
+    if not need:
+        return 0
+    tensors = {n: (e.dtype, e.shape, m.sharding[n]) for n, e in m.tensors.items()}
+    with paused_gc():
+        for i in sorted(need):
+            _load_one(storage, folder, m, i, tensors)
+    return len(need)
+
+
+def _load_one(storage: Storage, folder: str, m: Manifest, i: int,
+              tensors: dict[str, tuple[str, tuple[int, ...], Sharding]]) -> None:
+    ix: IndexRef = m.indexes[i]
+    path = join(folder, ix.path)
+    where = f"{storage.url.rstrip('/')}/{path}"
+    try:
+        with storage.open_read(path) as h:
+            if h.size != ix.size:
+                raise CorruptCheckpointError(f"index file is {h.size} bytes, the manifest records {ix.size}", where)
+            data = h.read(0, ix.size)
+    except FileNotFoundError:
+        raise CorruptCheckpointError("index file is missing", where) from None
+    if len(data) != ix.size:
+        raise CorruptCheckpointError(f"short read: {len(data)} of {ix.size} bytes", where)
+    if checksum(data) != ix.checksum:
+        raise CorruptCheckpointError("index file checksum mismatch (modified or damaged)", where)
+    v = Checker(where)
+    files = m.files[ix.first_file : ix.first_file + ix.num_files]
+    table = decode_index(data, ix.counts, len(files), [f.size for f in files], m.checksum_algorithm, v)
+    got = check_index(table, ix.rank, ix.first_file, len(m.packs), tensors, ITEMSIZE, m.checksum_algorithm, v)
+    m.packs.extend(got.packs)
+    for name, chunks in got.chunks.items():
+        m.tensors[name].chunks.extend(chunks)
+    for name, pieces in got.pieces.items():
+        m.tensors[name].pieces.extend(pieces)
+    m.loaded.add(i)
