@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .argtypes import int_at_least
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -32,20 +34,6 @@ def parse_storage_option(text: str) -> tuple[str, Any]:
     except ValueError:
         value = raw
     return key, value
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
 
 
 def _common_options(prefix: str, default: Any) -> argparse.ArgumentParser:
@@ -105,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "and tensors (name, dtype, shape, sharding, bytes) of the newest committed "
                        "step, step N, or a single checkpoint folder.")
     p.add_argument("url", metavar="URL", help=url_help)
-    p.add_argument("--step", type=_int_at_least(0), metavar="N", help="inspect step N")
+    p.add_argument("--step", type=int_at_least(0), metavar="N", help="inspect step N")
 
     p = sub.add_parser("verify", parents=[common], help="deep-check checksums (exit 1 if bad)",
                        description="Read every chunk and check its checksum and compressed size "
@@ -113,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "if everything checked is good, 1 if a step is corrupt or incomplete.")
     p.add_argument("url", metavar="URL", help=url_help)
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=_int_at_least(0), metavar="N", help="verify step N")
+    which.add_argument("--step", type=int_at_least(0), metavar="N", help="verify step N")
     which.add_argument("--all", action="store_true",
                        help="verify every step (any step that is not committed fails)")
 
@@ -125,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "With --verify, kept steps are deep-checked first and a corrupt one never "
                        "counts as kept.")
     p.add_argument("url", metavar="URL", help="checkpoint root (local path or fsspec URL)")
-    p.add_argument("--keep-last", type=_int_at_least(1), required=True, metavar="N",
+    p.add_argument("--keep-last", type=int_at_least(1), required=True, metavar="N",
                    help="keep the newest N committed steps")
-    p.add_argument("--keep-every", type=_int_at_least(1), metavar="K",
+    p.add_argument("--keep-every", type=int_at_least(1), metavar="K",
                    help="also keep steps divisible by K")
     p.add_argument("--verify", action="store_true",
                    help="deep-check (checksums) every step it would keep, newest first; a step "

@@ -14,6 +14,7 @@ import argparse
 import math
 from typing import Any
 
+from .argtypes import int_at_least
 from .output import CliError, Output
 
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -39,20 +40,6 @@ def _number(low: float, *, inclusive: bool = False, suffixes: bool = False) -> A
     return parse
 
 
-def _count(low: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = "integer"
-    return parse
-
-
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "plan", parents=[common], help="recommend checkpoint intervals for a cluster (simulated)",
@@ -63,7 +50,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--params", type=_number(0, suffixes=True), required=True, metavar="P",
                    help="model parameters, e.g. 100B, 7e9")
-    p.add_argument("--gpus", type=_count(1), required=True, metavar="G", help="GPUs in the job")
+    p.add_argument("--gpus", type=int_at_least(1), required=True, metavar="G", help="GPUs in the job")
     rate = p.add_mutually_exclusive_group(required=True)
     rate.add_argument("--mtbf-hours", type=_number(0), metavar="H",
                       help="mean time between failures of the whole job, hours")
@@ -71,14 +58,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                       help="failures per GPU-hour (job MTBF = 1 / (R x G)); e.g. 2e-5")
     p.add_argument("--bytes-per-param", type=_number(0), default=16.0, metavar="B",
                    help="checkpoint bytes per parameter (default 16: weights + fp32 master + Adam)")
-    p.add_argument("--gpus-per-node", type=_count(1), default=8, metavar="N", help="default 8")
+    p.add_argument("--gpus-per-node", type=int_at_least(1), default=8, metavar="N", help="default 8")
     p.add_argument("--snapshot-gbps", type=_number(0), default=10.0, metavar="GBPS",
                    help="per-GPU device-to-host copy rate, GB/s: estimates the stall (default 10)")
     p.add_argument("--persistent-gbps", type=_number(0), default=20.0, metavar="GBPS",
                    help="aggregate write/read bandwidth of the persistent tier, GB/s (default 20)")
     p.add_argument("--local-gbps", type=_number(0), metavar="GBPS",
                    help="per-node bandwidth of a node-local tier, GB/s (enables the tiered plan)")
-    p.add_argument("--replicas", type=_count(0), default=1, metavar="K",
+    p.add_argument("--replicas", type=int_at_least(0), default=1, metavar="K",
                    help="local tier: copies of each node's bytes on other nodes (default 1)")
     p.add_argument("--local-loss-fraction", type=_number(0, inclusive=True), default=0.1, metavar="F",
                    help="local tier: fraction of failures that also lose the local copies (default 0.1)")
@@ -91,9 +78,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    "(default: from the bandwidths)")
     p.add_argument("--step-seconds", type=_number(0), metavar="S",
                    help="time of one training step: also print intervals in steps")
-    p.add_argument("--failures", type=_count(100), default=5000, metavar="N",
+    p.add_argument("--failures", type=int_at_least(100), default=5000, metavar="N",
                    help="simulated failures per plan (default 5000)")
-    p.add_argument("--seed", type=_count(0), default=0, metavar="N", help="simulation seed (default 0)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, metavar="N", help="simulation seed (default 0)")
     p.set_defaults(url="")
 
 

@@ -81,7 +81,7 @@ def _load_one(storage: Storage, folder: str, m: Manifest, i: int,
     try:
         with storage.open_read(path) as h:
             if h.size != ix.size:
-                raise CorruptCheckpointError(f"index file is {h.size} bytes, the manifest records {ix.size}", where)
+                raise CorruptCheckpointError(f"index file size is {h.size} bytes, manifest records {ix.size}", where)
             data = h.read(0, ix.size)
     except FileNotFoundError:
         raise CorruptCheckpointError("index file is missing", where) from None
