@@ -162,3 +162,42 @@ def test_fsspec_backend(memory_url: str) -> None:
     with ckptlib.open(memory_url + "/ck") as ck:
         assert_tensor_equal(ck.read("/w", (slice(10, 20), slice(None, None, 2))), w[10:20, ::2])
         assert ck.load()["n"] == 3
+
+
+def test_open_says_what_to_pass_instead(tmp_path: Path) -> None:
+    """A file, a parent of checkpoint folders, an empty folder, an unrelated folder and a run root
+    of damaged steps each get a message naming what is there and what to pass."""
+    ckptlib.save({"a": torch.ones(3)}, tmp_path / "runs" / "ck")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("hi")
+    mgr = ckptlib.CheckpointManager(tmp_path / "root")
+    mgr.save(5, {"a": torch.ones(2)}).wait()
+    mgr.close()
+    (tmp_path / "root" / step_dir(5) / "manifest.json").write_bytes(b"{}")
+    cases = {
+        tmp_path / "runs" / "ck" / "manifest.json": ["is a file", "checkpoint folder"],
+        tmp_path / "runs": ["checkpoint folders inside it (ck)", str(tmp_path / "runs" / "ck")],
+        tmp_path / "empty": ["empty folder"],
+        tmp_path / "junk": ["neither manifest.json nor step folders"],
+        tmp_path / "root": ["step 5: corrupt"],
+    }
+    for url, words in cases.items():
+        with pytest.raises(ckptlib.CheckpointNotFoundError) as e:
+            ckptlib.open(url)
+        for w in words:
+            assert w in str(e.value), (url, str(e.value))
+
+
+def test_open_hints_on_object_stores(memory_url: str, moto_s3) -> None:
+    from backends.servers import S3_BUCKET
+
+    s3 = f"s3://{S3_BUCKET}/open-hints-{memory_url[-8:]}"
+    for url, opts in ((memory_url, None), (s3, moto_s3.storage_options())):
+        ckptlib.save({"a": torch.arange(4.0)}, f"{url}/parent/ck", storage_options=opts)
+        with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"checkpoint folders inside it \(ck\)"):
+            ckptlib.open(f"{url}/parent", storage_options=opts)
+        with pytest.raises(ckptlib.CheckpointNotFoundError, match="is a file"):
+            ckptlib.open(f"{url}/parent/ck/manifest.json", storage_options=opts)
+        with ckptlib.open(f"{url}/parent/ck", storage_options=opts) as ck:
+            assert ck.read("/a").tolist() == [0.0, 1.0, 2.0, 3.0]

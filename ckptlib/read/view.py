@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptlib.backends import Storage, join, open_storage
-from ckptlib.engine import hugepages
+from ckptlib.engine import hugepages, target
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.reader import Reader, Request
-from ckptlib.engine.scan import check_files, check_step, read_manifest, scan
+from ckptlib.engine.scan import StepInfo, check_files, check_step, read_manifest, scan
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
@@ -31,6 +31,30 @@ from ckptlib.read.index import Index, plan_box
 
 BLOCK_BYTES = 32 << 20
 """Largest block :meth:`CheckpointView.blocks` reads at once (bounds export/diff memory)."""
+
+
+def _nothing_committed(storage: Storage, infos: list[StepInfo]) -> str:
+    """The message for a root :func:`open_view` found no committed step in, saying what is
+    there and what to pass instead (a run root of damaged steps, an empty or unrelated folder,
+    a parent of checkpoint folders)."""
+    where = storage.url.rstrip("/")
+    if infos:
+        shown = "; ".join(f"step {i.step}: {i.status} ({i.reason})" for i in infos[:3])
+        more = f"; and {len(infos) - 3} more" if len(infos) > 3 else ""
+        return f"no committed checkpoint under {where}: {shown}{more}"
+    t = target.judge(storage, "")
+    if t.kind == "empty":
+        return f"{where} is an empty folder: no checkpoint was saved there"
+    inside = [e.name for e in storage.listdir("")[:_PEEK]
+              if e.is_dir and storage.size(join(e.name, MANIFEST_NAME)) is not None]
+    if inside:
+        return (f"{where} holds no checkpoint itself but checkpoint folders inside it "
+                f"({', '.join(sorted(inside))}); pass one of them, e.g. {where}/{sorted(inside)[0]}")
+    return f"no committed checkpoint under {where} (it holds neither {MANIFEST_NAME} nor step folders)"
+
+
+_PEEK = 50
+"""How many entries of an unrelated folder :func:`_nothing_committed` looks into."""
 
 
 class TensorInfo(NamedTuple):
@@ -157,6 +181,10 @@ def open_view(
     such committed step, :class:`CorruptCheckpointError` for a bad manifest or payload size."""
     storage = open_storage(url, storage_options)
     try:
+        if storage.size("") is not None:  # the URL names a file (manifest.json, a payload)
+            raise CheckpointNotFoundError(
+                f"{storage.url} is a file; pass the checkpoint folder (the one holding {MANIFEST_NAME}) "
+                "or the run root above it")
         if storage.size(MANIFEST_NAME) is not None:
             m = read_manifest(storage, "")
             if step is not None and m.step != step:
@@ -167,9 +195,10 @@ def open_view(
             if info.manifest is None:
                 raise CheckpointNotFoundError(f"step {step} under {storage.url} is {info.status}: {info.reason}")
         else:
-            committed = [i for i in scan(storage) if i.status == "committed" and i.manifest is not None]
+            infos = scan(storage)
+            committed = [i for i in infos if i.status == "committed" and i.manifest is not None]
             if not committed:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
+                raise CheckpointNotFoundError(_nothing_committed(storage, infos))
             info = committed[0]
         assert info.manifest is not None
         return CheckpointView(storage, info.path, info.manifest, verify=verify)
