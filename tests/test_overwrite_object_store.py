@@ -304,8 +304,8 @@ def test_posix_fence_puts_back_the_step_a_frozen_overwrite_moved_aside(tmp_path)
     st = commit.begin(storage, STEP, "cd" * 16, overwrite=True)
     storage.rename(STEP, layout.del_dir(STEP, st.save_id))  # what _clear_target does, then "froze"
     assert commit.fence(storage, STEP, st.save_id, 1, "gave up") == commit.FENCED
-    assert [(i.step, i.status, i.save_id) for i in scan(storage)] == [
-        (1, "committed", old_id), (1, "incomplete", st.save_id)]  # the fenced save's abort folder
+    assert [(i.step, i.status, i.save_id) for i in scan(storage)] == [(1, "committed", old_id)]
+    assert storage.exists(f"{STEP}.abort-{st.save_id}") and not storage.exists(layout.del_dir(STEP, st.save_id))
     with pytest.raises(CommitError, match="fenced"):
         commit.publish(storage, st, b"{}", overwrite=True)
     assert [(i.step, i.status, i.save_id) for i in scan(storage) if i.status == "committed"] == [
