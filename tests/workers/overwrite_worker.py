@@ -1,12 +1,13 @@
 """dist_worker.py plus the ``overwrite`` scenario of tests/distributed/test_overwrite_fence.py:
 step ``args["step"]`` is saved, then saved again with ``overwrite=True`` while rank 0 is frozen
-in its publish (crash point ``manifest:0:STOP:2``, set by the test).
+in its publish (crash point ``manifest:0:STOP:2``).
 
 usage: overwrite_worker.py overwrite RANK WORLD PORT ROOT JSON-ARGS (through the common launcher).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -15,6 +16,7 @@ import dist_worker  # same folder: this file's folder is sys.path[0]
 import torch
 
 import ckptlib
+from ckptlib import crashpoints
 from ckptlib.backends import open_storage
 from ckptlib.coord.coordinator import default_coordinator
 from ckptlib.engine import save as save_flow
@@ -27,6 +29,9 @@ def state(gen: int) -> dict[str, Any]:
 
 
 def sc_overwrite(rank: int, world: int, root: str, args: dict) -> dict:
+    if rank == 0:  # frozen at the second reach of "manifest": the overwrite's publish, before its claim
+        os.environ["CKPTLIB_TEST_KILL_AT"] = "manifest:0:STOP:2"
+        crashpoints.configure()
     storage = open_storage(args["url"], args.get("options"))
     coord = default_coordinator()
     step = args["step"]
