@@ -310,3 +310,23 @@ def test_posix_fence_puts_back_the_step_a_frozen_overwrite_moved_aside(tmp_path)
         commit.publish(storage, st, b"{}", overwrite=True)
     assert [(i.step, i.status, i.save_id) for i in scan(storage) if i.status == "committed"] == [
         (1, "committed", old_id)]
+
+
+@pytest.mark.parametrize("data", [
+    b"not json at all",
+    b'{"format": 1}',  # JSON, not a manifest
+    fence_format.MAGIC + b"1}",  # starts like an abort record, is not one
+    b" " * 4097,  # over the manifest limit (lowered to 4 KiB here): refused by its size
+])
+def test_hostile_claim_is_a_typed_error(data, memory_url, monkeypatch):
+    """Claim bytes are untrusted: a rank fencing a save whose claim holds garbage raises
+    ``CommitError`` (it cannot tell the outcome) and changes nothing; the step stands."""
+    old_id = _save_old(memory_url, None)
+    storage = open_storage(memory_url)
+    sid = "ef" * 16
+    storage.put_atomic(layout.claim_path(STEP, sid), data)
+    monkeypatch.setattr(commit, "MAX_MANIFEST_BYTES", 4096)
+    with pytest.raises(CommitError, match="claim"):
+        commit.fence(storage, STEP, sid, 1, "gave up")
+    assert [(i.step, i.status, i.save_id) for i in scan(storage)] == [(1, "committed", old_id)]
+    assert [d.kind for d in retire.find_debris(storage, None)] == ["prefix"]  # removable with its folder
