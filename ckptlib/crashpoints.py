@@ -37,7 +37,14 @@ TIER_PHASES = (
 )
 """The phases only a tiered manager reaches (tests/chaos/test_tier_kills.py)."""
 
-PHASES = SAVE_PHASES + TIER_PHASES
+OVERWRITE_PHASES = (
+    # object stores, overwrite=True (engine/commit.py _publish_claimed); "manifest" comes before
+    "claimed",  # coordinator: its claim (the commit point) created, the old manifest still in place
+    "replaced",  # coordinator: the new manifest put over the old one, the claim not yet removed
+)
+"""The phases only an overwrite save on an object store reaches (tests/test_overwrite_object_store.py)."""
+
+PHASES = SAVE_PHASES + TIER_PHASES + OVERWRITE_PHASES
 
 SIGNALS = {"": signal.SIGKILL, "KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 

@@ -17,19 +17,40 @@ existing checkpoint is never replaced (``StepExistsError``) unless ``overwrite``
 incomplete one ckptlib wrote is moved aside (``<final>.corrupt-<id>``) or its manifest removed;
 a file, or a folder holding anything ckptlib did not write, is refused
 (``TargetNotEmptyError``) and nothing in it is touched.
-On object stores the removal of a damaged manifest (and, with ``overwrite``, the old
-manifest's) happens in :func:`begin`, before any rank writes: at publish time the manifest
-key holds nothing or a fence, and the coordinator never deletes a fence.
+On object stores the removal of a damaged manifest (or a failed save's abort record) happens
+in :func:`begin`, before any rank writes: at publish time the manifest key holds nothing, a
+fence, or (``overwrite``) the committed step being replaced; the coordinator never deletes a
+fence.
+
+``overwrite`` on ``conditional_put`` storage (:func:`_publish_claimed`) never loses the old
+step: its commit point is the save's *claim* ``<final>/<id>/claim.json``
+(:func:`ckptlib.format.layout.claim_path`), created with a create-only put holding the new
+manifest; then the manifest is put over ``<final>/manifest.json`` (one atomic replacement:
+readers see the old step or the new one, never neither), then the claim is deleted. Readers
+look only at ``manifest.json``: a claim is never read by them, and one left by a crash is debris
+(engine/retire.py: with the old save's payloads once the new manifest is in, with the new
+save's payloads if the old manifest still stands). A crash before the claim, or between the
+claim and the replacement with no rank left to settle the save, leaves the old step committed
+and nobody told otherwise; after the replacement, the new one. Once claimed, the payloads are
+never removed by :func:`abort` (a fencing rank may put the manifest in place). ``put_verify``
+storage has no create-only put: there ``overwrite`` still removes the old manifest in
+:func:`begin` (best effort, like its fence), so a failed overwrite there loses the old step.
 
 The fence (one rule, by capability; names and record in :mod:`ckptlib.format.fence`):
 ``rename``: the giving-up rank renames ``<final>.tmp-<id>/`` to ``<final>.abort-<id>/``; the
 coordinator's rename of the tmp folder can then only fail, and it checks after writing the
 manifest that its folder still holds the ``.ckptlib`` marker (writing the manifest would
-recreate a moved folder). ``conditional_put``: the rank creates ``<final>/manifest.json``
-holding an abort record with a create-only put; the coordinator's create-only put of the
-manifest then fails. Whoever loses reads what won: a rank that finds our committed manifest
-reports the save committed. ``put_verify`` has no atomic primitive: the fence there is best
-effort (an abort record put where no manifest is yet, read back).
+recreate a moved folder). ``conditional_put``: the rank first creates the save's claim holding
+an abort record (an ``overwrite`` coordinator's claim then fails; a claim it finds holding the
+save's manifest means the save committed: the rank puts that manifest over the old one, as
+the coordinator would have, and reports committed), then creates ``<final>/manifest.json``
+holding the abort record, both with a create-only put (a coordinator without ``overwrite``
+commits there: its create-only put then fails). The rank does both whether or not the save
+asked for ``overwrite``, so ranks need not agree on it. Whoever loses reads what won: a rank
+that finds our committed manifest reports the save committed. ``put_verify`` has no atomic
+primitive: the fence there is best effort (an abort record put where no manifest is yet, read
+back). A ``rename`` fence also puts back a step an ``overwrite`` coordinator moved aside
+before freezing (:func:`_put_back`).
 """
 
 from __future__ import annotations
@@ -45,13 +66,16 @@ from ckptlib.engine.scan import check_step, read_manifest
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
+    CorruptCheckpointError,
     StepExistsError,
     StorageError,
     TargetNotEmptyError,
 )
 from ckptlib.format import fence as fence_format
 from ckptlib.format import layout
+from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
+from ckptlib.format.schema import MAX_MANIFEST_BYTES
 
 COMMITTED = "committed"
 FENCED = "fenced"
@@ -68,6 +92,10 @@ class Staging:
     payload_prefix: str
     mode: str
     """``rename``, ``conditional_put`` or ``put_verify`` (recorded in the manifest)."""
+    claimed: bool = False
+    """``overwrite`` on object stores: the claim was created (:func:`_publish_claimed`). From
+    then on a fencing rank may put this save's manifest in place, so :func:`abort` leaves the
+    payloads to the debris rules (engine/retire.py) instead of removing them."""
 
 
 def commit_mode(storage: Storage) -> str:
@@ -100,7 +128,7 @@ def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False
     check_target(storage, final, overwrite=overwrite)
     mode = commit_mode(storage)
     if mode != "rename":
-        _clear_manifest_key(storage, final, overwrite)
+        _clear_manifest_key(storage, final, overwrite and mode == "put_verify")
     work = layout.tmp_dir(final, save_id) if mode == "rename" else final
     staging = Staging(final, save_id, work, join(work, save_id), mode)
     if mode == "rename":
@@ -120,6 +148,8 @@ def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False
 
 def abort(storage: Storage, staging: Staging) -> None:
     """Best effort: remove what this save wrote. Leftovers are cleaned by a later save."""
+    if staging.claimed:
+        return
     try:
         storage.delete_tree(staging.work if staging.mode == "rename" else staging.payload_prefix)
     except Exception:
@@ -194,12 +224,14 @@ def _rename_replacing(storage: Storage, st: Staging, overwrite: bool) -> None:
     raise CommitError(f"could not move {st.work} into place at {st.final}")
 
 
-def _clear_manifest_key(storage: Storage, final: str, overwrite: bool) -> None:
+def _clear_manifest_key(storage: Storage, final: str, replace: bool) -> None:
     """Object stores, in :func:`begin`: remove what holds ``final``'s manifest key unless it is a
-    committed manifest we must keep (then :func:`publish` raises ``StepExistsError``): a damaged
-    manifest, a failed save's abort record, or (``overwrite``) the step being replaced."""
+    committed manifest we must keep (without ``overwrite`` :func:`publish` then raises
+    ``StepExistsError``; with it, :func:`_publish_claimed` replaces it): a damaged manifest, a
+    failed save's abort record, or (``replace``: ``put_verify`` stores only, which have no
+    claim) the step being replaced."""
     path = join(final, MANIFEST_NAME)
-    if storage.size(path) is not None and (overwrite or check_step(storage, final).status != "committed"):
+    if storage.size(path) is not None and (replace or check_step(storage, final).status != "committed"):
         storage.delete(path)
 
 
@@ -230,6 +262,9 @@ def _clear_target(storage: Storage, st: Staging, overwrite: bool) -> None:
 def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:
     path = join(st.final, MANIFEST_NAME)
     crashpoints.point("manifest")
+    if st.mode == "conditional_put" and overwrite:
+        _publish_claimed(storage, st, manifest)
+        return
     if st.mode == "conditional_put":
         try:
             storage.put_if_absent(path, manifest)
@@ -246,6 +281,84 @@ def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool
             f"manifest read-back failed: {e}") from e
     if back.save_id != st.save_id:
         raise StepExistsError(f"{storage.url}/{path} was committed by another save ({back.save_id})")
+
+
+def _publish_claimed(storage: Storage, st: Staging, manifest: bytes) -> None:
+    """Object stores, ``overwrite``: create the claim (the commit point: the old step is
+    replaced from here on), then put the manifest over ``<final>/manifest.json`` (one atomic
+    replacement: readers see the old manifest or the new one, never none), then drop the claim.
+    A claim already there holds a fencing rank's abort record: this save failed."""
+    claim = layout.claim_path(st.final, st.save_id)
+    st.claimed = True  # a put that fails may still have landed
+    try:
+        storage.put_if_absent(claim, manifest)
+    except FileExistsError:
+        record, held, _ = _read_claim(storage, claim)
+        if record is not None:
+            st.claimed = False  # a fence's: nobody can put this save's manifest in place
+            raise _fenced_error(storage, st, record.describe()) from None
+        if held != manifest:
+            raise CommitError(f"{storage.url.rstrip('/')}/{claim} holds another manifest than this save's") from None
+    crashpoints.point("claimed")
+    try:
+        storage.put_atomic(join(st.final, MANIFEST_NAME), manifest)
+    except (OSError, CheckpointError) as e:
+        _claim_failed(storage, st, manifest, e)
+    crashpoints.point("replaced")
+    try:  # a rank fencing late then finds no claim and our manifest: it reports committed
+        storage.delete(claim)
+    except (OSError, CheckpointError):
+        pass  # debris (engine/retire.py): the manifest names this save
+
+
+def _claim_failed(storage: Storage, st: Staging, manifest: bytes, error: BaseException) -> None:
+    """The manifest put after our claim failed (storage error, deadline). Returns if the
+    manifest is there anyway (a fencing rank rolled the save forward); else turns the claim
+    into an abort record, so that a rank fencing from now on reports failure like us, and
+    raises. (A rank that read the claim just before may still roll it forward: a storage failure
+    on the coordinator racing a fence on another rank is the one case left to chance.)"""
+    if _holds(storage, st.final, manifest):
+        return
+    why = f"the coordinator could not put the manifest: {type(error).__name__}: {error}"
+    try:
+        storage.put_atomic(layout.claim_path(st.final, st.save_id),
+                           fence_format.encode_abort(st.save_id, 0, why[:500], time.time()))
+    except (OSError, CheckpointError):
+        pass
+    if _holds(storage, st.final, manifest):
+        return
+    raise CommitError(f"{storage.url.rstrip('/')}/{st.final} was not replaced: {why}; the step "
+                      "it had stays committed; save again") from error
+
+
+def _holds(storage: Storage, final: str, manifest: bytes) -> bool:
+    """Whether ``final``'s manifest key holds exactly ``manifest`` (False when unreadable)."""
+    path = join(final, MANIFEST_NAME)
+    try:
+        return storage.size(path) == len(manifest) and storage.read(path) == manifest
+    except (OSError, CheckpointError):
+        return False
+
+
+def _read_claim(storage: Storage, path: str) -> tuple[fence_format.AbortRecord | None, bytes, str]:
+    """What a claim holds: (its abort record, its bytes, ""), or (None, its bytes, the save id
+    it names) when it holds a manifest, decoded and validated like ``manifest.json`` (claim
+    bytes are untrusted: same size limit, same decoder). ``CommitError`` when it is neither,
+    or unreadable."""
+    where = f"{storage.url.rstrip('/')}/{path}"
+    try:
+        size = storage.size(path)
+        if size is None:
+            raise CommitError(f"{where} vanished while being read")
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"claim is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit", where)
+        data = storage.read(path)
+        record = fence_format.parse_abort(data, where)
+        return record, data, "" if record is not None else decode(data, where).save_id
+    except CommitError:
+        raise
+    except (OSError, CheckpointError) as e:
+        raise CommitError(f"cannot read the claim {where}: {e}") from e
 
 
 def _taken(storage: Storage, st: Staging) -> CommitError:
@@ -290,11 +403,12 @@ def fence(storage: Storage, final: str, save_id: str, rank: int, reason: str) ->
         for _attempt in range(3):
             try:
                 storage.rename(work, gone)
-                return FENCED  # the coordinator's rename of ``work`` now finds no source
+                return _put_back(storage, final, save_id)  # the coordinator's rename now finds no source
             except (FileExistsError, FileNotFoundError, StorageError):
                 pass
             if storage.exists(gone):
-                return FENCED  # by another rank (a ``work`` the manifest put recreated has no marker)
+                return _put_back(storage, final, save_id)  # another rank's fence (a ``work`` the
+                # manifest put recreated has no marker)
             if not storage.exists(work):
                 break  # moved into place (committed), or removed by the coordinator's abort
         else:
@@ -302,6 +416,8 @@ def fence(storage: Storage, final: str, save_id: str, rank: int, reason: str) ->
     else:
         path = join(final, MANIFEST_NAME)
         record = fence_format.encode_abort(save_id, rank, reason, time.time())
+        if mode == "conditional_put" and _claim_committed(storage, final, save_id, record):
+            return COMMITTED
         try:
             if mode == "conditional_put":
                 storage.put_if_absent(path, record)
@@ -315,3 +431,39 @@ def fence(storage: Storage, final: str, save_id: str, rank: int, reason: str) ->
     except Exception as e:
         raise CommitError(f"could not read {storage.url.rstrip('/')}/{final} after giving up: {e}") from e
     return COMMITTED if info.status == "committed" and info.save_id == save_id else FENCED
+
+
+def _claim_committed(storage: Storage, final: str, save_id: str, record: bytes) -> bool:
+    """:func:`fence` on object stores, first: take the claim an ``overwrite`` save commits with
+    (:func:`_publish_claimed`; the coordinator's claim then fails), or find that the coordinator
+    took it: then the save is committed, and this rank puts its manifest over the old one, as
+    the coordinator would have (it may be dead), before reporting it. Returns whether the
+    coordinator's claim won. The claim decides only ``overwrite`` saves: the caller then settles
+    the manifest key, which a save without ``overwrite`` commits with."""
+    claim = layout.claim_path(final, save_id)
+    try:
+        storage.put_if_absent(claim, record)
+        return False
+    except FileExistsError:
+        pass
+    found, manifest, named = _read_claim(storage, claim)
+    if found is not None:
+        return False  # another rank's fence, or a coordinator that gave up on its claim
+    if named != save_id:
+        raise CommitError(f"{storage.url.rstrip('/')}/{claim} holds the manifest of save {named}, not {save_id}")
+    if not _holds(storage, final, manifest):
+        storage.put_atomic(join(final, MANIFEST_NAME), manifest)
+    return True
+
+
+def _put_back(storage: Storage, final: str, save_id: str) -> str:
+    """:func:`fence`, rename mode, the save fenced: an ``overwrite`` coordinator frozen between
+    moving the committed step aside (``.del-<id>``) and its rename may never come back to put it
+    back (:func:`_move_into_place`): do it here, so the old step stands. Returns :data:`FENCED`."""
+    aside = layout.del_dir(final, save_id)
+    try:
+        if storage.exists(aside) and not storage.exists(final):
+            storage.rename(aside, final)
+    except (OSError, CheckpointError):
+        pass  # the coordinator put it back meanwhile, or the cleanup will (engine/retire.py)
+    return FENCED

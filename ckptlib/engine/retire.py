@@ -10,7 +10,9 @@ Debris is deleted only when provably ours or provably dead: ``*.tmp-``/``*.del-`
 the ``.ckptlib`` marker (or, inside the owning job, holding only ckptlib's files; the CLI also
 waits ``min_age``); a fenced save's ``*.abort-`` folder or abort record (format/fence.py: it can
 never commit); on object stores, payload prefixes of save ids other than the committed
-manifest's, manifest-less step folders and multipart uploads idle for ``grace`` seconds.
+manifest's (the payloads of a step an ``overwrite`` save replaced among them), the claim an
+``overwrite`` save left beside its committed payloads, manifest-less step folders and multipart
+uploads idle for ``grace`` seconds.
 A step whose manifest is corrupt is never touched by a job: it is evidence. ``ckptlib prune``
 (which passes the steps it judged, ``steps=``) also removes, once superseded by a newer
 committed step, damaged step folders and the ``step-N.corrupt-<id>`` folders a save moved
@@ -101,7 +103,11 @@ class Debris:
     folder holding its abort record), ``step`` (a step folder without manifest), ``damaged`` (a
     step folder that failed its check), ``quarantined`` (a ``step-N.corrupt-<id>`` folder a later
     save moved aside), and on object stores ``prefix`` (a save id's payloads in a step another
-    save committed), ``upload`` (a multipart upload)."""
+    save committed, or the step an ``overwrite`` save replaced), ``aside`` (POSIX: a committed
+    step an ``overwrite`` save moved aside and then crashed before its rename: "removing" it
+    puts it back), ``claim`` (an ``overwrite``
+    save's claim, format/layout.py ``CLAIM``, left in the committed save's folder once its
+    manifest is in place), ``upload`` (a multipart upload)."""
 
     path: str
     save_id: str
@@ -220,6 +226,14 @@ def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
         elif d.kind == "abort":  # object store: the abandoned payloads, then the record last
             storage.delete_tree(join(d.path, d.save_id))
             storage.delete(join(d.path, MANIFEST_NAME))
+        elif d.kind == "aside":  # the step an interrupted overwrite moved aside goes back
+            m = layout.TMP_RE.match(d.path)
+            if m is None or storage.exists(m.group(1)):
+                continue  # something took its place meanwhile: judged again next time
+            log.info("ckptlib: putting %s back: %s", d.path, d.why)
+            storage.rename(d.path, m.group(1))
+        elif d.kind == "claim":  # one file, in the committed save's folder
+            storage.delete(d.path)
         elif d.kind in ("damaged", "step"):
             log.info("ckptlib: removing %s: %s", d.path, d.why)
             delete_step(storage, d.path)  # invisible first, like retention
@@ -258,6 +272,10 @@ def _judge_folder(
     def verdict(removable: bool, why: str) -> Debris:
         return Debris(name, save_id, kind, age, removable, why)
 
+    final = m.group(1) if m else ""
+    if kind == "del" and _moved_aside(storage, final, name, save_id):
+        return Debris(name, save_id, "aside", age, True,
+                      f"the committed step an overwrite moved aside before it crashed: put back at {final}")
     if storage.size(join(name, layout.MARKER)) is None:
         if active_ids is None or not _only_ours(storage, name):
             return verdict(False, f"no {layout.MARKER} marker: not provably ours, left alone")
@@ -266,6 +284,19 @@ def _judge_folder(
         return verdict(False, f"save {when}: may still be running (younger than {min_age:.0f}s)")
     why = {"tmp": "crashed save", "del": "interrupted deletion", "abort": "failed save, fenced: never committed"}
     return verdict(True, why[kind])
+
+
+def _moved_aside(storage: Storage, final: str, name: str, save_id: str) -> bool:
+    """Whether the ``.del-`` folder ``name`` is a committed step that an ``overwrite`` save moved
+    aside and then crashed before renaming its own folder into place (engine/commit.py
+    ``_clear_target``): ``final`` is missing, that save's ``.tmp-``/``.abort-`` folder is still
+    there (a deletion by retention has no such partner) and ``name`` holds a committed step."""
+    partners = (layout.tmp_dir(final, save_id), fence.abort_dir(final, save_id))
+    try:
+        return (not storage.exists(final) and any(storage.exists(p) for p in partners)
+                and check_step(storage, name).status == "committed")
+    except (OSError, CheckpointError):
+        return False
 
 
 def _judge_steps(
@@ -373,7 +404,12 @@ def _object_store_debris(
         for sid in sorted(_prefix_ids(storage, e.name)):
             if sid != committed_ids[e.name] and sid not in active:
                 found.append(Debris(join(e.name, sid), sid, "prefix", None, True,
-                                    f"payloads of a save that did not commit {e.name}"))
+                                    f"payloads of a save that did not commit {e.name}, or of the one it replaced"))
+        sid = committed_ids[e.name]
+        claim = layout.claim_path(e.name, sid)
+        if sid not in active and storage.size(claim) is not None:
+            found.append(Debris(claim, sid, "claim", None, True,
+                                f"the commit claim of the save {e.name}'s manifest names: no longer needed"))
     for path, upload_id, started in storage.list_uploads(""):
         parts = path.split("/")
         sid = parts[1] if len(parts) > 2 else ""

@@ -8,7 +8,8 @@ after the manifest could not be read).
 
 A folder is ckptlib's own only when every entry in it is a name ckptlib writes into a
 checkpoint folder (``manifest.json`` and its ``.partial`` temporaries, the ``.ckptlib`` marker,
-``<save id>/`` folders holding only payload files): only such a folder may ever be
+``<save id>/`` folders holding only payload files and, on object stores, an overwrite save's
+claim, :data:`ckptlib.format.layout.CLAIM`): only such a folder may ever be
 moved aside (``<folder>.corrupt-<id>``) when it is damaged. Anything else in a folder makes it
 ``foreign``: a save refuses it and touches nothing in it.
 """
@@ -56,7 +57,7 @@ def _is_ours(storage: Storage, folder: str, name: str, is_dir: bool) -> bool:
         inside = storage.listdir(join(folder, name))
     except FileNotFoundError:
         return True  # gone meanwhile (a save's abort): nothing of the user's was there
-    return all(not e.is_dir and layout.is_payload_name(e.name) for e in inside)
+    return all(not e.is_dir and (layout.is_payload_name(e.name) or e.name == layout.CLAIM) for e in inside)
 
 
 def foreign_entries(storage: Storage, folder: str) -> list[str]:

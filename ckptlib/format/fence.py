@@ -6,8 +6,10 @@ commit point first, so that the coordinator's later commit fails (``ckptlib.engi
 - where folders rename atomically, it renames the save's ``<final>.tmp-<id>/`` to
   :func:`abort_dir` ``<final>.abort-<id>/`` (the coordinator's rename of the tmp folder into
   ``<final>`` then finds no source);
-- on object stores it creates ``<final>/manifest.json`` with a create-only put holding an
-  abort record (:func:`encode_abort`), where the coordinator's create-only manifest put would go.
+- on object stores it creates the save's claim ``<final>/<id>/claim.json`` (where an
+  ``overwrite`` save commits, :func:`ckptlib.format.layout.claim_path`), then
+  ``<final>/manifest.json`` (where any other save's create-only manifest put would go), each
+  with a create-only put holding an abort record (:func:`encode_abort`).
 
 Both are debris of a failed save: never committed, never corrupt. :func:`parse_abort` tells an
 abort record from a manifest (the scanner reports the step as incomplete, cleanup removes it,

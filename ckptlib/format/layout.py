@@ -18,6 +18,11 @@ CORRUPT_RE = re.compile(r"^(step-\d{1,20})\.corrupt-([0-9a-f]{8,64})$")
 """A damaged step folder a later save moved aside (engine/commit.py); ``ckptlib prune`` judges it."""
 PAYLOAD_RE = re.compile(r"^r\d{5}[\w.-]*\.bin$")
 """Any name :func:`payload_name` makes (the retire code's debris rule)."""
+CLAIM = "claim.json"
+"""Object stores, ``overwrite=True``: ``<final>/<save id>/claim.json`` (:func:`claim_path`),
+the commit point of a save replacing a step, created once with a create-only put holding the
+new manifest (the coordinator) or an abort record (a rank fencing the save); see
+``ckptlib.engine.commit``. Debris once the step's ``manifest.json`` names its save."""
 
 
 def step_dir(step: int) -> str:
@@ -37,6 +42,10 @@ def tmp_dir(final: str, save_id: str) -> str:
 
 def del_dir(final: str, save_id: str) -> str:
     return f"{final}.del-{save_id}"
+
+
+def claim_path(final: str, save_id: str) -> str:
+    return f"{final}/{save_id}/{CLAIM}" if final else f"{save_id}/{CLAIM}"
 
 
 def payload_name(rank: int, tag: str, index: int) -> str:
