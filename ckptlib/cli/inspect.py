@@ -131,7 +131,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
                 info = committed[-1]
             folder = info.path
         m = info.manifest
-        if m is None:
+        if m is None or not m.complete:  # v2: the status scan reads no piece index file
             try:
                 m = read_manifest(target.storage, folder)
             except CheckpointError as e:

@@ -35,6 +35,8 @@ def stored_bytes(m: Manifest | None) -> int:
     """Bytes a deep check of ``m`` reads (chunks and packs as stored)."""
     if m is None:
         return 0
+    if not m.complete:  # v2 from the status scan, pieces not loaded: its payload files' sizes
+        return m.payload_bytes
     chunks = sum(c.length for t in m.tensors.values() for c in t.chunks)
     return chunks + sum(p.length for p in m.packs)
 

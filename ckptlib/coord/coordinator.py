@@ -5,7 +5,9 @@ id), :meth:`begin_session`; :meth:`agree` (staging prefix), :meth:`gather` + :me
 (who writes what); writes, :meth:`report_done`, then :meth:`wait_all_done` + :meth:`release`
 on the coordinator and :meth:`wait_release` elsewhere; :meth:`gather` of results, publish,
 :meth:`share_outcome`; :meth:`end_session`. Every rank returns or raises the same
-:class:`CommitError`. :class:`LocalCoordinator` is the single-process implementation;
+:class:`CommitError`. The resume loop (:mod:`ckptlib.engine.resume`): :meth:`agree` (session
+id), :meth:`begin_session`, :meth:`share` (the candidates), then per candidate :meth:`exchange`
+(meet, then the verdicts), :meth:`end_session`. :class:`LocalCoordinator` is the single-process implementation;
 :class:`ckptlib.coord.torch_coordinator.TorchCoordinator` the torch.distributed one.
 """
 
@@ -63,6 +65,26 @@ class Coordinator(ABC):
         gets no verdict returns ``{"failures": ..., "gave_up": True}`` or raises
         :class:`CommitError`; the save flow then fences the save (``engine.commit.fence``)."""
         return self.agree(outcome, max(0.1, deadline - time.monotonic()))
+
+
+    # -- waits on ranks that may be slow but alive (a restore: listing a big root, loading)
+    def share(self, value: Any, deadline: float) -> Any:
+        """The coordinator's ``value`` on every rank (others pass None), for a value it may
+        take long to produce (the resume loop's listing): with a session open
+        (:meth:`begin_session`), the others wait while its heartbeat moves, until ``deadline``
+        (``time.monotonic()``); a dead or frozen coordinator fails them within the session's
+        liveness timeout. Default: :meth:`agree`."""
+        return self.agree(value, max(0.1, deadline - time.monotonic()))
+
+    def exchange(self, value: Any, deadline: float) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank, where ranks may arrive far
+        apart (each after loading a step): with a session open, a wait on a rank is bounded by
+        its heartbeat and ``deadline``, not by a fixed collective timeout. Raises
+        :class:`~ckptlib.errors.CommitError` on every live rank when one died or froze.
+        Default: :meth:`gather`, then :meth:`agree`."""
+        timeout = max(0.1, deadline - time.monotonic())
+        gathered = self.gather(value, timeout)
+        return list(self.agree(gathered, timeout))
 
 
 class LocalCoordinator(Coordinator):

@@ -161,6 +161,21 @@ class TorchCoordinator(Coordinator):
         return self._store("sharing the outcome", self._session.share_outcome, outcome, deadline)
 
 
+    def share(self, value: Any, deadline: float) -> Any:
+        """Over the store while a session is open: the others wait while the coordinator's
+        heartbeat moves (see :meth:`_Session.share`); else :meth:`Coordinator.share`."""
+        if self._session is None:
+            return super().share(value, deadline)
+        return self._store("sharing a value", self._session.share, value, deadline)
+
+    def exchange(self, value: Any, deadline: float) -> list[Any]:
+        """Over the store while a session is open: waits on a rank last while its heartbeat
+        moves (see :meth:`_Session.exchange`); else :meth:`Coordinator.exchange`."""
+        if self._session is None:
+            return super().exchange(value, deadline)
+        return self._store("exchanging values", self._session.exchange, value, deadline)
+
+
 class _Session:
     """Store keys of one save; a heartbeat thread keeps ``hb/<rank>`` moving."""
 
@@ -174,6 +189,7 @@ class _Session:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="ckptlib-heartbeat", daemon=True)
         self._failed: dict[int, str] = {}
+        self._exchanges = 0  # share/exchange calls so far: the same count on every rank
 
     def k(self, name: str) -> str:
         return self.prefix + name
@@ -227,15 +243,21 @@ class _Session:
     def failed_ranks(self) -> dict[int, str]:
         return dict(self._failed)
 
-    def wait_all_done(self, deadline: float) -> dict[int, str]:
+    def wait_ranks(self, name: str, deadline: float, late: str, count: str | None = None) -> dict[int, str]:
+        """Coordinator: wait until every rank ``r`` posted key ``<name>/<r>`` (``count``: a
+        counter key that reaches the world size once all did, one store call per poll), judging
+        a rank whose heartbeat stalls for ``dead_after`` as failed. Returns rank -> why for the
+        failed ranks (empty: every rank posted); past ``deadline`` raises
+        :class:`CommitTimeoutError` ``"ranks [..] <late>"``."""
         seen: dict[int, tuple[int, float]] = {}
         pending = set(range(self.world))
+        failed: dict[int, str] = {}
         while True:
             now = time.monotonic()
-            if self.store.add(self.k("ndone"), 0) >= self.world:
-                break
+            if count is not None and self.store.add(self.k(count), 0) >= self.world:
+                return {}
             for r in sorted(pending):
-                if self.store.check([self.k(f"done/{r}")]):
+                if self.store.check([self.k(f"{name}/{r}")]):
                     pending.discard(r)
                     continue
                 beat = self.store.add(self.k(f"hb/{r}"), 0)
@@ -243,12 +265,20 @@ class _Session:
                 if last is None or last[0] != beat:
                     seen[r] = (beat, now)
                 elif now - last[1] > self.dead_after:
-                    self._failed[r] = f"no heartbeat for {self.dead_after:.0f}s (died, hung or stopped)"
-            if self._failed:
-                return dict(self._failed)
+                    failed[r] = f"no heartbeat for {self.dead_after:.0f}s (died, hung or stopped)"
+            if failed:
+                return failed
+            if not pending:
+                return {}
             if now > deadline:
-                raise CommitTimeoutError(f"ranks {sorted(pending)} did not finish writing before the deadline")
+                raise CommitTimeoutError(f"ranks {sorted(pending)} {late}")
             time.sleep(min(0.2, self.every))
+
+    def wait_all_done(self, deadline: float) -> dict[int, str]:
+        dead = self.wait_ranks("done", deadline, "did not finish writing before the deadline", count="ndone")
+        if dead:
+            self._failed.update(dead)
+            return dict(self._failed)
         failures = {}
         values = self.store.multi_get([self.k(f"done/{r}") for r in range(self.world)])
         for r, v in enumerate(values):
@@ -295,7 +325,6 @@ class _Session:
         as strings), except a rank that gave up on a silent or unreachable coordinator, or at
         the deadline: it returns a failed outcome with ``"gave_up": True`` (the coordinator
         may still be publishing: the caller must settle the save on storage)."""
-        key = self.k("outcome")
         readers = [self.k(f"read/{r}") for r in range(1, self.world)]
         if self.rank == 0:
             text = json.dumps(outcome)
@@ -305,23 +334,88 @@ class _Session:
             while not self.store.check(readers) and time.monotonic() < end:
                 time.sleep(0.01)
             return json.loads(text)
+        try:
+            value = json.loads(self.await_coordinator("outcome", deadline + self.dead_after).decode())
+            self.bounded(self.set, f"read/{self.rank}", "1")
+            return value
+        except _Unreachable:
+            return {"failures": {"0": _UNREACHABLE}, "gave_up": True}
+        except _Silent as e:
+            return {"failures": {"0": str(e)}, "gave_up": True}
+        except _Late:
+            late = "CommitTimeoutError: the coordinator did not publish the save before the deadline"
+            return {"failures": {"0": late}, "gave_up": True}
+
+    def await_coordinator(self, name: str, deadline: float) -> bytes:
+        """Non-coordinators: the value of key ``name`` once the coordinator posts it, waited for
+        while its heartbeat moves. Raises :class:`_Silent` (it died, froze, or its store is
+        gone) or :class:`_Late` (past ``deadline``, alive)."""
+        key = self.k(name)
         watch = _Watch(self)
         while True:
             try:
                 self.bounded(self.store.wait, [key], timedelta(seconds=self.every))
-                value = json.loads(self.bounded(self.store.get, key).decode())
-                self.bounded(self.set, f"read/{self.rank}", "1")
-                return value
+                return bytes(self.bounded(self.store.get, key))
             except _Unreachable:
-                return {"failures": {"0": _UNREACHABLE}, "gave_up": True}
+                raise _Silent(_UNREACHABLE) from None
             except Exception:  # store.wait timed out (or the store is gone: the watch says so)
                 pass
             silent = watch.silent()
             if silent:
-                return {"failures": {"0": silent}, "gave_up": True}
-            if time.monotonic() > deadline + self.dead_after:
-                late = "CommitTimeoutError: the coordinator did not publish the save before the deadline"
-                return {"failures": {"0": late}, "gave_up": True}
+                raise _Silent(silent)
+            if time.monotonic() > deadline:
+                raise _Late(name)
+
+    def _next(self) -> str:
+        self._exchanges += 1
+        return f"x{self._exchanges}"
+
+    def share(self, value: Any, deadline: float) -> Any:
+        """:meth:`Coordinator.share` over the store: the coordinator posts ``value`` (JSON)
+        and goes on; the others wait for it while its heartbeat moves, until ``deadline``."""
+        name = f"{self._next()}/all"
+        if self.rank == 0:
+            text = json.dumps(value)
+            self.set(name, text)
+            return json.loads(text)
+        return json.loads(self._from_coordinator(name, deadline, "share its value"))
+
+    def exchange(self, value: Any, deadline: float) -> list[Any]:
+        """:meth:`Coordinator.exchange` over the store: every rank posts ``value`` (JSON); the
+        coordinator waits for all while their heartbeats move (:meth:`wait_ranks`) and posts
+        the list, or the ranks it judged dead, which every rank then raises as a CommitError."""
+        n = self._next()
+        self.bounded(self.set, f"{n}/{self.rank}", json.dumps(value))
+        if self.rank == 0:
+            try:
+                dead = self.wait_ranks(n, deadline, "did not arrive before the deadline")
+            except CommitTimeoutError as e:
+                self.set(f"{n}/all", json.dumps({"failed": {"0": str(e)}}))
+                raise
+            if dead:
+                self.set(f"{n}/all", json.dumps({"failed": {str(r): why for r, why in dead.items()}}))
+            else:
+                got = self.store.multi_get([self.k(f"{n}/{r}") for r in range(self.world)])
+                self.set(f"{n}/all", json.dumps({"values": [json.loads(v.decode()) for v in got]}))
+        doc = json.loads(self._from_coordinator(f"{n}/all", deadline, "collect every rank's value"))
+        if "failed" in doc:
+            failures = {int(r): why for r, why in doc["failed"].items()}
+            detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+            raise CommitError(f"coordination failed during exchange: {detail}", failures)
+        return list(doc["values"])
+
+    def _from_coordinator(self, name: str, deadline: float, what: str) -> bytes:
+        """The coordinator's key ``name`` (its own process: read directly); a silent or late
+        coordinator raises :class:`CommitError` naming rank 0."""
+        if self.rank == 0:
+            return bytes(self.store.get(self.k(name)))
+        try:
+            return self.await_coordinator(name, deadline)
+        except _Silent as e:
+            raise CommitError(f"coordination failed: {e}", {0: str(e)}) from None
+        except _Late:
+            raise CommitTimeoutError(f"the coordinator (rank 0) did not {what} before the deadline",
+                                     {0: "alive, but late"}) from None
 
 
 _UNREACHABLE = "coordinator (rank 0) unreachable: it died or its store is gone"
@@ -329,6 +423,14 @@ _UNREACHABLE = "coordinator (rank 0) unreachable: it died or its store is gone"
 
 class _Unreachable(TimeoutError):
     """A store call from a non-coordinator went unanswered for ``dead_after``."""
+
+
+class _Silent(Exception):
+    """:meth:`_Session.await_coordinator`: the coordinator died, froze or is unreachable (why)."""
+
+
+class _Late(Exception):
+    """:meth:`_Session.await_coordinator`: the deadline passed while the coordinator was alive."""
 
 
 @dataclass

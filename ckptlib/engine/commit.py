@@ -275,7 +275,7 @@ def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool
         raise _taken(storage, st)
     storage.put_atomic(path, manifest)
     try:
-        back = read_manifest(storage, st.final)
+        back = read_manifest(storage, st.final, pieces=False)
     except CheckpointError as e:
         raise _taken(storage, st) if storage.size(path) is not None else CommitError(
             f"manifest read-back failed: {e}") from e

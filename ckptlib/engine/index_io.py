@@ -1,7 +1,9 @@
 """Loading format v2 piece index files into a manifest: all of them, or only those a read needs.
 
 Called on the caller's thread by :func:`ckptlib.engine.scan.read_manifest` (``pieces=True``:
-every index file, for tools that walk every chunk: verify, inspect, views) and by
+every index file, for tools that walk every chunk: inspect, views, integrations), by
+:func:`ckptlib.engine.scan.check_step` (``deep=True`` only: the status scan reads no index file,
+it checks their sizes and :func:`check_coverage`) and by
 :func:`ckptlib.engine.load.run_plan` (only the index files whose ranks hold boxes overlapping the
 read requests, found from each tensor's sharding in time proportional to the cells a request
 overlaps). Each index file is read once per manifest (``Manifest.loaded``), its size and
@@ -39,21 +41,7 @@ def resolve(storage: Storage, folder: str, m: Manifest, wants: Iterable[Want] | 
     need: set[int] = set()
     if wants is None:
         need = set(range(len(m.indexes)))
-        have = frozenset(by_rank)
-
-        @cache  # grids with the same ranks share one answer: O(ranks x distinct layouts)
-        def lacking(first: int, step: int, ncells: int) -> frozenset[int]:
-            return frozenset(range(first, first + ncells * step, step) if step else (first,)) - have
-
-        for name, sh in m.sharding.items():
-            if sh.block is not None:
-                missing = lacking(sh.first, sh.step, volume(sh.counts))
-            else:
-                missing = frozenset(sh.ranks_held()) - have
-            if missing:
-                raise CorruptCheckpointError(
-                    f"tensor {name!r:.200} is held by rank {min(missing)}, which has no index file", where
-                )
+        check_coverage(m, where)
     else:
         for name, offset, shape in wants:
             for r in m.sharding[name].ranks_for(offset, shape):
@@ -71,6 +59,29 @@ def resolve(storage: Storage, folder: str, m: Manifest, wants: Iterable[Want] | 
         for i in sorted(need):
             _load_one(storage, folder, m, i, tensors)
     return len(need)
+
+
+def check_coverage(m: Manifest, where: str) -> None:
+    """Raise :class:`CorruptCheckpointError` unless every rank holding a piece of a tensor (by
+    its sharding) has an index file. No I/O: the status scan (``engine.scan.check_step``) calls
+    it so that a manifest naming a rank without an index file is corrupt before any load."""
+    if m.version < 2:
+        return
+    have = frozenset(ix.rank for ix in m.indexes)
+
+    @cache  # grids with the same ranks share one answer: O(ranks x distinct layouts)
+    def lacking(first: int, step: int, ncells: int) -> frozenset[int]:
+        return frozenset(range(first, first + ncells * step, step) if step else (first,)) - have
+
+    for name, sh in m.sharding.items():
+        if sh.block is not None:
+            missing = lacking(sh.first, sh.step, volume(sh.counts))
+        else:
+            missing = frozenset(sh.ranks_held()) - have
+        if missing:
+            raise CorruptCheckpointError(
+                f"tensor {name!r:.200} is held by rank {min(missing)}, which has no index file", where
+            )
 
 
 def _load_one(storage: Storage, folder: str, m: Manifest, i: int,

@@ -2,16 +2,21 @@
 
 One loop for the manager and every integration, on the caller's thread, every rank in the
 same order: the coordinator lists the candidates (newest first) and every rank gets the same
-list (:meth:`Coordinator.agree`); for each ``committed`` candidate the ranks meet (bounded, so a
-dead rank fails the others in time), run ``attempt(candidate)``, and agree on the outcomes: if
-any rank found the step damaged, all move on to the next older one; other failures are raised
-everywhere. :func:`resume_newest` returns None without candidates and raises
+list (:meth:`Coordinator.share`); for each ``committed`` candidate the ranks meet, run
+``attempt(candidate)``, and exchange the outcomes (:meth:`Coordinator.exchange`): if any rank
+found the step damaged, all move on to the next older one; other failures are raised
+everywhere. Several ranks: the loop runs in a liveness session (:meth:`Coordinator.begin_session`),
+so a wait on another rank lasts while that rank's heartbeat moves (a slow listing of a big root,
+a slow load) up to ``timeout`` per wait; a dead or frozen rank fails the others within the
+coordination timeout. :func:`resume_newest` returns None without candidates and raises
 :class:`CorruptCheckpointError` when none is usable; :func:`restore` is the manager's use.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -77,11 +82,38 @@ def resume_newest(
     (fall back), or None for a failure every rank must raise (a state that does not match).
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
     """
-    raw = coord.agree(
+    if coord.world_size <= 1:
+        return _resume(coord, list_candidates, attempt, timeout, where, label, damaged)
+    # Liveness for the waits below (the save's heartbeats, coord/torch_coordinator.py): the
+    # ranks meet once (bounded by the fixed collective timeout, as a save's first agree is),
+    # then every wait on a rank lasts while its heartbeat moves, up to ``timeout`` per wait.
+    session = coord.agree(secrets.token_hex(8) if coord.is_coordinator else None, timeout)
+    coord.begin_session(f"restore-{session}")
+    try:
+        return _resume(coord, list_candidates, attempt, timeout, where, label, damaged)
+    finally:
+        coord.end_session()
+
+
+def _resume(
+    coord: Coordinator,
+    list_candidates: Callable[[], list[Candidate]],
+    attempt: Callable[[Candidate], T],
+    timeout: float,
+    where: str,
+    label: str,
+    damaged: Callable[[BaseException], str | None],
+) -> Resumed[T] | None:
+    """:func:`resume_newest`'s loop, inside its liveness session."""
+
+    def deadline() -> float:
+        return time.monotonic() + timeout
+
+    raw = coord.share(
         [[c.step, c.folder, c.status, c.reason, c.extra] for c in list_candidates()]
         if coord.is_coordinator
         else None,
-        timeout,
+        deadline(),
     )
     skipped: list[str] = []
     corrupt_seen = False
@@ -94,7 +126,7 @@ def resume_newest(
             continue
         crashpoints.point("restore", coord.rank)
         if coord.world_size > 1:
-            coord.agree(coord.gather(cand.step, timeout), timeout)  # everyone alive and here
+            coord.exchange(cand.step, deadline())  # everyone alive and here
         value: Any = None
         mine: tuple[str, str] = ("ok", "")
         own_error: BaseException | None = None
@@ -106,7 +138,7 @@ def resume_newest(
                 mine = ("corrupt", why)
             else:
                 mine, own_error = (type(e).__name__, str(e)), e
-        verdicts = [mine] if coord.world_size <= 1 else coord.agree(coord.gather(mine, timeout), timeout)
+        verdicts = [mine] if coord.world_size <= 1 else [tuple(v) for v in coord.exchange(list(mine), deadline())]
         fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt")]
         if fatal:
             r, kind, msg = fatal[0]

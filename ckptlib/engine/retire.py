@@ -351,7 +351,7 @@ def _judge_steps(
 def _newer_format(storage: Storage, folder: str) -> bool:
     """Whether ``folder`` failed its check only because a newer ckptlib wrote it (not damage)."""
     try:
-        read_manifest(storage, folder)
+        read_manifest(storage, folder, pieces=False)
     except ManifestVersionError:
         return True
     except (CheckpointError, OSError):
@@ -381,7 +381,7 @@ def _object_store_debris(
         if not e.is_dir or layout.parse_step(e.name) is None:
             continue
         try:
-            committed_ids[e.name] = read_manifest(storage, e.name).save_id
+            committed_ids[e.name] = read_manifest(storage, e.name, pieces=False).save_id
         except CheckpointNotFoundError:
             record = _abort_record(storage, e.name)
             if record is not None:

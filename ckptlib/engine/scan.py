@@ -102,6 +102,18 @@ def check_files(storage: Storage, folder: str, m: Manifest) -> None:
             raise CorruptCheckpointError(f"payload file size is {size} bytes, manifest records {f.size}", where)
 
 
+def _check_indexes(storage: Storage, folder: str, m: Manifest, load: bool) -> None:
+    """v2, after :func:`check_files`: every rank holding pieces has an index file (no I/O);
+    ``load``: read them all (checksums, validation), as a deep check needs every piece."""
+    if m.version < 2:
+        return
+    from ckptlib.engine import index_io
+
+    index_io.check_coverage(m, f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}")
+    if load:
+        index_io.resolve(storage, folder, m)
+
+
 def check_step(
     storage: Storage,
     folder: str,
@@ -110,15 +122,19 @@ def check_step(
     deep: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> StepInfo:
-    """Judge one checkpoint folder; never raises for a bad checkpoint, only for storage errors."""
+    """Judge one checkpoint folder; never raises for a bad checkpoint, only for storage errors.
+    Format v2: reads no piece index file unless ``deep`` (their sizes are checked with the
+    payload's; their checksums when a load or ``deep`` reads them), so ``info.manifest`` may
+    lack pieces: a caller that walks every piece loads them (``index_io.resolve``)."""
     info = StepInfo(step=step if step is not None else -1, status="corrupt", path=folder)
     try:
-        m = read_manifest(storage, folder)
+        m = read_manifest(storage, folder, pieces=False)
         if step is not None and m.step != step:
             raise CorruptCheckpointError(f"folder is step {step} but its manifest says step {m.step}", folder)
         info.save_id, info.created, info.world_size = m.save_id, m.created, m.world_size
         info.num_tensors, info.metrics = len(m.tensors), m.metrics
         check_files(storage, folder, m)
+        _check_indexes(storage, folder, m, deep)
         if deep:
             from ckptlib.engine.verify import verify_chunks
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptlib.backends import Storage, join, open_storage
-from ckptlib.engine import hugepages, target
+from ckptlib.engine import hugepages, index_io, target
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import StepInfo, check_files, check_step, read_manifest, scan
@@ -74,6 +74,7 @@ class CheckpointView:
         self.manifest = manifest
         self.where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
         check_files(storage, folder, manifest)
+        index_io.resolve(storage, folder, manifest)  # v2: every piece (a scan's manifest has none)
         self._reader = Reader(storage, folder, manifest, verify=verify)
 
     @property

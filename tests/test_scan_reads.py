@@ -1,0 +1,206 @@
+"""A status scan reads no piece index file, and a restore reads only the index files its boxes
+need (format v2, issue 15): reads counted per file by a storage wrapper.
+
+The 4-rank v2 checkpoints are saved in one process: four threads, each a rank of the same
+save, joined by :class:`ThreadCoordinator` (the exchanges of a process group, by barrier).
+The restores run the same way, through ``engine.resume.restore`` end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.backends import Storage, open_storage
+from ckptlib.backends.base import ReadHandle
+from ckptlib.coord.coordinator import Coordinator
+from ckptlib.engine import resume
+from ckptlib.engine import save as save_flow
+from ckptlib.engine.scan import check_step, read_manifest, scan
+from ckptlib.format import layout
+from ckptlib.testing.faults import FaultyStorage
+
+WORLD = 4
+ROWS = 32  # /w: 8 rows per rank, a regular grid
+
+
+class ThreadCoordinator(Coordinator):
+    """Rank ``rank`` of ``len(slots)`` threads of one process: every exchange puts this rank's
+    value in its slot and meets the others at a barrier (bounded)."""
+
+    def __init__(self, rank: int, barrier: threading.Barrier, slots: list[Any]) -> None:
+        self.rank, self.world_size = rank, len(slots)
+        self.barrier, self.slots = barrier, slots
+
+    def _all(self, value: Any) -> list[Any]:
+        self.slots[self.rank] = copy.deepcopy(value)
+        self.barrier.wait()
+        out = copy.deepcopy(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank copied them
+        return out
+
+    def agree(self, value: Any, timeout: float) -> Any:
+        return self._all(value)[0]
+
+    def gather(self, value: Any, timeout: float) -> list[Any] | None:
+        out = self._all(value)
+        return out if self.rank == 0 else None
+
+    def scatter(self, values: list[Any] | None, timeout: float) -> Any:
+        return self._all(values)[0][self.rank]
+
+
+def on_ranks(fn: Callable[[int, Coordinator], Any]) -> list[Any]:
+    """``fn(rank, coordinator)`` on WORLD threads; their results in rank order (errors raised)."""
+    barrier, slots = threading.Barrier(WORLD, timeout=60), [None] * WORLD
+    out: list[Any] = [None] * WORLD
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank, ThreadCoordinator(rank, barrier, slots))
+        except BaseException as e:
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return out
+
+
+class CountingStorage(FaultyStorage):
+    """Counts whole-file reads and opens for reading, per path."""
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner, [])
+        self.reads: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _count(self, path: str) -> None:
+        with self._lock:
+            self.reads[path] += 1
+
+    def open_read(self, path: str) -> ReadHandle:
+        self._count(path)
+        return super().open_read(path)
+
+    def read(self, path: str) -> bytes:
+        self._count(path)
+        return super().read(path)
+
+
+def values(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * 6, dtype=torch.float32).reshape(ROWS, 6) + 1000 * step
+
+
+def rank_state(rank: int, step: int, zero: bool = False) -> dict[str, Any]:
+    n = ROWS // WORLD
+    full = torch.zeros(ROWS, 6) if zero else values(step)
+    return {
+        "w": ckptlib.Shard(full[rank * n : (rank + 1) * n].clone(), (ROWS, 6), (rank * n, 0)),
+        "plain": torch.zeros(5) if zero else torch.full((5,), float(step)),
+        "rng": ckptlib.PerRank(torch.full((3,), -1 if zero else rank, dtype=torch.int64)),
+    }
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A manager root with steps 5 and 6, each saved by 4 ranks in format v2."""
+    monkeypatch.setenv("CKPTLIB_FORMAT_VERSION", "2")
+    storage = open_storage(str(tmp_path))
+    for step in (5, 6):
+        on_ranks(lambda r, c, step=step: save_flow.persist(
+            storage, layout.step_dir(step), save_flow.prepare(rank_state(r, step), r), step=step, coordinator=c))
+    m = read_manifest(storage, layout.step_dir(6), pieces=False)
+    assert m.version == 2 and len(m.indexes) == WORLD
+    return tmp_path
+
+
+def index_paths(storage: Storage, folder: str) -> dict[int, str]:
+    m = read_manifest(storage, folder, pieces=False)
+    return {ix.rank: f"{folder}/{ix.path}" for ix in m.indexes}
+
+
+def needed(storage: Storage, folder: str, rank: int) -> set[int]:
+    """Ranks whose index files hold pieces of what ``rank`` restores (from the sharding)."""
+    m = read_manifest(storage, folder, pieces=False)
+    n = ROWS // WORLD
+    boxes = [("/w", (rank * n, 0), (n, 6)), ("/plain", (0,), (5,)), (f"/rng/@rank{rank}", (0,), (3,))]
+    return set().union(*(m.sharding[name].ranks_for(off, shape) for name, off, shape in boxes))
+
+
+def restore_all(root: Path) -> list[tuple[int | None, dict[str, Any], CountingStorage]]:
+    def one(rank: int, coord: Coordinator) -> tuple[int | None, dict[str, Any], CountingStorage]:
+        storage = CountingStorage(open_storage(str(root)))
+        state = rank_state(rank, 0, zero=True)
+        return resume.restore(storage, state, coord, timeout=60), state, storage
+
+    return on_ranks(one)
+
+
+def test_status_scan_reads_no_index_file(root: Path) -> None:
+    storage = CountingStorage(open_storage(str(root)))
+    folder = layout.step_dir(6)
+    info = check_step(storage, folder, 6)
+    assert info.status == "committed", info
+    assert set(storage.reads) == {f"{folder}/manifest.json"}, storage.reads
+    assert [i.status for i in scan(storage)] == ["committed", "committed"]
+    assert not set(storage.reads) & {p for s in (5, 6) for p in index_paths(storage, layout.step_dir(s)).values()}
+    storage.reads.clear()
+    assert check_step(storage, folder, 6, deep=True).status == "committed"
+    assert set(index_paths(storage, folder).values()) <= set(storage.reads)  # deep: every one
+
+
+def test_restore_reads_only_overlapping_index_files(root: Path) -> None:
+    folder = layout.step_dir(6)
+    outcomes = restore_all(root)
+    plain = open_storage(str(root))
+    paths = index_paths(plain, folder)
+    for rank, (step, state, storage) in enumerate(outcomes):
+        assert step == 6
+        n = ROWS // WORLD
+        assert torch.equal(state["w"].local, values(6)[rank * n : (rank + 1) * n])
+        assert torch.equal(state["plain"], torch.full((5,), 6.0))
+        assert state["rng"].value.tolist() == [rank] * 3
+        read = {p for p in storage.reads if p in paths.values()}
+        want = {paths[r] for r in needed(plain, folder, rank)}
+        assert read == want, (rank, sorted(read), sorted(want))
+        assert len(read) < WORLD, (rank, read)  # not every rank's file
+        assert all(storage.reads[p] == 1 for p in read), storage.reads  # each read once
+    assert not any(p in outcomes[1][2].reads for p in index_paths(plain, layout.step_dir(5)).values())
+
+
+def test_damaged_index_file_falls_back_to_the_older_step(root: Path) -> None:
+    """Rank 2's index file of step 6 damaged in place (same size): the scan still calls step 6
+    committed (it reads no index file); the loads that need it find the damage, and every
+    rank falls back to step 5 together, with step 5's bytes."""
+    plain = open_storage(str(root))
+    folder = layout.step_dir(6)
+    path = root / index_paths(plain, folder)[2]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert check_step(plain, folder, 6).status == "committed"
+    deep = check_step(plain, folder, 6, deep=True)
+    assert deep.status == "corrupt" and "checksum" in deep.reason, deep
+    outcomes = restore_all(root)
+    n = ROWS // WORLD
+    for rank, (step, state, _) in enumerate(outcomes):
+        assert step == 5, rank
+        assert torch.equal(state["w"].local, values(5)[rank * n : (rank + 1) * n])
+        assert torch.equal(state["plain"], torch.full((5,), 5.0))
+    assert any(2 in needed(plain, folder, r) for r in range(WORLD))
