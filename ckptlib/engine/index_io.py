@@ -73,6 +73,20 @@ def resolve(storage: Storage, folder: str, m: Manifest, wants: Iterable[Want] | 
     return len(need)
 
 
+def load_indexes(storage: Storage, folder: str, m: Manifest, which: Iterable[int]) -> None:
+    """Load into ``m`` the index files at positions ``which`` of ``m.indexes`` (those not loaded
+    yet), each checked as :func:`resolve` does. For callers that know which ranks' pieces they
+    need by rank, not by box: the tiers verifying a node's copies of a rank's files
+    (ckptlib/tiers/restore.py, drain.py). Raises :class:`CorruptCheckpointError` naming the file."""
+    need = set(which) - m.loaded
+    if not need:
+        return
+    tensors = {n: (e.dtype, e.shape, m.sharding[n]) for n, e in m.tensors.items()}
+    with paused_gc():
+        for i in sorted(need):
+            _load_one(storage, folder, m, i, tensors)
+
+
 def _load_one(storage: Storage, folder: str, m: Manifest, i: int,
               tensors: dict[str, tuple[str, tuple[int, ...], Sharding]]) -> None:
     ix: IndexRef = m.indexes[i]

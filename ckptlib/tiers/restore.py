@@ -28,16 +28,16 @@ from ckptlib.backends import Storage, join
 from ckptlib.backends.base import Entry, ReadHandle, WriteStream
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import load as load_flow
+from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.resume import Candidate, resume_newest
 from ckptlib.engine.scan import StepInfo, read_manifest, scan
-from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
-from ckptlib.tiers.drain import local_save_id
+from ckptlib.tiers.drain import local_save_id, step_files, verify_files
 from ckptlib.tiers.local import LocalTier, local_steps
 from ckptlib.tiers.replicas import REPLICA_DIR, transfer
 
@@ -164,34 +164,44 @@ def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]])
     return [out[s] for s in sorted(out, reverse=True)]
 
 
+def _node_view(local: Storage, final: str, manifest: bytes, paths: dict[str, str]) -> SourceView:
+    """This node's copies of a step's files (name -> path on ``local``), as a step folder."""
+    return SourceView(final, manifest=manifest, local=local, local_paths=paths, fetched={}, persistent=None,
+                      persistent_prefix="")
+
+
 def _holdings(local: Storage, final: str, save_id: str, verify: bool) -> tuple[dict[str, str], bytes | None,
                                                                               list[list[Any]] | None]:
-    """This rank: the files of step ``final`` (save ``save_id``) its node holds that verify:
-    name -> path on ``local``; the manifest bytes; the manifest's (name, size) list."""
+    """This rank: the files of step ``final`` (save ``save_id``) its node holds that verify --
+    payloads and v2 index files, own copies or replicas: name -> path on ``local``; the manifest
+    bytes; the manifest's (name, size) list of every file (:func:`step_files`). A payload counts
+    only when its writer's index file verified too (its chunks are known from it)."""
     try:
-        m = read_manifest(local, final)
-    except CheckpointError:
-        return {}, None, None
-    if m.save_id != save_id:
-        return {}, None, None
-    held: dict[str, str] = {}
-    for i, f in enumerate(m.files):
-        for folder in (final, join(final, REPLICA_DIR)):
-            if local.size(join(folder, f.path)) != f.size:
-                continue
-            try:
-                if verify:
-                    verify_chunks(local, folder, m, files={i})
-            except (CheckpointError, OSError) as e:
-                log.warning("ckptlib: local copy %s is bad, looking for another: %s", join(folder, f.path), e)
-                continue
-            held[_name(f.path)] = join(folder, f.path)
-            break
-    try:
+        m = read_manifest(local, final, pieces=False)
         data = local.read(join(final, MANIFEST_NAME))
     except (CheckpointError, OSError):
         return {}, None, None
-    return held, data, [[_name(f.path), f.size] for f in m.files]
+    if save_id not in (m.save_id, local_save_id(m)):
+        return {}, None, None
+    files = step_files(m)
+    held: dict[str, str] = {}
+    index_of = {f.rank: f for f in files if f.index is not None}
+    for f in sorted(files, key=lambda f: f.index is None):  # index files first
+        if f.file is not None and f.rank in index_of and index_of[f.rank].name not in held:
+            continue  # its chunks are unknown here: fetched with its index file
+        for folder in (final, join(final, REPLICA_DIR)):
+            path = join(folder, f.path)
+            if local.size(path) != f.size:
+                continue
+            try:
+                if verify:
+                    verify_files(_node_view(local, final, data, {f.name: path}), final, m, [f])
+            except (CheckpointError, OSError) as e:
+                log.warning("ckptlib: local copy %s is bad, looking for another: %s", path, e)
+                continue
+            held[f.name] = path
+            break
+    return held, data, [[f.name, f.size] for f in files]
 
 
 def _plan_manifests(reports: list[dict[str, Any]], persistent: bool) -> list[dict[str, Any]]:
@@ -257,16 +267,29 @@ def needed_files(m: Manifest, boxes: list[tuple[str, tuple[int, ...], tuple[int,
     return out
 
 
-def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, where: str) -> set[str] | None:
-    """The files this rank's load reads (None: unknown, take them all). Never raises: a state
-    that does not match is reported by the load itself, after the collectives."""
+def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, where: str, local: Storage,
+           final: str, have: dict[str, str]) -> set[str] | None:
+    """The files this rank's load reads (None: unknown, take them all). Format v2: the index
+    files of the ranks holding the boxes it reads (their sharding says which), and the payload
+    files their pieces name -- found from the index files this node holds, else every payload
+    file of those ranks. Never raises: a state that does not match is reported by the load
+    itself, after the collectives."""
     if mdata is None:
         return None
     try:
         m = decode(mdata, where)
         plan = load_flow.Merge(m, coord.rank, coord.world_size, per_rank, where=where)
         plan.merge(state, tree_codec.decode(m.tree, m.tensors, where), "")
-        return needed_files(m, [(q.name, tuple(q.offset), tuple(q.shape)) for q in plan.requests])
+        boxes = [(q.name, tuple(q.offset), tuple(q.shape)) for q in plan.requests]
+        if m.version < 2:
+            return needed_files(m, boxes)
+        ranks = {r for name, off, shape in boxes for r in m.sharding[name].ranks_for(off, shape)}
+        files = [f for f in step_files(m) if f.rank in ranks]
+        known = [f for f in files if f.index is not None and f.name in have]
+        load_indexes(_node_view(local, final, mdata, have), final, m, [f.index for f in known if f.index is not None])
+        blind = {f.rank for f in files if f.index is not None} - {f.rank for f in known}
+        return ({f.name for f in files if f.index is not None} | needed_files(m, boxes)
+                | {f.name for f in files if f.rank in blind})
     except Exception as e:
         log.debug("ckptlib: cannot tell which files the restore reads (%s); fetching all it lacks", e)
         return None
@@ -274,7 +297,7 @@ def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, w
 
 def _all_files(mdata: bytes | None, where: str) -> set[str]:
     try:
-        return set() if mdata is None else {_name(f.path) for f in decode(mdata, where).files}
+        return set() if mdata is None else {f.name for f in step_files(decode(mdata, where))}
     except CheckpointError:
         return set()  # the load reports the bad manifest
 
@@ -322,7 +345,7 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             except (CheckpointError, OSError) as e:
                 log.warning("ckptlib: cannot read the persistent manifest of step %d: %s", c.step, e)
         # Round 2: the files this rank reads and its node lacks, from peers (else persistent).
-        need = _needs(mdata, state, coord, per_rank, where)
+        need = _needs(mdata, state, coord, per_rank, where, tier.storage, c.folder, have)
         if need is None:  # unknown: every file the manifest names
             need = _all_files(mdata, where)
         mine = sorted(need - set(have))

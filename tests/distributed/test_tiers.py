@@ -50,12 +50,13 @@ def resumed(out: Path, nodes: list[int], args: dict) -> int:
     return steps.pop()
 
 
-def payload(folder: Path, step: int, rank: int, replica: bool = False) -> Path:
-    """The payload file of ``rank`` in a node's local step folder (own copy or replica)."""
+def payload(folder: Path, step: int, rank: int, replica: bool = False, index: bool = False) -> Path:
+    """The payload file of ``rank`` in a node's local step folder (own copy or replica);
+    ``index``: its format v2 piece index file instead."""
     base = folder / f"step-{step:012d}"
     if replica:
         base = base / "replicas"
-    (found,) = list(base.glob(f"[0-9a-f]*/r{rank:05d}-*.bin"))
+    (found,) = list(base.glob(f"[0-9a-f]*/r{rank:05d}-{'index' if index else '[0-9]*'}.bin"))
     return found
 
 
