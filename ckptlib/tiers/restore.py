@@ -468,15 +468,16 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
     where = f"{local.url.rstrip('/')}/{final}"
     todo: dict[str, tuple[str, StepFile]] = {}
     m: Manifest | None = None
+    ok = True
     try:
         m = decode(mdata, where)
         if m.world_size == coord.world_size and (last["node_had"] or local.size(join(final, MANIFEST_NAME)) is None):
             todo = {n: d for n, d in duties(m, final, topo, coord.rank, tier.replicas, tier.jump).items()
                     if n not in have}
     except (CheckpointError, OSError) as e:
+        ok = False
         log.warning("ckptlib: no write-back of %s: %s", where, e)
     written: list[str] = []
-    ok = True
     try:
         # Peers send what neither the restore fetched nor this node holds.
         lacking = sorted(n for n in todo if n not in fetched)
@@ -489,6 +490,7 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
         if m is not None and todo:
             view = SourceView(final, manifest=mdata, local=local, local_paths=have, fetched=fetched,
                               persistent=persistent if pers_id is not None else None, persistent_prefix=pers_id or "")
+            index_of = {g.rank: g.index for g in step_files(m) if g.index is not None}
             with local.deadline(left()):
                 marker = join(final, layout.MARKER)  # first: what a crash leaves here is provably ours
                 if local.size(marker) is None:
@@ -498,8 +500,7 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
                         ok = False
                         continue
                     try:
-                        writer = [g.index for g in step_files(m) if g.rank == f.rank and g.index is not None]
-                        load_indexes(view, final, m, writer)
+                        load_indexes(view, final, m, [index_of[f.rank]] if f.rank in index_of else [])
                         with view.open_read(join(final, name)) as h:
                             _put_verified(local, final, mdata, m, path, f, h)
                         written.append(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -107,6 +108,21 @@ def test_restore_writes_back_what_it_fetched(tmp_path: Path, monkeypatch: pytest
     with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr:
         out = zeros()
         assert mgr.restore(out) == 2 and torch.equal(out["w"], state(2)["w"]) and out["n"] == 2
+
+
+def test_failed_write_back_is_logged_and_the_restore_still_succeeds(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=1) as mgr:
+        mgr.save(1, state(1))
+    shutil.rmtree(tmp_path / "n0")
+    (tmp_path / "n0").mkdir()
+    (tmp_path / "n0" / "step-000000000001").write_text("a file where the step folder would go")
+    with (caplog.at_level(logging.WARNING, logger="ckptlib"),
+          ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr):
+        out = zeros()
+        assert mgr.restore(out) == 1 and torch.equal(out["w"], state(1)["w"])
+    assert "write-back" in caplog.text
+    assert (tmp_path / "n0" / "step-000000000001").read_text() == "a file where the step folder would go"
 
 
 def test_failed_drain_raised_once_and_step_stays_local(tmp_path: Path) -> None:
