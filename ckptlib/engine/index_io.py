@@ -51,14 +51,7 @@ def resolve(storage: Storage, folder: str, m: Manifest, wants: Iterable[Want] | 
                         f"tensor {name!r:.200} is held by rank {r}, which has no index file", where
                     )
                 need.add(i)
-    need -= m.loaded
-    if not need:
-        return 0
-    tensors = {n: (e.dtype, e.shape, m.sharding[n]) for n, e in m.tensors.items()}
-    with paused_gc():
-        for i in sorted(need):
-            _load_one(storage, folder, m, i, tensors)
-    return len(need)
+    return load_indexes(storage, folder, m, need)
 
 
 def check_coverage(m: Manifest, where: str) -> None:
@@ -82,6 +75,22 @@ def check_coverage(m: Manifest, where: str) -> None:
             raise CorruptCheckpointError(
                 f"tensor {name!r:.200} is held by rank {min(missing)}, which has no index file", where
             )
+
+
+def load_indexes(storage: Storage, folder: str, m: Manifest, which: Iterable[int]) -> int:
+    """Load into ``m`` the index files at positions ``which`` of ``m.indexes`` (those not loaded
+    yet; each checked for size, checksum and content) and return how many were read. :func:`resolve`
+    calls it with the files a box needs; callers that know which ranks' pieces they
+    need by rank, not by box: the tiers verifying a node's copies of a rank's files
+    (ckptlib/tiers/restore.py, drain.py). Raises :class:`CorruptCheckpointError` naming the file."""
+    need = set(which) - m.loaded
+    if not need:
+        return 0
+    tensors = {n: (e.dtype, e.shape, m.sharding[n]) for n, e in m.tensors.items()}
+    with paused_gc():
+        for i in sorted(need):
+            _load_one(storage, folder, m, i, tensors)
+    return len(need)
 
 
 def _load_one(storage: Storage, folder: str, m: Manifest, i: int,

@@ -158,6 +158,7 @@ class SaveSession:
         """v2, coordinator: every tensor's dtype, shape and sharding (from :func:`_plan`)."""
         self.payload_bytes = 0
         """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
+        self._index: tuple[dict[str, Any] | None] | None = None  # v2: written early (write_index)
 
     @classmethod
     def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
@@ -224,6 +225,16 @@ class SaveSession:
         self._files += files
         self._chunks += written
 
+    def write_index(self) -> dict[str, Any] | None:
+        """Format v2, this rank, after its last :meth:`write` and before :meth:`finish`: write its
+        piece index file now (``collect`` then reuses it) so that the caller can copy it with the
+        payload (the tiers' replicas, ckptlib/tiers/local.py). Its summary (``path``, ``size``, ...),
+        or None (v1, or nothing written). Raises on failure, like :meth:`write`."""
+        if self.v2 and self._index is None:
+            with self.bounded():
+                self._index = (write_index(self.storage, self.prefix, self.coord.rank, self._files, self._chunks),)
+        return self._index[0] if self._index is not None else None
+
     def collect(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
                 error: BaseException | None = None) -> list[dict[str, Any]] | None:
         """Every rank (collective), after its writes: report done (``error``: this rank failed),
@@ -233,8 +244,7 @@ class SaveSession:
         index = None
         if self.v2 and error is None:
             try:
-                with self.bounded():
-                    index = write_index(self.storage, self.prefix, self.coord.rank, self._files, self._chunks)
+                index = self.write_index()
             except Exception as e:  # reported like a failed write: the save fails on every rank
                 error = e
         msg = None if error is None else f"{type(error).__name__}: {error}"

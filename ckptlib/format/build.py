@@ -255,3 +255,21 @@ def manifest_head(version: int, digest: str) -> bytes:
     return (
         f'{{"format":"{FORMAT_NAME}","format_version":{version},"checksum":"xxh3_64:{digest}","body":'
     ).encode("ascii")
+
+
+def rebased(data: bytes, save_id: str, mode: str, extra: dict[str, Any]) -> bytes:
+    """The manifest ``data`` (already validated: v1 or v2) moved to save ``save_id``: every
+    payload and index path under the old save id renamed, commit mode ``mode``, ``extra``
+    replaced. Used by the tier drain (ckptlib/tiers/drain.py) to publish a local step's manifest
+    on the persistent tier; the result is decoded again before it is committed."""
+    body = jsonio.loads(data)["body"]
+    old = body["save_id"]
+
+    def move(p: str) -> str:
+        return save_id + p[len(old):] if p.startswith(old + "/") else p
+
+    body["save_id"], body["commit"], body["extra"] = save_id, mode, extra
+    body["files"] = [[move(p), *rest] for p, *rest in body["files"]]
+    if "indexes" in body:
+        body["indexes"] = [[move(p), *rest] for p, *rest in body["indexes"]]
+    return encode_body(body)

@@ -8,7 +8,8 @@ coordinator of their own: :func:`drain_coordinator`, never the save's).
 
 :func:`drain_step`, every rank, on the drain thread: :meth:`SaveSession.begin` on the persistent
 storage (a fresh save id, that backend's staging) -> each rank checks the checksums of the files
-it wrote in its node's local copy and copies them into the session's payload prefix (throttled
+it wrote in its node's local copy (payloads and, format v2, its piece index file:
+:func:`step_files`) and copies them into the session's payload prefix (throttled
 to ``rate`` bytes/s) -> :meth:`SaveSession.finish` with the local manifest rewritten for the new
 save id (``extra["tiers"]["local_save_id"]`` links the two): that backend's commit (rename on
 POSIX, conditional put on S3), so a drain is never half-visible. A failure fails the drain on
@@ -22,17 +23,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
+from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.save import SaveOptions, SaveSession
 from ckptlib.engine.scan import check_step, read_manifest
 from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointError, CommitError, CommitTimeoutError
 from ckptlib.format import layout
-from ckptlib.format.build import encode_body, to_body
+from ckptlib.format.build import rebased
+from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
 from ckptlib.tiers.local import LocalTier
 
@@ -57,15 +61,55 @@ def writer_of(path: str) -> int | None:
     return int(name[1:6]) if layout.is_payload_name(name) else None
 
 
-def persisted_manifest(m: Manifest, save_id: str, mode: str) -> bytes:
-    """The local manifest ``m`` rewritten for the persistent copy: save id ``save_id``,
-    payload paths under it, commit mode ``mode``, the local save id in ``extra["tiers"]``."""
-    body = to_body(m)
-    old = m.save_id
-    body["save_id"], body["commit"] = save_id, mode
-    body["files"] = [[save_id + p[len(old):] if p.startswith(old + "/") else p, n] for p, n in body["files"]]
-    body["extra"] = {**(m.extra or {}), "tiers": {"local_save_id": old}}
-    return encode_body(body)
+@dataclass(frozen=True, slots=True)
+class StepFile:
+    """One file of a step that a node holds: a payload file or (format v2) a piece index file."""
+
+    path: str
+    """Relative to the step folder (``<save id>/r00001-0.bin``)."""
+    size: int
+    rank: int | None
+    """The rank that wrote it."""
+    file: int | None = None
+    """Its position in ``Manifest.files`` (payloads)."""
+    index: int | None = None
+    """Its position in ``Manifest.indexes`` (v2 index files)."""
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+def step_files(m: Manifest) -> list[StepFile]:
+    """Every file of step ``m`` -- payloads and v2 index files -- with the rank that wrote it,
+    from the manifest's own lists (v2: each ``indexes`` row names its rank's slice of
+    ``files``; v1: the payload name). What replicas, drains and restores move."""
+    writer: dict[int, int] = {}
+    out: list[StepFile] = []
+    for j, ix in enumerate(m.indexes):
+        writer.update((i, ix.rank) for i in range(ix.first_file, ix.first_file + ix.num_files))
+        out.append(StepFile(ix.path, ix.size, ix.rank, index=j))
+    files = [StepFile(f.path, f.size, writer.get(i, writer_of(f.path)) if m.indexes else writer_of(f.path), file=i)
+             for i, f in enumerate(m.files)]
+    return files + out
+
+
+def verify_files(storage: Storage, folder: str, m: Manifest, files: list[StepFile]) -> None:
+    """Check ``files`` of ``m`` as held under ``folder`` on ``storage``: index files (size,
+    checksum, contents: they are loaded into ``m``, engine/index_io.py), then every chunk of
+    the payload files (engine/verify.py). The index files of the payloads' writers must be
+    among ``files`` or already loaded. Raises :class:`CorruptCheckpointError`."""
+    load_indexes(storage, folder, m, [f.index for f in files if f.index is not None])
+    payloads = {f.file for f in files if f.file is not None}
+    if payloads:
+        verify_chunks(storage, folder, m, files=payloads)
+
+
+def persisted_manifest(data: bytes, m: Manifest, save_id: str, mode: str) -> bytes:
+    """The local manifest ``data`` (decoded: ``m``) rewritten for the persistent copy: save id
+    ``save_id``, payload and index paths under it, commit mode ``mode``, the local save id in
+    ``extra["tiers"]``."""
+    return rebased(data, save_id, mode, {**(m.extra or {}), "tiers": {"local_save_id": m.save_id}})
 
 
 def local_save_id(m: Manifest) -> str:
@@ -108,7 +152,7 @@ def drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: i
     m: Manifest | None = None
     error: BaseException | None = None
     try:
-        m = read_manifest(tier.storage, final)
+        m = read_manifest(tier.storage, final, pieces=False)  # v2: only this rank's index files are read
         if m.world_size != coord.world_size:
             raise CheckpointError(f"step {step} was saved by {m.world_size} ranks, draining on {coord.world_size}")
     except CheckpointError as e:
@@ -130,20 +174,23 @@ def drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: i
     try:
         if m is not None and error is None:
             try:
-                mine = {i for i, f in enumerate(m.files) if writer_of(f.path) == coord.rank}
-                verify_chunks(tier.storage, final, m, files=mine)  # never spread a bad copy
+                mine = [f for f in step_files(m) if f.rank == coord.rank]
+                verify_files(tier.storage, final, m, mine)  # never spread a bad copy
                 first = True
                 with session.bounded():
-                    for i in sorted(mine):
-                        name = m.files[i].path.rsplit("/", 1)[-1]
-                        _copy(tier.storage, join(final, m.files[i].path), persistent, join(session.prefix, name),
+                    for f in mine:
+                        _copy(tier.storage, join(final, f.path), persistent, join(session.prefix, f.name),
                               rate, coord.rank, first)
                         first = False
             except Exception as e:
                 error = e
         data = None
         if coord.is_coordinator and m is not None and error is None:
-            data = persisted_manifest(m, session.save_id, commit.commit_mode(persistent))
+            try:
+                data = persisted_manifest(tier.storage.read(join(final, MANIFEST_NAME)), m, session.save_id,
+                                          commit.commit_mode(persistent))
+            except (CheckpointError, OSError) as e:
+                error = e
             crashpoints.point("drain_commit", coord.rank)
         if coord.is_coordinator and data is None and error is None:
             error = CommitError("no local manifest to drain")

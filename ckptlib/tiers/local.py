@@ -4,15 +4,15 @@ Called by the manager's persist thread (one save at a time), every rank, in orde
 :func:`save_local` = :meth:`SaveSession.begin` against this node's local storage (the
 coordinator opens its node's staging folder) -> the other nodes' leaders open theirs with
 :func:`ckptlib.engine.commit.begin` (same save id, so the same payload prefix) and every rank
-learns whether they could -> :func:`ckptlib.engine.save.write_state` (the one writer pipeline)
--> :func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish` (the commit protocol:
+learns whether they could -> :func:`ckptlib.engine.save.write_state` (the one writer pipeline; format v2 also writes the
+rank's piece index file, :meth:`SaveSession.write_index`) -> :func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish` (the commit protocol:
 every rank durable, the coordinator's node committed) -> the other node leaders commit the
 same manifest bytes in their folders (:func:`ckptlib.engine.commit.publish`). Every rank
 returns or raises the same :class:`CommitError`. Then each node leader runs
 :func:`after_local_commit` (debris and local retention).
 
-A step folder on node n holds the manifest (naming every rank's files), the payload files of
-n's ranks and, under ``replicas/``, copies of its source ranks' files. A save that fails after
+A step folder on node n holds the manifest (naming every rank's files), the payload (and v2
+index) files of n's ranks and, under ``replicas/``, copies of its source ranks' files. A save that fails after
 the coordinator's node committed leaves that node's folder visible: its bytes and replicas were
 all durable (the commit protocol checked), so it is a usable step, only not reported as saved.
 """
@@ -104,10 +104,10 @@ def save_local(
     coord, local = coordinator, tier.storage
     topo = tier.topo(coord, options.timeout)
     meta_tree = encode_metadata(metadata)
-    # Format v1 on the local tier: drains, replicas and restore move the files the manifest lists
-    # (v2's piece index files are not among them yet).
+    # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
+    # every file of the step, piece index files included (tiers/drain.py step_files).
     opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout, overwrite=True,
-                       format_version=1)
+                       format_version=options.format_version)
     session = SaveSession.begin(local, final, step=step, options=opts, coordinator=coord, save_id=save_id,
                                 created=created)
     leader = topo.is_leader(coord.rank) and not coord.is_coordinator
@@ -130,6 +130,14 @@ def save_local(
             session.abort()
             _raise(local, final, failures)
         error = write_state(session, flat, rounds)
+        mine = session.files
+        if error is None:
+            try:  # v2: the index file now, so that it is replicated with the payload
+                index = session.write_index()
+                if index is not None:
+                    mine.append((str(index["path"]), int(index["size"])))
+            except Exception as e:
+                error = e
         if error is None:
             crashpoints.point("local_write", coord.rank)
         if tier.replicas and len(set(topo.nodes)) > 1:
@@ -137,7 +145,7 @@ def save_local(
             if not _errors(coord, error, session.left()):
                 try:
                     replica_flow.replicate(local, coord, topo, work=layout.tmp_dir(final, session.save_id),
-                                           mine=session.files, replicas=tier.replicas, jump=tier.jump,
+                                           mine=mine, replicas=tier.replicas, jump=tier.jump,
                                            timeout=session.left())
                 except Exception as e:
                     error = e
@@ -189,7 +197,7 @@ def local_steps(storage: Storage) -> dict[int, str]:
         if step is None or not ent.is_dir:
             continue
         try:
-            m = read_manifest(storage, ent.name)
+            m = read_manifest(storage, ent.name, pieces=False)  # v2: index files live on several nodes
         except CheckpointError:
             continue
         if m.step == step:

@@ -20,7 +20,10 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -28,17 +31,18 @@ from ckptlib.backends import Storage, join
 from ckptlib.backends.base import Entry, ReadHandle, WriteStream
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import load as load_flow
+from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.resume import Candidate, resume_newest
 from ckptlib.engine.scan import StepInfo, read_manifest, scan
-from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
-from ckptlib.tiers.drain import local_save_id
+from ckptlib.tiers.drain import COPY_PIECE, StepFile, local_save_id, step_files, verify_files
 from ckptlib.tiers.local import LocalTier, local_steps
+from ckptlib.tiers.node import Topology
 from ckptlib.tiers.replicas import REPLICA_DIR, transfer
 
 log = logging.getLogger("ckptlib")
@@ -67,11 +71,14 @@ class _Bytes(ReadHandle):
 class SourceView(Storage):
     """A read-only view of one step folder ``final`` whose files come from several sources, by
     file name: ``fetched`` bytes (peer copies and the manifest), ``local`` paths on this node's
-    storage, else the persistent tier's folder (files under its ``persistent_prefix``)."""
+    storage, else the persistent tier's folder (files under its ``persistent_prefix``).
+    ``sizes``: the manifest's size of files this rank does not read and has no copy of (the
+    restore planner found a verified copy elsewhere): reported by :meth:`size`, never opened."""
 
     def __init__(self, final: str, *, manifest: bytes, local: Storage | None, local_paths: dict[str, str],
-                 fetched: dict[str, bytes], persistent: Storage | None, persistent_prefix: str) -> None:
-        self.final, self.manifest = final, manifest
+                 fetched: dict[str, bytes], persistent: Storage | None, persistent_prefix: str,
+                 sizes: dict[str, int] | None = None) -> None:
+        self.final, self.manifest, self.sizes = final, manifest, sizes or {}
         self.local, self.local_paths, self.fetched = local, local_paths, fetched
         self.persistent, self.persistent_prefix = persistent, persistent_prefix
         self.url = f"tiers:{final}"
@@ -98,6 +105,8 @@ class SourceView(Storage):
         if kind == "persistent":
             assert self.persistent is not None
             return self.persistent.open_read(ref)
+        if _name(path) in self.sizes:
+            raise CorruptCheckpointError("no copy of this file was fetched for this rank", f"{self.url}/{path}")
         raise FileNotFoundError(path)
 
     def size(self, path: str) -> int | None:
@@ -110,7 +119,7 @@ class SourceView(Storage):
         if kind == "persistent":
             assert self.persistent is not None
             return self.persistent.size(ref)
-        return None
+        return self.sizes.get(_name(path))
 
     def exists(self, path: str = "") -> bool:
         return self.size(path) is not None
@@ -164,34 +173,44 @@ def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]])
     return [out[s] for s in sorted(out, reverse=True)]
 
 
+def _node_view(local: Storage, final: str, manifest: bytes, paths: dict[str, str]) -> SourceView:
+    """This node's copies of a step's files (name -> path on ``local``), as a step folder."""
+    return SourceView(final, manifest=manifest, local=local, local_paths=paths, fetched={}, persistent=None,
+                      persistent_prefix="")
+
+
 def _holdings(local: Storage, final: str, save_id: str, verify: bool) -> tuple[dict[str, str], bytes | None,
                                                                               list[list[Any]] | None]:
-    """This rank: the files of step ``final`` (save ``save_id``) its node holds that verify:
-    name -> path on ``local``; the manifest bytes; the manifest's (name, size) list."""
+    """This rank: the files of step ``final`` (save ``save_id``) its node holds that verify --
+    payloads and v2 index files, own copies or replicas: name -> path on ``local``; the manifest
+    bytes; the manifest's (name, size) list of every file (:func:`step_files`). A payload counts
+    only when its writer's index file verified too (its chunks are known from it)."""
     try:
-        m = read_manifest(local, final)
-    except CheckpointError:
-        return {}, None, None
-    if m.save_id != save_id:
-        return {}, None, None
-    held: dict[str, str] = {}
-    for i, f in enumerate(m.files):
-        for folder in (final, join(final, REPLICA_DIR)):
-            if local.size(join(folder, f.path)) != f.size:
-                continue
-            try:
-                if verify:
-                    verify_chunks(local, folder, m, files={i})
-            except (CheckpointError, OSError) as e:
-                log.warning("ckptlib: local copy %s is bad, looking for another: %s", join(folder, f.path), e)
-                continue
-            held[_name(f.path)] = join(folder, f.path)
-            break
-    try:
+        m = read_manifest(local, final, pieces=False)
         data = local.read(join(final, MANIFEST_NAME))
     except (CheckpointError, OSError):
         return {}, None, None
-    return held, data, [[_name(f.path), f.size] for f in m.files]
+    if save_id not in (m.save_id, local_save_id(m)):
+        return {}, None, None
+    files = step_files(m)
+    held: dict[str, str] = {}
+    index_of = {f.rank: f for f in files if f.index is not None}
+    for f in sorted(files, key=lambda f: f.index is None):  # index files first
+        if f.file is not None and f.rank in index_of and index_of[f.rank].name not in held:
+            continue  # its chunks are unknown here: fetched with its index file
+        for folder in (final, join(final, REPLICA_DIR)):
+            path = join(folder, f.path)
+            if local.size(path) != f.size:
+                continue
+            try:
+                if verify:
+                    verify_files(_node_view(local, final, data, {f.name: path}), final, m, [f])
+            except (CheckpointError, OSError) as e:
+                log.warning("ckptlib: local copy %s is bad, looking for another: %s", path, e)
+                continue
+            held[f.name] = path
+            break
+    return held, data, [[f.name, f.size] for f in files]
 
 
 def _plan_manifests(reports: list[dict[str, Any]], persistent: bool) -> list[dict[str, Any]]:
@@ -257,26 +276,40 @@ def needed_files(m: Manifest, boxes: list[tuple[str, tuple[int, ...], tuple[int,
     return out
 
 
-def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, where: str) -> set[str] | None:
-    """The files this rank's load reads (None: unknown, take them all). Never raises: a state
-    that does not match is reported by the load itself, after the collectives."""
+def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, where: str, local: Storage,
+           final: str, have: dict[str, str]) -> set[str] | None:
+    """The files this rank's load reads (None: unknown, take them all). Format v2: the index
+    files of the ranks holding the boxes it reads (their sharding says which), and the payload
+    files their pieces name -- found from the index files this node holds, else every payload
+    file of those ranks. Never raises: a state that does not match is reported by the load
+    itself, after the collectives."""
     if mdata is None:
         return None
     try:
         m = decode(mdata, where)
         plan = load_flow.Merge(m, coord.rank, coord.world_size, per_rank, where=where)
         plan.merge(state, tree_codec.decode(m.tree, m.tensors, where), "")
-        return needed_files(m, [(q.name, tuple(q.offset), tuple(q.shape)) for q in plan.requests])
+        boxes = [(q.name, tuple(q.offset), tuple(q.shape)) for q in plan.requests]
+        if m.version < 2:
+            return needed_files(m, boxes)
+        ranks = {r for name, off, shape in boxes for r in m.sharding[name].ranks_for(off, shape)}
+        files = [f for f in step_files(m) if f.rank in ranks]
+        known = [f for f in files if f.index is not None and f.name in have]
+        load_indexes(_node_view(local, final, mdata, have), final, m, [f.index for f in known if f.index is not None])
+        blind = {f.rank for f in files if f.index is not None} - {f.rank for f in known}
+        return ({f.name for f in files if f.index is not None} | needed_files(m, boxes)
+                | {f.name for f in files if f.rank in blind})
     except Exception as e:
         log.debug("ckptlib: cannot tell which files the restore reads (%s); fetching all it lacks", e)
         return None
 
 
-def _all_files(mdata: bytes | None, where: str) -> set[str]:
+def _all_files(mdata: bytes | None, where: str) -> dict[str, int]:
+    """Every file of the step: name -> size (empty when there is no readable manifest)."""
     try:
-        return set() if mdata is None else {_name(f.path) for f in decode(mdata, where).files}
+        return {} if mdata is None else {f.name: f.size for f in step_files(decode(mdata, where))}
     except CheckpointError:
-        return set()  # the load reports the bad manifest
+        return {}  # the load reports the bad manifest
 
 
 def _exchange(coord: Coordinator, plan: dict[str, Any], local: Storage, have: dict[str, str],
@@ -322,9 +355,10 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             except (CheckpointError, OSError) as e:
                 log.warning("ckptlib: cannot read the persistent manifest of step %d: %s", c.step, e)
         # Round 2: the files this rank reads and its node lacks, from peers (else persistent).
-        need = _needs(mdata, state, coord, per_rank, where)
+        need = _needs(mdata, state, coord, per_rank, where, tier.storage, c.folder, have)
+        sizes = _all_files(mdata, where)
         if need is None:  # unknown: every file the manifest names
-            need = _all_files(mdata, where)
+            need = set(sizes)
         mine = sorted(need - set(have))
         needs = coord.gather(mine, timeout) if coord.world_size > 1 else [mine]
         plans = None
@@ -342,7 +376,7 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
         else:
             view_args = {"persistent": None, "persistent_prefix": ""}
         view = SourceView(c.folder, manifest=mdata, local=tier.storage, local_paths=have, fetched=fetched,
-                          **view_args)
+                          sizes=sizes, **view_args)
         try:
             load_flow.load_checkpoint(view, c.folder, state, verify=verify, rank=coord.rank,
                                       world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found)
@@ -352,14 +386,143 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             log.warning("ckptlib: a local or peer copy of step %d is bad (%s); reading the persistent copy", c.step, e)
             load_flow.load_checkpoint(persistent, c.folder, state, verify=verify, rank=coord.rank,
                                       world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found)
+        last.update(step=c.step, folder=c.folder, manifest=mdata, have=have, fetched=fetched, reports=reports,
+                    node_had=files is not None, persistent=pers_id)
         return found
 
+    last: dict[str, Any] = {}
     got = resume_newest(coord, listing, attempt, timeout=timeout, where=f"{tier.storage.url} and {persistent.url}")
     if got is not None and keys is not None:
         keys.update(got.value)
+    if got is not None and last.get("step") == got.candidate.step:
+        write_back(tier, persistent, coord, topo, last, timeout=timeout)
     if got is None and step is not None:
         raise CheckpointNotFoundError(f"no step {step} under {tier.storage.url} or {persistent.url}")
     return got.candidate.step if got else None
+
+
+def duties(m: Manifest, final: str, topo: Topology, rank: int, replicas: int, jump: int,
+           ) -> dict[str, tuple[str, StepFile]]:
+    """The files of step ``m`` that ``rank`` keeps in its node's folder ``final`` after a save:
+    its own (payloads and index file) at their paths, and those of the ranks it holds replicas
+    for (:meth:`Topology.pairs`) under ``replicas/``. name -> (path on the local storage, file)."""
+    sources = {src for src, dst in topo.pairs(replicas, jump) if dst == rank}
+    out: dict[str, tuple[str, StepFile]] = {}
+    for f in step_files(m):
+        if f.rank == rank:
+            out[f.name] = (join(final, f.path), f)
+        elif f.rank in sources:
+            out[f.name] = (join(final, REPLICA_DIR, f.path), f)
+    return out
+
+
+def _put_verified(local: Storage, final: str, mdata: bytes, m: Manifest, path: str, f: StepFile,
+                  src: ReadHandle) -> None:
+    """Write ``src`` to ``path`` on ``local`` atomically: a temporary name, fsynced, checked
+    (:func:`verify_files`: size and checksums), then renamed over any bad copy; the folder synced."""
+    tmp = f"{path}.{uuid.uuid4().hex[:12]}.partial"
+    w = local.open_write(tmp)
+    try:
+        start = 0
+        while start < src.size:
+            n = min(COPY_PIECE, src.size - start)
+            w.write(src.read(start, n))
+            start += n
+        w.close()  # fsync
+    except BaseException:
+        w.abort()
+        raise
+    try:
+        # An index file is checked into a fresh decode: ``m`` may hold its pieces already.
+        target = decode(mdata, f"{local.url.rstrip('/')}/{final}") if f.index is not None else m
+        verify_files(_node_view(local, final, mdata, {f.name: tmp}), final, target, [f])
+        if local.size(path) is not None:  # a copy that failed its checks
+            local.delete(path)
+        local.rename(tmp, path)
+    except BaseException:
+        local.delete(tmp)
+        raise
+    local.sync_dir(path.rsplit("/", 1)[0])
+
+
+def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: Topology, last: dict[str, Any], *,
+               timeout: float) -> list[str]:
+    """Every rank (collective), right after a restore that every rank finished: make this
+    node's folder hold again what the save left there (:func:`duties`), from the copies the
+    restore fetched (peer replicas), else from a peer's verified copy, else from the persistent
+    tier; each file written with :func:`_put_verified`. Then each node leader whose folder had
+    no manifest of the step writes it (atomically) if every rank of its node got all its files,
+    so ``local_steps`` (``ls --local``, ``StepInfo.tiers``) counts the node again. Only when the
+    world size is the step's (otherwise the next save lays the local tier out anew). Bounded by
+    ``timeout``; a failure is logged, never raised. ``last``: what the restore's attempt kept.
+    Returns the paths this rank wrote."""
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    local, final, mdata = tier.storage, str(last["folder"]), last["manifest"]
+    have: dict[str, str] = last["have"]
+    fetched: dict[str, bytes] = dict(last["fetched"])
+    pers_id: str | None = last["persistent"]
+    where = f"{local.url.rstrip('/')}/{final}"
+    todo: dict[str, tuple[str, StepFile]] = {}
+    m: Manifest | None = None
+    ok = True
+    try:
+        m = decode(mdata, where)
+        if m.world_size == coord.world_size and (last["node_had"] or local.size(join(final, MANIFEST_NAME)) is None):
+            todo = {n: d for n, d in duties(m, final, topo, coord.rank, tier.replicas, tier.jump).items()
+                    if n not in have}
+    except (CheckpointError, OSError) as e:
+        ok = False
+        log.warning("ckptlib: no write-back of %s: %s", where, e)
+    written: list[str] = []
+    try:
+        # Peers send what neither the restore fetched nor this node holds.
+        lacking = sorted(n for n in todo if n not in fetched)
+        needs = coord.gather(lacking, left()) if coord.world_size > 1 else [lacking]
+        plans = None
+        if needs is not None:
+            plans = _plan_files(last["reports"], needs, topo.nodes, True)
+        plan = coord.scatter(plans, left()) if coord.world_size > 1 else (plans or [{}])[0]
+        fetched.update(_exchange(coord, plan, local, have, mdata, left()))
+        if m is not None and todo:
+            view = SourceView(final, manifest=mdata, local=local, local_paths=have, fetched=fetched,
+                              persistent=persistent if pers_id is not None else None, persistent_prefix=pers_id or "")
+            index_of = {g.rank: g.index for g in step_files(m) if g.index is not None}
+            with local.deadline(left()):
+                marker = join(final, layout.MARKER)  # first: what a crash leaves here is provably ours
+                if local.size(marker) is None:
+                    local.put_atomic(marker, json.dumps({"save_id": m.save_id, "created": time.time()}).encode())
+                for name, (path, f) in sorted(todo.items(), key=lambda kv: kv[1][1].index is None):
+                    if name not in fetched and pers_id is None:
+                        ok = False
+                        continue
+                    try:
+                        load_indexes(view, final, m, [index_of[f.rank]] if f.rank in index_of else [])
+                        with view.open_read(join(final, name)) as h:
+                            _put_verified(local, final, mdata, m, path, f, h)
+                        written.append(path)
+                    except (CheckpointError, OSError) as e:
+                        ok = False
+                        log.warning("ckptlib: write-back of %s to %s failed: %s", name, where, e)
+    except Exception as e:
+        ok = False
+        log.warning("ckptlib: write-back to %s failed: %s", where, e)
+    try:
+        oks = coord.agree(coord.gather(ok, left()), left()) if coord.world_size > 1 else [ok]
+        node_ok = all(o for r, o in enumerate(oks) if topo.nodes[r] == topo.nodes[coord.rank])
+        if (topo.is_leader(coord.rank) and node_ok and m is not None and m.world_size == coord.world_size
+                and not last["node_had"] and local.size(join(final, MANIFEST_NAME)) is None):
+            with local.deadline(left()):
+                local.put_atomic(join(final, MANIFEST_NAME), mdata)
+            written.append(join(final, MANIFEST_NAME))
+    except Exception as e:
+        log.warning("ckptlib: write-back of the manifest to %s failed: %s", where, e)
+    if written:
+        log.info("ckptlib: wrote back %d file(s) of step %s into %s", len(written), last["step"], local.url)
+    return written
 
 
 def step_infos(tier: LocalTier, persistent: list[StepInfo], drains: dict[int, Any]) -> list[StepInfo]:

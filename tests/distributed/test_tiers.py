@@ -4,13 +4,17 @@ restored bytes against the pure function that made them (tests/workers/tiers_wor
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import uuid
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import launcher
 from backends.servers import S3_BUCKET
+
+from ckptlib.cli.main import main as cli_main
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "tiers_worker.py"
 JOB_TIMEOUT = 150.0
@@ -50,12 +54,13 @@ def resumed(out: Path, nodes: list[int], args: dict) -> int:
     return steps.pop()
 
 
-def payload(folder: Path, step: int, rank: int, replica: bool = False) -> Path:
-    """The payload file of ``rank`` in a node's local step folder (own copy or replica)."""
+def payload(folder: Path, step: int, rank: int, replica: bool = False, index: bool = False) -> Path:
+    """The payload file of ``rank`` in a node's local step folder (own copy or replica);
+    ``index``: its format v2 piece index file instead."""
     base = folder / f"step-{step:012d}"
     if replica:
         base = base / "replicas"
-    (found,) = list(base.glob(f"[0-9a-f]*/r{rank:05d}-*.bin"))
+    (found,) = list(base.glob(f"[0-9a-f]*/r{rank:05d}-{'index' if index else '[0-9]*'}.bin"))
     return found
 
 
@@ -70,17 +75,59 @@ def committed_steps(root: Path) -> list[int]:
                   and "." not in p.name)
 
 
+def step_files(folder: Path, step: int) -> dict[str, bytes]:
+    """A node's files of ``step``: relative path (save id folder left out) -> bytes."""
+    base = folder / f"step-{step:012d}"
+    return {"/".join((*p.relative_to(base).parts[:-2], p.name)): p.read_bytes()
+            for p in base.rglob("*.bin")}
+
+
+def mirrored(a: dict[str, bytes], b: dict[str, bytes]) -> bool:
+    """Two nodes' step files are each other's replicas: own files on one, replicas on the other."""
+    def flip(k: str) -> str:
+        return k[len("replicas/"):] if k.startswith("replicas/") else "replicas/" + k
+
+    return bool(a) and {flip(k): v for k, v in a.items()} == b
+
+
+def verified(url: str) -> list[int]:
+    """The steps ``ckptlib verify URL --json`` checked (every chunk) and found whole."""
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        code = cli_main(["verify", url, "--json"])
+    assert code == 0, buf.getvalue()
+    rep = json.loads(buf.getvalue())
+    assert rep["ok"], rep
+    return sorted(s["step"] for s in rep["steps"] if s["ok"] and s["checked_bytes"] == s["bytes"] > 0)
+
+
+def manifest_version(folder: Path, step: int) -> int:
+    return int(json.loads((folder / f"step-{step:012d}" / "manifest.json").read_bytes())["format_version"])
+
+
 def test_node_lost_then_both_holders_lost_posix(tmp_path: Path) -> None:
-    """2 nodes x 1 rank; step 2 drained (persist_every=2), step 3 local only."""
+    """2 nodes x 1 rank, format v2; step 2 drained (persist_every=2), step 3 local only."""
     args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "node{node}"), "persist_every": 2}
     res = run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]})
     tiers = {s: t for s, _, t in res[0]["steps"]}
     assert tiers[2] == {"local": "committed", "persistent": "committed"}
     assert tiers[3] == {"local": "committed", "persistent": None}
     assert committed_steps(tmp_path / "persist") == [2]  # only what was drained, whole
-    # Node 1 lost: its ranks' bytes come back from the replica on node 0.
+    assert manifest_version(tmp_path / "persist", 2) == manifest_version(tmp_path / "node1", 3) == 2
+    assert verified(str(tmp_path / "persist")) == [2]  # index files and payloads drained, every chunk checked
+    saved = step_files(tmp_path / "node1", 3)
+    assert {"r00001-index.bin", "replicas/r00000-index.bin"} <= set(saved)
+    assert mirrored(step_files(tmp_path / "node0", 3), saved)
+    # Node 1 lost: its ranks' bytes come back from the replica on node 0 ...
     shutil.rmtree(tmp_path / "node1")
     assert resumed(tmp_path, [0, 1], args) == 3
+    # ... and are written back to node 1, with its replicas of node 0: the set is whole again.
+    assert step_files(tmp_path / "node1", 3) == saved
+    assert committed_steps(tmp_path / "node1") == [3]
+    # So losing the OTHER node now is survivable too, from the written-back copies.
+    shutil.rmtree(tmp_path / "node0")
+    assert resumed(tmp_path, [0, 1], args) == 3
+    assert mirrored(step_files(tmp_path / "node0", 3), saved)
     # Both holders of rank 1's step-3 bytes gone (node 1, and the replica on node 0 damaged):
     # the newest step with a source for every piece is the persisted one.
     shutil.rmtree(tmp_path / "node1", ignore_errors=True)
@@ -103,17 +150,33 @@ def test_corrupt_local_copy_and_other_world_size_posix(tmp_path: Path) -> None:
             assert len(mine) > 100 and payload(tmp_path / f"node{node}", 2, r, replica=True).read_bytes() == mine
         assert not [p for r in own for p in (tmp_path / f"node{node}" / "step-000000000002" / "replicas").rglob(
             f"r{r:05d}-*")]  # never a replica of its own ranks
+    saved = {n: step_files(tmp_path / f"node{n}", 2) for n in (0, 1)}
+    # A corrupt local INDEX file (rank 1's own, on node 0): the replica on node 1 is used, and
+    # written back over the bad copy.
+    flip(payload(tmp_path / "node0", 2, 1, index=True))
+    assert resumed(tmp_path, [0, 0, 1, 1], args) == 2
+    assert step_files(tmp_path / "node0", 2) == saved[0]
+    # Node 1 lost (2 x 2): from node 0's replicas, then written back on node 1.
+    shutil.rmtree(tmp_path / "node1")
+    assert resumed(tmp_path, [0, 0, 1, 1], args) == 2
+    assert step_files(tmp_path / "node1", 2) == saved[1]
+    # A corrupt own payload copy, resumed on another world size (2 x 1): node 1's replica is used.
     flip(payload(tmp_path / "node0", 2, 0))
     assert resumed(tmp_path, [0, 1], args) == 2
 
 
 def test_seaweedfs_persistent_tier(seaweed, tmp_path: Path) -> None:
-    """Drain to the real SeaweedFS server; every node lost: resume from S3, also in one process."""
+    """Drain to the real SeaweedFS server (format v2); one node lost: the replica; every node
+    lost: resume from S3, also in one process."""
     url = f"s3://{S3_BUCKET}/tiers-{uuid.uuid4().hex[:8]}"
     args = {"url": url, "local": str(tmp_path / "node{node}"), "persist_every": 2,
             "storage_options": seaweed.storage_options()}
     res = run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]})
     assert {s: t["persistent"] for s, _, t in res[0]["steps"]} == {2: "committed", 3: None}
+    saved = step_files(tmp_path / "node0", 3)
+    shutil.rmtree(tmp_path / "node0")
+    assert resumed(tmp_path, [0, 1], args) == 3
+    assert step_files(tmp_path / "node0", 3) == saved  # written back from node 1's replicas
     shutil.rmtree(tmp_path / "node0")
     shutil.rmtree(tmp_path / "node1")
     assert resumed(tmp_path, [0], args) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -78,6 +79,50 @@ def test_corrupt_local_copy_falls_to_persistent_copy(tmp_path: Path) -> None:
         out = zeros()
         assert mgr.restore(out) == 2  # the persistent copy of the same step, not an older step
         assert torch.equal(out["w"], state(2)["w"])
+    # ... and written back over the bad local copy
+    (good,) = (tmp_path / "p" / "step-000000000002").glob("[0-9a-f]*/r00000-*.bin")
+    assert payload.read_bytes() == good.read_bytes()
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_restore_writes_back_what_it_fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """A replaced node (empty local folder) restores the persisted step and gets it back in its
+    folder, byte for byte, so the local tier alone restores it next time."""
+    monkeypatch.setenv("CKPTLIB_FORMAT_VERSION", version)
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    shutil.rmtree(tmp_path / "n0")
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr:
+        out = zeros()
+        assert mgr.restore(out) == 2 and torch.equal(out["w"], state(2)["w"])
+        assert tiers_of(mgr)[2] == {"local": "committed", "persistent": "committed"}
+    def files(root: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in (root / "step-000000000002").rglob("*") if p.is_file()}
+
+    back, there = files(tmp_path / "n0"), files(tmp_path / "p")
+    assert set(back) == set(there) and len(back) == (4 if version == "2" else 3)  # marker, manifest, payload(, index)
+    assert {k: v for k, v in back.items() if k != ".ckptlib"} == {k: v for k, v in there.items() if k != ".ckptlib"}
+    assert not list((tmp_path / "n0").rglob("*.partial"))
+    shutil.rmtree(tmp_path / "p")  # the shared tier gone: the written-back copy is enough
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr:
+        out = zeros()
+        assert mgr.restore(out) == 2 and torch.equal(out["w"], state(2)["w"]) and out["n"] == 2
+
+
+def test_failed_write_back_is_logged_and_the_restore_still_succeeds(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=1) as mgr:
+        mgr.save(1, state(1))
+    shutil.rmtree(tmp_path / "n0")
+    (tmp_path / "n0").mkdir()
+    (tmp_path / "n0" / "step-000000000001").write_text("a file where the step folder would go")
+    with (caplog.at_level(logging.WARNING, logger="ckptlib"),
+          ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}")) as mgr):
+        out = zeros()
+        assert mgr.restore(out) == 1 and torch.equal(out["w"], state(1)["w"])
+    assert "write-back" in caplog.text
+    assert (tmp_path / "n0" / "step-000000000001").read_text() == "a file where the step folder would go"
 
 
 def test_failed_drain_raised_once_and_step_stays_local(tmp_path: Path) -> None:
