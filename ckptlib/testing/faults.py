@@ -5,6 +5,11 @@ Which calls a :class:`Fault` picks and what each kind does: docs/storage.md ("Fa
 for tests"). :meth:`FaultInjector.verify` (called on leaving the ``with`` block of either
 wrapper) raises ``AssertionError`` naming any fault that never fired.
 
+A :class:`Bandwidth` limit on a :class:`FaultyStorage` (``bandwidth=``) paces every byte read
+or written through it; :func:`throttle_url` puts one on whatever storage ckptlib opens at one
+URL, so a POSIX folder can stand in for a shared file system of a given bandwidth per
+process (bench/bench_tiers.py).
+
 Thread-safe: the save and load paths call storage from several threads.
 """
 
@@ -13,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,6 +304,7 @@ class _FaultyWrite(WriteStream):
                 data = data[:keep]
         self.written += len(data)
         self.inner.write(data)
+        self.owner._spend(len(data))
 
     def close(self) -> None:
         self.owner.injector.before("close", self.path)
@@ -317,12 +324,20 @@ class FaultyStorage(_VerifyOnExit, Storage):
     Works for every backend, including POSIX, whose own calls do not go through fsspec.
     """
 
-    def __init__(self, inner: Storage, faults: Iterable[Fault] = (), **kw: Any) -> None:
+    def __init__(self, inner: Storage, faults: Iterable[Fault] = (), *, bandwidth: Bandwidth | None = None,
+                 **kw: Any) -> None:
+        """``bandwidth``: pace every byte written or read through this storage (see
+        :class:`Bandwidth`); None: no limit."""
         self.inner = inner
         self.url = inner.url
         self.supports_atomic_rename = inner.supports_atomic_rename
         self.supports_conditional_put = inner.supports_conditional_put
         self.injector = FaultInjector(faults, **kw)
+        self.bandwidth = bandwidth
+
+    def _spend(self, nbytes: int) -> None:
+        if self.bandwidth is not None:
+            self.bandwidth.spend(nbytes)
 
     def __getattr__(self, name: str) -> Any:  # backend-specific attributes (stats, fs, ...)
         return getattr(self.inner, name)
@@ -347,11 +362,13 @@ class FaultyStorage(_VerifyOnExit, Storage):
     def put_atomic(self, path: str, data: bytes) -> None:
         chosen = self.injector.before("put_atomic", path)
         self.inner.put_atomic(path, self.injector.truncate(chosen, bytes(data)))
+        self._spend(len(data))
         self.injector.wrote("put_atomic", path)
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         chosen = self.injector.before("put_if_absent", path)
         self.inner.put_if_absent(path, self.injector.truncate(chosen, bytes(data)))
+        self._spend(len(data))
         self.injector.wrote("put_if_absent", path)
 
     def makedirs(self, path: str) -> None:
@@ -367,11 +384,14 @@ class FaultyStorage(_VerifyOnExit, Storage):
 
     def open_read(self, path: str) -> ReadHandle:
         self._read("open_read", path)
-        return self.inner.open_read(path)
+        inner = self.inner.open_read(path)
+        return inner if self.bandwidth is None else _PacedRead(inner, self.bandwidth)
 
     def read(self, path: str) -> bytes:
         self._read("read", path)
-        return self.inner.read(path)
+        data = self.inner.read(path)
+        self._spend(len(data))
+        return data
 
     def size(self, path: str) -> int | None:
         self.injector.before("size", path)
@@ -401,3 +421,94 @@ class FaultyStorage(_VerifyOnExit, Storage):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class Bandwidth:
+    """A bandwidth limit of ``rate`` bytes/s shared by every stream that spends on it (one per
+    process stands for that process's link to a shared file system).
+
+    :meth:`spend` is called on the thread that just moved ``n`` bytes; it books them on a
+    virtual clock right after the bytes booked before (never earlier than now: idle time earns
+    no burst) and sleeps until their slot has passed. So concurrent streams share the rate, and
+    a stream's average rate is ``rate`` whatever its call sizes. Thread-safe.
+    """
+
+    def __init__(self, rate: float, *, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate must be > 0 bytes/s, got {rate!r}")
+        self.rate = float(rate)
+        self.sleep, self.clock = sleep, clock
+        self.nbytes = 0
+        """Bytes spent so far."""
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the bytes booked so far have gone through
+
+    def spend(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        with self._lock:
+            now = self.clock()
+            self._free_at = max(self._free_at, now) + nbytes / self.rate
+            self.nbytes += nbytes
+            wait = self._free_at - now
+        if wait > 0:
+            self.sleep(wait)
+
+
+class _PacedRead(ReadHandle):
+    """A read handle whose bytes go through a :class:`Bandwidth`."""
+
+    def __init__(self, inner: ReadHandle, bandwidth: Bandwidth) -> None:
+        self.inner, self.bandwidth = inner, bandwidth
+        self.size = inner.size
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        self.inner.read_into(start, out)
+        self.bandwidth.spend(out.nbytes)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _url_key(url: str | os.PathLike[str]) -> str:
+    url = os.fspath(url)
+    for scheme in ("file://", "local://"):
+        if url.startswith(scheme):
+            url = url[len(scheme):] or "/"
+    return os.path.abspath(url) if "://" not in url else url.rstrip("/")
+
+
+@contextlib.contextmanager
+def throttle_url(url: str | os.PathLike[str], rate: float) -> Iterator[Bandwidth]:
+    """Within the block, the storage ckptlib opens at exactly ``url`` (a CheckpointManager's
+    persistent tier, ``ckptlib.save``/``load``, the CLI) comes wrapped in a
+    :class:`FaultyStorage` whose reads and writes share one :class:`Bandwidth` of ``rate``
+    bytes/s (yielded; its ``nbytes`` counts what went through). Other URLs (a manager's
+    ``local=`` folders) are untouched. Training thread, before the storage is opened.
+
+    Works by replacing ``open_storage`` in ``ckptlib.backends`` and in every ckptlib module that
+    took the name (a module first imported inside the block takes the replacement); on exit every
+    one of them gets the original back.
+    Test and benchmark use only: the library's API has no such option.
+    """
+    import ckptlib.backends as backends
+
+    original = backends.open_storage
+    key = _url_key(url)
+    bandwidth = Bandwidth(rate)
+
+    def opened(u: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
+        storage = original(u, storage_options)
+        return FaultyStorage(storage, bandwidth=bandwidth) if _url_key(u) == key else storage
+
+    def swap(old: Any, new: Any) -> None:
+        for name, mod in list(sys.modules.items()):
+            if (name == "ckptlib" or name.startswith("ckptlib.")) and getattr(mod, "open_storage", None) is old:
+                setattr(mod, "open_storage", new)  # noqa: B010 - a module attribute
+
+    swap(original, opened)
+    try:
+        yield bandwidth
+    finally:
+        swap(opened, original)  # also in modules first imported inside the block
