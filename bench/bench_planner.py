@@ -5,7 +5,7 @@ pieces. Measured side by side in one run, on the coordinator:
 - v1: assign every piece (``plan.assign``), build the body from every chunk record, encode it;
 - v2: the grid proposal from the coordinator's own pieces (``plan.grid.propose``), the union of
   every rank's exception list, the tensor descriptions (``describe``), the body from one summary
-  per rank (``format.build.build_body_v2``), encode it.
+  per rank (``format.build.build_body`` with ``layout``), encode it.
 and the size of ``manifest.json``. Per rank (in parallel on a real job, so reported apart):
 v2's grid check (``conform``); the manifest decode every loading rank does (v1: every piece;
 v2: O(ranks + tensors)); and v2's own-piece load planning for a rank loading its own cells of
@@ -27,7 +27,7 @@ import time
 import torch
 
 from ckptlib.engine.reader import Reader, Request
-from ckptlib.format.build import WrittenChunk, build_body, build_body_v2, encode_body
+from ckptlib.format.build import WrittenChunk, build_body, encode_body
 from ckptlib.format.decode import decode
 from ckptlib.format.dtypes import ITEMSIZE
 from ckptlib.format.index_file import build_index, decode_index
@@ -102,7 +102,7 @@ def v2(tensors: int, world: int) -> dict[str, float]:
         prop = propose(mine0)
         union = set().union(*odds)
         layout = describe(prop, union, [], [], [])
-        return encode_body(build_body_v2(summaries, layout, 1, "ab" * 16, 0.0, "rename", None, PREFIX, tree=None))
+        return encode_body(build_body(summaries, 1, "ab" * 16, 0.0, "rename", None, PREFIX, tree=None, layout=layout))
 
     data, t_coord = timed(coordinator, 2 * REPEAT + 1)
 

@@ -13,7 +13,11 @@ results over gloo (group timeout ``dead_after``). Survivors of a failed save rai
 the failed verdict. A rank that gives up on a silent coordinator while awaiting ``outcome``
 says so (``"gave_up": True``); the save flow then fences the save on storage
 (:func:`ckptlib.engine.commit.fence`), so a coordinator frozen mid-publish and woken later
-cannot commit what the others reported failed.
+cannot commit what the others reported failed. The resume loop (:mod:`ckptlib.engine.resume`)
+opens a session too: :meth:`TorchCoordinator.share` (the coordinator's listing) and
+:meth:`TorchCoordinator.exchange` (meetings, verdicts) go over the store, each wait lasting
+while the heartbeat of the rank waited on moves, so a slow listing or load never fails a
+restore; a dead or frozen rank fails the others within ``dead_after``.
 
 Threads: every method runs on the thread driving the save; the heartbeat thread only bumps
 ``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a throwaway daemon thread.
@@ -385,7 +389,10 @@ class _Session:
         coordinator waits for all while their heartbeats move (:meth:`wait_ranks`) and posts
         the list, or the ranks it judged dead, which every rank then raises as a CommitError."""
         n = self._next()
-        self.bounded(self.set, f"{n}/{self.rank}", json.dumps(value))
+        try:
+            self.bounded(self.set, f"{n}/{self.rank}", json.dumps(value))
+        except _Unreachable:
+            raise CommitError(f"coordination failed: {_UNREACHABLE}", {0: _UNREACHABLE}) from None
         if self.rank == 0:
             try:
                 dead = self.wait_ranks(n, deadline, "did not arrive before the deadline")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -65,6 +66,23 @@ def corruption_of(error: BaseException) -> str | None:
     return str(error) if isinstance(error, CorruptCheckpointError) else None
 
 
+@contextmanager
+def _liveness(coord: Coordinator, timeout: float) -> Iterator[None]:
+    """Several ranks: the resume loop's liveness session (the save's heartbeats,
+    coord/torch_coordinator.py). The ranks meet once, bounded by the fixed collective timeout
+    as a save's first agree is; inside, every wait on a rank lasts while its heartbeat moves,
+    up to ``timeout`` per wait."""
+    if coord.world_size <= 1:
+        yield
+        return
+    session = coord.agree(secrets.token_hex(8) if coord.is_coordinator else None, timeout)
+    coord.begin_session(f"restore-{session}")
+    try:
+        yield
+    finally:
+        coord.end_session()
+
+
 def resume_newest(
     coord: Coordinator,
     list_candidates: Callable[[], list[Candidate]],
@@ -82,83 +100,61 @@ def resume_newest(
     (fall back), or None for a failure every rank must raise (a state that does not match).
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
     """
-    if coord.world_size <= 1:
-        return _resume(coord, list_candidates, attempt, timeout, where, label, damaged)
-    # Liveness for the waits below (the save's heartbeats, coord/torch_coordinator.py): the
-    # ranks meet once (bounded by the fixed collective timeout, as a save's first agree is),
-    # then every wait on a rank lasts while its heartbeat moves, up to ``timeout`` per wait.
-    session = coord.agree(secrets.token_hex(8) if coord.is_coordinator else None, timeout)
-    coord.begin_session(f"restore-{session}")
-    try:
-        return _resume(coord, list_candidates, attempt, timeout, where, label, damaged)
-    finally:
-        coord.end_session()
+    with _liveness(coord, timeout):
 
+        def deadline() -> float:
+            return time.monotonic() + timeout
 
-def _resume(
-    coord: Coordinator,
-    list_candidates: Callable[[], list[Candidate]],
-    attempt: Callable[[Candidate], T],
-    timeout: float,
-    where: str,
-    label: str,
-    damaged: Callable[[BaseException], str | None],
-) -> Resumed[T] | None:
-    """:func:`resume_newest`'s loop, inside its liveness session."""
-
-    def deadline() -> float:
-        return time.monotonic() + timeout
-
-    raw = coord.share(
-        [[c.step, c.folder, c.status, c.reason, c.extra] for c in list_candidates()]
-        if coord.is_coordinator
-        else None,
-        deadline(),
-    )
-    skipped: list[str] = []
-    corrupt_seen = False
-    for step, folder, status, reason, extra in raw:
-        cand = Candidate(int(step), folder, status, reason, extra)
-        if status != "committed":
-            log.warning("ckptlib: skipping %s %d (%s): %s", label, cand.step, status, reason)
-            skipped.append(f"{label} {cand.step}: {status}: {reason}")
-            corrupt_seen |= status == "corrupt"
-            continue
-        crashpoints.point("restore", coord.rank)
-        if coord.world_size > 1:
-            coord.exchange(cand.step, deadline())  # everyone alive and here
-        value: Any = None
-        mine: tuple[str, str] = ("ok", "")
-        own_error: BaseException | None = None
-        try:
-            value = attempt(cand)
-        except Exception as e:  # every rank must learn the outcome before anyone raises
-            why = damaged(e)
-            if why is not None:
-                mine = ("corrupt", why)
-            else:
-                mine, own_error = (type(e).__name__, str(e)), e
-        verdicts = [mine] if coord.world_size <= 1 else [tuple(v) for v in coord.exchange(list(mine), deadline())]
-        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt")]
-        if fatal:
-            r, kind, msg = fatal[0]
-            cls = StateMismatchError if kind == "StateMismatchError" else CheckpointError
-            text = f"loading {label} {cand.step}: rank {r}: {msg}" if cls is StateMismatchError else (
-                f"loading {label} {cand.step}: rank {r}: {kind}: {msg}"
-            )
-            raise cls(text) from own_error
-        bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind == "corrupt"]
-        if bad:
-            detail = "; ".join(bad)
-            log.warning("ckptlib: %s %d is corrupt, trying an older one: %s", label, cand.step, detail)
-            skipped.append(f"{label} {cand.step}: corrupt: {detail}")
-            corrupt_seen = True
-            continue
-        log.info("ckptlib: restored %s %d from %s", label, cand.step, where)
-        return Resumed(cand, value, skipped)
-    if corrupt_seen:
-        raise CorruptCheckpointError(f"no usable checkpoint under {where}: " + "; ".join(skipped))
-    return None
+        raw = coord.share(
+            [[c.step, c.folder, c.status, c.reason, c.extra] for c in list_candidates()]
+            if coord.is_coordinator
+            else None,
+            deadline(),
+        )
+        skipped: list[str] = []
+        corrupt_seen = False
+        for step, folder, status, reason, extra in raw:
+            cand = Candidate(int(step), folder, status, reason, extra)
+            if status != "committed":
+                log.warning("ckptlib: skipping %s %d (%s): %s", label, cand.step, status, reason)
+                skipped.append(f"{label} {cand.step}: {status}: {reason}")
+                corrupt_seen |= status == "corrupt"
+                continue
+            crashpoints.point("restore", coord.rank)
+            if coord.world_size > 1:
+                coord.exchange(cand.step, deadline())  # everyone alive and here
+            value: Any = None
+            mine: tuple[str, str] = ("ok", "")
+            own_error: BaseException | None = None
+            try:
+                value = attempt(cand)
+            except Exception as e:  # every rank must learn the outcome before anyone raises
+                why = damaged(e)
+                if why is not None:
+                    mine = ("corrupt", why)
+                else:
+                    mine, own_error = (type(e).__name__, str(e)), e
+            verdicts = [mine] if coord.world_size <= 1 else [tuple(v) for v in coord.exchange(list(mine), deadline())]
+            fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt")]
+            if fatal:
+                r, kind, msg = fatal[0]
+                cls = StateMismatchError if kind == "StateMismatchError" else CheckpointError
+                text = f"loading {label} {cand.step}: rank {r}: {msg}" if cls is StateMismatchError else (
+                    f"loading {label} {cand.step}: rank {r}: {kind}: {msg}"
+                )
+                raise cls(text) from own_error
+            bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind == "corrupt"]
+            if bad:
+                detail = "; ".join(bad)
+                log.warning("ckptlib: %s %d is corrupt, trying an older one: %s", label, cand.step, detail)
+                skipped.append(f"{label} {cand.step}: corrupt: {detail}")
+                corrupt_seen = True
+                continue
+            log.info("ckptlib: restored %s %d from %s", label, cand.step, where)
+            return Resumed(cand, value, skipped)
+        if corrupt_seen:
+            raise CorruptCheckpointError(f"no usable checkpoint under {where}: " + "; ".join(skipped))
+        return None
 
 
 def step_candidates(

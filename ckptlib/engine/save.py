@@ -39,7 +39,7 @@ from ckptlib.errors import (
 )
 from ckptlib.format import jsonio
 from ckptlib.format import manifest as mf
-from ckptlib.format.build import build_body, build_body_v2, encode_body
+from ckptlib.format.build import build_body, encode_body
 from ckptlib.format.dtypes import dtype_name
 from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
@@ -296,13 +296,8 @@ class SaveSession:
                     elif tree is None:
                         one = len(results) == 1 and not results[0].get("per_rank")  # nothing to merge
                         tree = results[0]["tree"] if one else merge_trees([res["tree"] for res in results])
-                    if self.layout is not None:
-                        body = build_body_v2(results, self.layout, self.step, self.save_id, self.created,
-                                             staging.mode, metadata, staging.payload_prefix, tree=tree,
-                                             metrics=metrics)
-                    else:
-                        body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
-                                          staging.payload_prefix, tree=tree, metrics=metrics)
+                    body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
+                                      staging.payload_prefix, tree=tree, metrics=metrics, layout=self.layout)
                     body["extra"] = extra or {}
                     data = encode_body(body)
                 nbytes = sum(size for _, size in body["files"])
@@ -427,7 +422,7 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
     what and write this rank's part (``rounds``: see :func:`persist`). Returns this rank's
     write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save."""
     session.v2 = session.options.writes_v2(session.coord.world_size)
-    items = _plan(session, flat.items) if session.v2 else _plan_v1(session, flat.items)
+    items = _plan(session, flat.items)
     mine = {it.name for it in items}
     try:
         for rnd in [items] if rounds is None else rounds:
@@ -446,45 +441,40 @@ def _describe(it: TensorItem) -> PieceDesc:
                      dtype_name(t.dtype), it.global_shape)
 
 
-def _plan_v1(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
-    """Every rank (collective), format v1: every sharded piece is gathered and assigned."""
-    coord = session.coord
-    if coord.world_size <= 1:
-        return items
-    rep = [it for it in items if it.replicated]
-    shd = [it for it in items if not it.replicated]
-    rep_desc = [_describe(it) for it in rep]
-    mine_in = (digest(rep_desc), rep_desc if coord.is_coordinator else None, [_describe(it) for it in shd])
-    everyone = coord.gather(mine_in, session.left())
-    plans: list[Any] | None = None
-    if coord.is_coordinator:
-        assert everyone is not None
-        try:
-            plans = [("ok", p) for p in assign(everyone[0][1], [e[0] for e in everyone], [e[2] for e in everyone])]
-        except PlanError as e:
-            plans = [("error", str(e))] * coord.world_size
-    status, plan = coord.scatter(plans, session.left())
-    if status == "error":
-        session.abort()
-        raise _fail(session.storage, session.final, {0: plan})
-    return [rep[i] for i in plan.replicated] + [shd[i] for i in plan.sharded]
+@dataclass(slots=True)
+class _Offer:
+    """What the ranks put up for assignment (:func:`_offer_v1` or :func:`_offer_v2`), for
+    :func:`_plan`. Coordinator-only fields are None elsewhere."""
+
+    everyone: list[Any] | None
+    """Coordinator: per rank ``(replica digest, replicated pieces (rank 0 only), ...)``."""
+    explicit: list[list[PieceDesc]] | None
+    """Coordinator: per rank, its sharded pieces to assign (sent piece by piece)."""
+    mine: list[int]
+    """This rank's entries in ``explicit``, as positions in its sharded items."""
+    grid: list[TensorItem]
+    """v2: this rank's sharded items written as its own grid cells (never gathered)."""
+    base_load: list[int] | None = None
+    """Coordinator, v2: bytes each rank writes as grid cells (balanced against)."""
+    proposal: Any = None
+    """v2: the agreed grid proposal (:mod:`ckptlib.plan.grid`)."""
+    union: frozenset[str] = frozenset()
+    """v2: the sharded tensors that are not a grid (their pieces are ``explicit``)."""
 
 
-def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
-    """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
-    (the coordinator plans) -- and, on the coordinator, ``session.layout`` (every tensor's
-    sharding for the v2 manifest). Sharded tensors that form a grid with cell ``k`` on rank
-    ``k`` are agreed on with :mod:`ckptlib.plan.grid` (a proposal out, a list of exceptions
-    back); only the pieces of the other tensors are gathered. Raises :class:`CommitError` on
-    every rank when planning fails."""
+def _offer_v1(session: SaveSession, rep_desc: list[PieceDesc], shd_desc: list[PieceDesc]) -> _Offer:
+    """Format v1: every sharded piece is gathered (one collective)."""
     coord = session.coord
-    if coord.world_size <= 1:
-        session.layout = describe([], set(), [], [], [(0, _describe(it)) for it in items])
-        return items
-    rep = [it for it in items if it.replicated]
-    shd = [it for it in items if not it.replicated]
-    rep_desc = [_describe(it) for it in rep]
-    shd_desc = [_describe(it) for it in shd]
+    everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, shd_desc), session.left())
+    return _Offer(everyone, [e[2] for e in everyone] if everyone is not None else None, list(range(len(shd_desc))), [])
+
+
+def _offer_v2(session: SaveSession, shd: list[TensorItem], rep_desc: list[PieceDesc],
+              shd_desc: list[PieceDesc]) -> _Offer:
+    """Format v2: sharded tensors that form a grid with cell ``k`` on rank ``k`` are agreed on
+    with :mod:`ckptlib.plan.grid` (a proposal out, a list of exceptions back); only the pieces
+    of the other tensors are gathered."""
+    coord = session.coord
     proposal = coord.agree(propose(shd_desc) if coord.is_coordinator else None, session.left())
     odd = conform(proposal, shd_desc, coord.rank)
     odd_set = set(odd)
@@ -495,17 +485,40 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     union: set[str] = set(coord.agree(proposed_odd, session.left()))
     mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
     explicit = coord.gather([shd_desc[i] for i in mine_odd], session.left()) if union else [[]] * coord.world_size
+    grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
+    return _Offer(everyone, explicit, mine_odd, grid, [e[3] for e in everyone] if everyone is not None else None,
+                  proposal, frozenset(union))
+
+
+def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
+    """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
+    (the coordinator plans) -- and, format v2 (``session.v2``), on the coordinator
+    ``session.layout`` (every tensor's sharding for the v2 manifest). What is put up for
+    assignment differs by format (:func:`_offer_v1`, :func:`_offer_v2`); the assignment and
+    its distribution are one. Raises :class:`CommitError` on every rank when planning fails."""
+    coord = session.coord
+    if coord.world_size <= 1:
+        if session.v2:
+            session.layout = describe([], set(), [], [], [(0, _describe(it)) for it in items])
+        return items
+    rep = [it for it in items if it.replicated]
+    shd = [it for it in items if not it.replicated]
+    rep_desc = [_describe(it) for it in rep]
+    shd_desc = [_describe(it) for it in shd]
+    offer = _offer_v2(session, shd, rep_desc, shd_desc) if session.v2 else _offer_v1(session, rep_desc, shd_desc)
     plans: list[Any] | None = None
     if coord.is_coordinator:
+        everyone, explicit = offer.everyone, offer.explicit
         assert everyone is not None and explicit is not None
         try:
-            got = assign(everyone[0][1], [e[0] for e in everyone], explicit, [e[3] for e in everyone])
-            writer = [0] * len(rep_desc)
-            for r, p in enumerate(got):
-                for i in p.replicated:
-                    writer[i] = r
-            chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
-            session.layout = describe(proposal, union, everyone[0][1], writer, chosen)
+            got = assign(everyone[0][1], [e[0] for e in everyone], explicit, offer.base_load)
+            if session.v2:
+                writer = [0] * len(rep_desc)
+                for r, p in enumerate(got):
+                    for i in p.replicated:
+                        writer[i] = r
+                chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
+                session.layout = describe(offer.proposal, set(offer.union), everyone[0][1], writer, chosen)
             plans = [("ok", p) for p in got]
         except PlanError as e:
             plans = [("error", str(e))] * coord.world_size
@@ -513,5 +526,4 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     if status == "error":
         session.abort()
         raise _fail(session.storage, session.final, {0: plan})
-    grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
-    return [rep[i] for i in plan.replicated] + grid + [shd[mine_odd[i]] for i in plan.sharded]
+    return [rep[i] for i in plan.replicated] + offer.grid + [shd[offer.mine[i]] for i in plan.sharded]

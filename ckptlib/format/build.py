@@ -1,5 +1,5 @@
 """Building the manifest: its body from what the ranks wrote (v1: every chunk; v2: per-rank
-summaries, :func:`build_body_v2`), and its bytes. Pure.
+summaries and the planner's layout, :func:`build_body` with ``layout``), and its bytes. Pure.
 
 Who calls what:
 - each rank's writer (engine/writer.py) describes what it wrote as :class:`WrittenChunk` and
@@ -83,9 +83,14 @@ _BODY_KEYS = ("step", "save_id", "created", "world_size", "commit", "checksum_al
               "packs", "tensors", TABLE_KEY, "tree", "metadata", "extra", "metrics")  # fmt: skip
 
 
+_BODY_KEYS_V2 = ("step", "save_id", "created", "world_size", "commit", "checksum_algorithm", "library", "files",
+                 "index_schema", "indexes", "tensors", "tree", "metadata", "extra", "metrics")  # fmt: skip
+
+
 def _body(**fields: Any) -> dict[str, Any]:
-    """The body, keys in their order: the one place that spells them (all are required)."""
-    body = {k: fields.pop(k) for k in _BODY_KEYS}
+    """The body, keys in their order (v2 when it has ``indexes``): the one place that spells
+    them (all are required)."""
+    body = {k: fields.pop(k) for k in (_BODY_KEYS_V2 if "indexes" in fields else _BODY_KEYS)}
     assert not fields, f"unknown manifest body keys {sorted(fields)}"
     return body
 
@@ -101,24 +106,45 @@ def build_body(
     *,
     tree: Any,
     metrics: dict[str, float] | None = None,
+    layout: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The manifest body (JSON-ready) from every rank's write results. Coordinator only.
 
-    ``results[r]`` is rank r's report: ``files`` (``(path, size)`` pairs), ``chunks`` (its
-    :class:`WrittenChunk` / :class:`WrittenPack` records) and ``shapes`` (global shape per tensor
-    name); other keys are ignored. Paths are made relative to the step folder, keeping
-    ``<save_id>/...`` of ``prefix``. ``tree``: the merged tree of non-tensor values (the caller
-    merges the ranks' trees). ``metrics``: the step's metrics (checked by
-    :func:`~ckptlib.format.schema.check_metrics`). Builds JSON structures directly (no intermediate objects): with
-    tens of thousands of small tensors, per-tensor overhead here is a visible part of the save.
+    Format v1 (``layout`` None): ``results[r]`` is rank r's report: ``files`` (``(path, size)``
+    pairs), ``chunks`` (its :class:`WrittenChunk` / :class:`WrittenPack` records) and ``shapes``
+    (global shape per tensor name); other keys are ignored. Builds JSON structures directly (no
+    intermediate objects): with tens of thousands of small tensors, per-tensor overhead here is
+    a visible part of the save.
+
+    Format v2 (``layout``: name -> ``{"dtype", "shape", **sharding}``, the sharding from
+    :func:`ckptlib.format.sharding.grid_json` / ``boxes_json``, made by the save planner):
+    ``results[r]`` is rank r's summary: ``files`` and ``index`` (``{"path", "size",
+    "checksum", "counts"}`` of its piece index file, or None when it wrote nothing). O(ranks +
+    tensors): no per-piece record passes through here, pieces live in the ranks' index files.
+
+    Either way paths are made relative to the step folder, keeping ``<save_id>/...`` of
+    ``prefix``; ``tree``: the merged tree of non-tensor values (the caller merges the ranks'
+    trees); ``metrics``: the step's metrics (checked by
+    :func:`~ckptlib.format.schema.check_metrics`).
     """
-    files: list[list[Any]] = []
-    index: dict[str, int] = {}
     strip = len(prefix) - len(prefix.rsplit("/", 1)[-1])  # keep "<save_id>/..." relative to the step
+    files: list[list[Any]] = []
+    firsts: list[int] = []  # rank r's payload files are files[firsts[r]:][:len(results[r]["files"])]
     for res in results:
-        for path, size in res["files"]:
-            index[path] = len(files)
-            files.append([path[strip:], size])
+        firsts.append(len(files))
+        files += [[path[strip:], size] for path, size in res["files"]]
+    parts = _pieces(results, firsts) if layout is None else _indexes(results, firsts, strip, layout)
+    return _body(
+        step=step, save_id=save_id, created=created, world_size=len(results), commit=mode,
+        checksum_algorithm=DEFAULT_ALGORITHM, library=f"ckptlib {__version__}", files=files, **parts,
+        tree=tree, metadata=metadata, extra={}, metrics=check_metrics(metrics),
+    )  # fmt: skip
+
+
+def _pieces(results: Sequence[Mapping[str, Any]], firsts: list[int]) -> dict[str, Any]:
+    """v1: ``packs``, ``tensors`` (every chunk) and the packed table, from every rank's records."""
+    index = {path: first + i for res, first in zip(results, firsts, strict=True)
+             for i, (path, _size) in enumerate(res["files"])}
     shapes: dict[str, tuple[int, ...]] = {}
     for res in results:
         shapes.update(res["shapes"])
@@ -150,12 +176,21 @@ def build_body(
             entry.setdefault("chunks", []).append(
                 chunk_row(index[c.file], c.start, c.length, c.checksum, c.offset, c.shape, c.codec)
             )
-    return _body(
-        step=step, save_id=save_id, created=created, world_size=len(results), commit=mode,
-        checksum_algorithm=DEFAULT_ALGORITHM, library=f"ckptlib {__version__}", files=files, packs=packs,
-        tensors=tensors, packed_tensors=table.json(), tree=tree, metadata=metadata, extra={},
-        metrics=check_metrics(metrics),
-    )  # fmt: skip
+    return {"packs": packs, "tensors": tensors, TABLE_KEY: table.json()}
+
+
+def _indexes(results: Sequence[Mapping[str, Any]], firsts: list[int], strip: int,
+             layout: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """v2: the index files' schema and one row per rank that wrote one, and ``layout``."""
+    from ckptlib.format.index_file import COUNTS, schema_json
+
+    indexes: list[list[Any]] = []
+    for rank, (res, first) in enumerate(zip(results, firsts, strict=True)):
+        idx = res.get("index")
+        if idx is not None:
+            counts = [idx["counts"][k] for k in COUNTS]
+            indexes.append([idx["path"][strip:], idx["size"], idx["checksum"], rank, first, len(res["files"]), counts])
+    return {"index_schema": schema_json(), "indexes": indexes, "tensors": layout}
 
 
 def _tensor_json(t: TensorEntry) -> dict[str, Any]:
@@ -201,53 +236,6 @@ def encode_body(body: dict[str, Any]) -> bytes:
     """
     text = jsonio.dumps(body, sort_keys=False).encode("ascii")
     return manifest_head(2 if "indexes" in body else 1, checksum(text)) + text + b"}"
-
-
-_BODY_KEYS_V2 = ("step", "save_id", "created", "world_size", "commit", "checksum_algorithm", "library", "files",
-                 "index_schema", "indexes", "tensors", "tree", "metadata", "extra", "metrics")  # fmt: skip
-
-
-def build_body_v2(
-    results: Sequence[Mapping[str, Any]],
-    tensors: Mapping[str, Mapping[str, Any]],
-    step: int | None,
-    save_id: str,
-    created: float,
-    mode: str,
-    metadata: Any,
-    prefix: str,
-    *,
-    tree: Any,
-    metrics: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """The v2 manifest body from every rank's summary. Coordinator only; O(ranks + tensors).
-
-    ``results[r]`` is rank r's summary: ``files`` (its payload ``(path, size)`` pairs) and
-    ``index`` (``{"path", "size", "checksum", "counts"}`` of its piece index file, or None when
-    it wrote nothing). ``tensors``: name -> ``{"dtype", "shape", **sharding}`` (the sharding from
-    :func:`ckptlib.format.sharding.grid_json` / ``boxes_json``), made by the save planner. No
-    per-piece record passes through here: pieces live in the ranks' index files.
-    """
-    from ckptlib.format.index_file import COUNTS, schema_json
-
-    strip = len(prefix) - len(prefix.rsplit("/", 1)[-1])
-    files: list[list[Any]] = []
-    indexes: list[list[Any]] = []
-    for rank, res in enumerate(results):
-        first = len(files)
-        files += [[path[strip:], size] for path, size in res["files"]]
-        idx = res.get("index")
-        if idx is not None:
-            counts = [idx["counts"][k] for k in COUNTS]
-            indexes.append([idx["path"][strip:], idx["size"], idx["checksum"], rank, first, len(files) - first, counts])
-    body = {
-        "step": step, "save_id": save_id, "created": created, "world_size": len(results), "commit": mode,
-        "checksum_algorithm": DEFAULT_ALGORITHM, "library": f"ckptlib {__version__}", "files": files,
-        "index_schema": schema_json(), "indexes": indexes, "tensors": tensors, "tree": tree, "metadata": metadata,
-        "extra": {}, "metrics": check_metrics(metrics),
-    }  # fmt: skip
-    assert tuple(body) == _BODY_KEYS_V2
-    return body
 
 
 def manifest_head(version: int, digest: str) -> bytes:

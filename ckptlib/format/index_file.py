@@ -4,7 +4,7 @@ Who calls what:
 - each rank, after its payload writes (engine/save.py ``SaveSession.collect``, the thread that
   persists the save), calls :func:`build_index` on its write results and stores the bytes next
   to its payload files; the manifest records the file's path, size, checksum and
-  :data:`COUNTS` (``format.build.build_body_v2``);
+  :data:`COUNTS` (``format.build.build_body``);
 - a loading rank (engine/index_io.py) reads only the index files it needs, checks size and
   checksum, and calls :func:`decode_index`, which validates every column with numpy (bounded
   time and memory: every count is fixed by the manifest and must add up to the file's size

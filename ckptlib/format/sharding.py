@@ -8,7 +8,7 @@ A v2 manifest describes every tensor once (``tensors[name]``): dtype, global sha
 - explicit **boxes** (``"boxes": [[rank, offset, shape], ...]``) when the pieces form no grid.
 
 Who calls what: the coordinator describes tensors with :func:`grid_json` / :func:`boxes_json`
-(``format.build.build_body_v2``); manifest decoding validates them with :func:`decode_sharding`;
+(``format.build.build_body``); manifest decoding validates them with :func:`decode_sharding`;
 a loading rank asks :meth:`Sharding.ranks_for` which index files cover a box (time
 proportional to the cells it overlaps), and :func:`check_index` checks that the pieces an index
 file lists tile exactly the cells the manifest gives its rank, before any is used.
