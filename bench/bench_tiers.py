@@ -17,9 +17,13 @@ save:
   replicas durable; single: committed on the persistent backend);
 - **persisted**: until ``handle.wait_persisted()`` returns (single: the same as local).
 
+Also in the rotation, the local disk's floor for a tiers save: every rank writes its bytes twice
+(own copy + the replica it holds) to its node's folder with write + fsync (**raw**).
+
 Then, per backend, restore of the timed step, cold (every file fsynced and dropped from the page
 cache with ``posix_fadvise(DONTNEED)``, SeaweedFS's data folder included; never
-``/proc/sys/vm/drop_caches``), in this order (each deletes more): **own local** (every folder
+``/proc/sys/vm/drop_caches``; a persistent folder on tmpfs stays in memory, its reads are paced
+by the bandwidth limit), in this order (each deletes more): **own local** (every folder
 intact), **peer** (node 0's local folder deleted: its ranks fetch the replicas from node 1 over
 the process group), **persistent** (every local folder deleted). Every restore is checked
 bitwise against the saved state. Times are the slowest rank's; ratios are per round
@@ -64,6 +68,7 @@ JOB_TIMEOUT = 900.0
 RATIOS = {
     "stall tiers/single": (("tiers", "stall"), ("single", "stall")),
     "local commit tiers / single save": (("tiers", "local"), ("single", "persisted")),
+    "local commit tiers / raw write of its bytes": (("tiers", "local"), ("raw", "write")),
     "persisted tiers / single save": (("tiers", "persisted"), ("single", "persisted")),
     "restore peer / own local": (("restore", "peer"), ("restore", "local")),
     "restore persistent / own local": (("restore", "persistent"), ("restore", "local")),
@@ -82,6 +87,30 @@ def make_state(mib: float, world: int, rank: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 + rank)
     return {f"w{i}": ckptlib.Shard(torch.randn(per, COLS, generator=g), (rows, COLS), (rank * per, 0))
             for i in range(N_TENSORS)}
+
+
+def raw_write(state: dict[str, Any], folder: str, rank: int) -> float:
+    """The local disk's floor for a tiers save: this rank's bytes written twice (its own copy and
+    the replica it holds for a peer) to its node's folder, 4 MiB per ``write()``, each file
+    fsynced; every rank at once. Seconds until this rank is done (files removed afterwards)."""
+    import torch.distributed as dist
+
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, f"r{rank}-{copy}.bin") for copy in ("own", "replica")]
+    dist.barrier()
+    t0 = time.perf_counter()
+    for path in paths:
+        with open(path, "wb") as f:
+            for s in state.values():
+                view = memoryview(s.local.numpy()).cast("B")
+                for i in range(0, len(view), 4 << 20):
+                    f.write(view[i : i + (4 << 20)])
+            f.flush()
+            os.fsync(f.fileno())
+    elapsed = time.perf_counter() - t0
+    for path in paths:
+        os.unlink(path)
+    return elapsed
 
 
 def worker(rank: int, world: int, port: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +148,10 @@ def worker(rank: int, world: int, port: str, spec: dict[str, Any]) -> dict[str, 
                     out["throttled_bytes"][key] = out["throttled_bytes"].get(key, 0) + bw.nbytes
 
     for backend, mode in spec["order"]:
+        if backend == "raw":
+            out["raw"] = raw_write(state, spec["raw"].format(node=node), rank)
+            dist.barrier()
+            continue
         with manager(backend, mode, f"{backend}/{mode}") as mgr:
             # warm-up: staging arena, folders, connections (tiers: local only, not drained)
             mgr.save(0, state, **({"persist": False} if mode == "tiers" else {})).wait()
@@ -198,9 +231,10 @@ def run_round(r: int, args: argparse.Namespace, base: Path, s3: dict[str, Any] |
             backends[name] = {"url": {m: f"s3://{BUCKET}/round{r}-{m}" for m in MODES},
                               "local": str(root / name / "node{node}"), "cold": s3["data"],
                               "storage_options": s3["options"]}
-    pairs = [(b, m) for b in backends for m in MODES]
+    pairs = [("raw", "raw")] + [(b, m) for b in backends for m in MODES]
     k = r % len(pairs)
     spec = {"mib": args.mib, "ranks_per_node": args.ranks_per_node, "backends": backends,
+            "raw": str(root / "raw" / "node{node}"),
             "order": pairs[k:] + pairs[:k], "restore_backends": list(backends)}
     res = root / "results"
     res.mkdir(parents=True)
@@ -234,13 +268,15 @@ def summarize(rounds: list[list[dict]], backends: list[str]) -> dict[str, Any]:
             m[b] = {mode: {k: max(x["saves"][f"{b}/{mode}"][k] for x in results)
                            for k in ("stall", "local", "persisted")} for mode in MODES}
             m[b]["restore"] = {s: max(x["restore"][f"{b}/{s}"]["seconds"] for x in results) for s in SCENARIOS}
+            m[b]["raw"] = {"write": max(x["raw"] for x in results)}
         per_round.append(m)
 
     def spread(values: list[float]) -> dict[str, Any]:
         return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
 
     seconds = {b: {group: {k: spread([m[b][group][k] for m in per_round]) for k in per_round[0][b][group]}
-                   for group in per_round[0][b]} for b in backends}
+                   for group in per_round[0][b] if group != "raw"} for b in backends}
+    seconds["raw"] = {"write": spread([per_round[i][backends[0]]["raw"]["write"] for i in range(len(rounds))])}
     ratios = {b: {name: spread([m[b][num[0]][num[1]] / m[b][den[0]][den[1]] for m in per_round])
                   for name, (num, den) in RATIOS.items()} for b in backends}
     return {"seconds": seconds, "ratios": ratios}
@@ -248,6 +284,9 @@ def summarize(rounds: list[list[dict]], backends: list[str]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any], backends: list[str]) -> str:
     lines = ["| backend | measurement | median s | min-max s |", "|---|---|---:|---:|"]
+    raw = summary["seconds"]["raw"]["write"]
+    lines.append(f"| local disk | raw write+fsync, own + replica bytes | {raw['median']:.3f} | "
+                 f"{raw['min']:.3f}-{raw['max']:.3f} |")
     for b in backends:
         for group, vals in summary["seconds"][b].items():
             for k, v in vals.items():

@@ -29,7 +29,8 @@ from ckptlib.testing.faults import Bandwidth, FaultyStorage, throttle_url
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "bench_tiers.py"
-RATIOS = ("stall tiers/single", "local commit tiers / single save", "persisted tiers / single save",
+RATIOS = ("stall tiers/single", "local commit tiers / single save", "local commit tiers / raw write of its bytes",
+          "persisted tiers / single save",
           "restore peer / own local", "restore persistent / own local")
 
 
