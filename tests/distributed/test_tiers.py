@@ -136,8 +136,9 @@ def test_node_lost_then_both_holders_lost_posix(tmp_path: Path) -> None:
 
 
 def test_corrupt_local_copy_and_other_world_size_posix(tmp_path: Path) -> None:
-    """2 nodes x 2 ranks save (nothing drained); a corrupt own copy on node 0; resume on
-    2 nodes x 1 rank: the copy on node 1 (a replica) is used."""
+    """2 nodes x 2 ranks save (format v2, nothing drained); node 1 lost: resume and write-back;
+    corrupt own copies on node 0 (a payload, an index file); resume on 2 nodes x 1 rank: the
+    copies on node 1 (replicas) are used."""
     args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "node{node}"), "persist_every": 100}
     # Small replica pieces: many rounds, and ranks with different numbers of pieces.
     outcomes = finish_job(*start_job(tmp_path, [0, 0, 1, 1], {**args, "mode": "save", "steps": [1, 2]},
@@ -150,18 +151,15 @@ def test_corrupt_local_copy_and_other_world_size_posix(tmp_path: Path) -> None:
             assert len(mine) > 100 and payload(tmp_path / f"node{node}", 2, r, replica=True).read_bytes() == mine
         assert not [p for r in own for p in (tmp_path / f"node{node}" / "step-000000000002" / "replicas").rglob(
             f"r{r:05d}-*")]  # never a replica of its own ranks
-    saved = {n: step_files(tmp_path / f"node{n}", 2) for n in (0, 1)}
-    # A corrupt local INDEX file (rank 1's own, on node 0): the replica on node 1 is used, and
-    # written back over the bad copy.
-    flip(payload(tmp_path / "node0", 2, 1, index=True))
-    assert resumed(tmp_path, [0, 0, 1, 1], args) == 2
-    assert step_files(tmp_path / "node0", 2) == saved[0]
+    saved = step_files(tmp_path / "node1", 2)
     # Node 1 lost (2 x 2): from node 0's replicas, then written back on node 1.
     shutil.rmtree(tmp_path / "node1")
     assert resumed(tmp_path, [0, 0, 1, 1], args) == 2
-    assert step_files(tmp_path / "node1", 2) == saved[1]
-    # A corrupt own payload copy, resumed on another world size (2 x 1): node 1's replica is used.
+    assert step_files(tmp_path / "node1", 2) == saved
+    # A corrupt own payload copy (rank 0) and a corrupt own INDEX file (rank 1) on node 0,
+    # resumed on another world size (2 x 1): the replicas on node 1 are used.
     flip(payload(tmp_path / "node0", 2, 0))
+    flip(payload(tmp_path / "node0", 2, 1, index=True))
     assert resumed(tmp_path, [0, 1], args) == 2
 
 
