@@ -78,6 +78,10 @@ def test_verify_intact_run_every_tier(tree: Path) -> None:
     code, doc = verify(tree, "--tier", "local", "--node", "1")
     assert code == 0 and doc["steps"] == [] and [n["node"] for n in doc["nodes"]] == [1]
     assert [v["step"] for v in doc["restorable"]] == [3]
+    # Nothing drained yet (no persistent root): the local tier alone.
+    shutil.rmtree(tree / "persist")
+    code, doc = verify(tree)
+    assert code == 0 and doc["steps"] == [] and verdict(doc, 3)["restorable"] and not verdict(doc, 3)["persisted"]
 
 
 def test_verify_corrupt_local_copy_is_still_restorable(tree: Path) -> None:

@@ -180,6 +180,7 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
     node folder's copies of each step (own files and replicas, every chunk's checksum), and
     whether every piece still has a good copy on some tier (the rule restore uses:
     :func:`ckptlib.tiers.inventory.unrestorable`)."""
+    from ckptlib.backends import join
     from ckptlib.engine.scan import read_manifest
     from ckptlib.errors import CheckpointError
     from ckptlib.tiers import inventory
@@ -194,7 +195,8 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
             target = open_target(args.url, args.storage_options, ROOT_HINT)
             if target.kind == "checkpoint":
                 raise CliError(f"{args.url} is a single checkpoint folder, not a root — {ROOT_HINT}")
-            infos = list_steps(target)
+            if target.storage.exists(""):  # no root yet: nothing drained so far
+                infos = list_steps(target)
         pers = {i.step: i for i in infos if i.status == "committed"}
         held_ids: dict[int, set[str]] = {}
         node_steps: dict[Any, dict[int, str]] = {}
@@ -213,8 +215,8 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
             else:
                 counts = [sid for f in folders for st, sid in node_steps[f.path].items() if st == s]
                 chosen[s] = max(sorted(set(counts)), key=counts.count) if counts else ""
-        checks = [_Check(i, i.path, i.step) for i in infos if i.step in steps and (i.status == "committed"
-                  or args.step is not None or args.all) and layout.parse_step(i.path) is not None]
+        checks = [_Check(i, i.path, i.step) for i in infos if i.step in steps and (
+            args.all or ((args.step is not None or i.status == "committed") and layout.parse_step(i.path) is not None))]
         todo: list[_NodeStep] = []
         for f in folders:
             for s in steps:
@@ -234,7 +236,11 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
             except (CheckpointError, OSError) as e:
                 ns.status, ns.reason = "unreadable", str(e)
         total = sum(stored_bytes(c.info.manifest) for c in checks if c.info.status == "committed")
-        total += sum(2 * sum(fe.size for fe in m.files) for m in manifests.values())  # own + replica at most
+        for (path, step), m in manifests.items():  # the copies each node folder holds
+            node = next(f for f in folders if f.path == path)
+            final = layout.step_dir(step)
+            total += sum(fe.size for fe in m.files for folder in (final, join(final, inventory.REPLICA_DIR))
+                         if node.storage.size(join(folder, fe.path)) is not None)
         with Progress(out, total, "verifying") as progress:
             for c in checks:
                 if c.info.status != "committed":
@@ -246,15 +252,15 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
                 c.result = check_step(target.storage, c.folder, c.step, deep=True, progress=progress.advance)
                 c.checked_bytes = progress.done - before
             for ns in todo:
-                m = manifests.get((ns.node.path, ns.step))
-                if m is None:
+                got = manifests.get((ns.node.path, ns.step))
+                if got is None:
                     continue
                 progress.describe(f"{ns.node.label} step {ns.step}")
                 before = progress.done
-                ns.copies = inventory.check_copies(ns.node.storage, layout.step_dir(ns.step), m,
+                ns.copies = inventory.check_copies(ns.node.storage, layout.step_dir(ns.step), got,
                                                    progress=progress.advance)
                 ns.checked_bytes = progress.done - before
-                ns.files = [inventory.file_name(fe.path) for fe in m.files]
+                ns.files = [inventory.file_name(fe.path) for fe in got.files]
                 bad = [c for c in ns.copies if c.status != "ok"]
                 if bad:
                     ns.status = "damaged"
@@ -306,7 +312,7 @@ def _report_tiers(args: argparse.Namespace, out: Output, tier: str, target: Targ
                        for c in ns.copies],
         })
     pers_bad = [r for r in pers_rows if r["status"] not in ("committed", "gone")]
-    node_bad = [ns for ns in todo if ns.status != "ok"]
+    node_bad = [ns for ns in todo if ns.status in ("damaged", "unreadable")]  # "other save": stale, not bad
     lost = [v for v in verdicts if not v["restorable"]]
     code = EXIT_BAD if pers_bad or node_bad or lost or not verdicts else EXIT_OK
     out.exit_code = code
