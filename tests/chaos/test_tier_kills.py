@@ -7,6 +7,9 @@ older than the newest step every rank saw committed, never one whose save did no
 writes), its bytes are exactly those saved; the persistent tier shows no step that is not
 wholly there (no half-visible drain); after a further save every local folder is free of
 debris of the killed save. ``CKPTLIB_CHAOS_FULL=1`` runs the whole matrix; CI a seeded sample.
+Every case is recorded (tests/chaos/record.py, scenario ``tier_kill``: the kill, the saves some
+rank saw committed, the resume outcome, committed saves lost, debris left, half-visible drains)
+before its assertions, for the report in docs/reliability.md.
 """
 
 from __future__ import annotations
