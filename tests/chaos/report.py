@@ -124,13 +124,14 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
             continue
         counts = [sum(1 for r in rs if r.resume == o) for o in RESUME_OUTCOMES]
         lines.append(f"| {name} | " + " | ".join(map(str, counts)) + " |")
-    lines += [
-        "",
-        "### Time from a rank's death (or freeze) to the survivors' error",
-        "",
-        "| scenario | samples | p50 s | p99 s | max s |",
-        "|---|---|---|---|---|",
-    ]
+    if any(r.death_to_error_s for r in records):
+        lines += [
+            "",
+            "### Time from a rank's death (or freeze) to the survivors' error",
+            "",
+            "| scenario | samples | p50 s | p99 s | max s |",
+            "|---|---|---|---|---|",
+        ]
     for name, rs in rows:
         vals = [v for r in rs for v in r.death_to_error_s]
         if not vals:
