@@ -51,6 +51,9 @@ CASES: list[tuple[str, str]] = [
     ("prune without a policy", "ckptlib prune run"),
     ("prune keeping nothing", "ckptlib prune run --keep-last 0"),
     ("prune on a single checkpoint", "ckptlib prune one --keep-last 1"),
+    ("a tier without --local", "ckptlib verify run --tier local"),
+    ("--local matching no folder", "ckptlib verify run --local 'nvme/n{node}'"),
+    ("prune keeping no local step", "ckptlib prune run --local 'nvme/n{node}' --local-keep-last 0"),
 ]
 
 

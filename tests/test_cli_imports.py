@@ -49,6 +49,16 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tiers(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiered run in one process: root ``p``, node folder ``n0``."""
+    path = tmp_path_factory.mktemp("tiers")
+    with ckptlib.CheckpointManager(path / "p", local=str(path / "n{node}"), persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((64, 8), float(step)), "n": step})
+    return str(path)
+
+
 CASES = {
     "ls": (["ls", "{root}"], 0),
     "ls --json": (["ls", "{root}", "--json"], 0),
@@ -56,6 +66,10 @@ CASES = {
     "verify --all": (["verify", "{root}", "--all"], 1),  # step 2 is corrupt: the check ran
     "prune --dry-run": (["prune", "{root}", "--keep-last", "1", "--dry-run"], 0),
     "prune --verify --dry-run": (["prune", "{root}", "--keep-last", "2", "--verify", "--dry-run"], 0),
+    "ls --local": (["ls", "{tiers}/p", "--local", "{tiers}/n{{node}}"], 0),
+    "verify --local --all": (["verify", "{tiers}/p", "--local", "{tiers}/n{{node}}", "--all"], 0),
+    "prune --local --dry-run": (["prune", "{tiers}/p", "--local", "{tiers}/n{{node}}", "--keep-last", "1",
+                                 "--local-keep-last", "1", "--dry-run"], 0),
     "--help": (["--help"], 0),
     "ls --help": (["ls", "--help"], 0),
     "--version": (["--version"], 0),
@@ -63,9 +77,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_command_does_not_import_torch(root: str, case: str) -> None:
+def test_command_does_not_import_torch(root: str, tiers: str, case: str) -> None:
     argv, want = CASES[case]
-    code, mods, out = imported_modules("-m", "ckptlib.cli.main", *(a.format(root=root) for a in argv))
+    code, mods, out = imported_modules("-m", "ckptlib.cli.main", *(a.format(root=root, tiers=tiers) for a in argv))
     assert code == want, out
     assert out  # it printed its result
     assert "torch" not in mods, f"`ckptlib {case}` imported torch"

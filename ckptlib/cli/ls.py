@@ -89,13 +89,11 @@ def _verdict(d: retire.Debris | None) -> dict[str, Any] | None:
 
 def _local_nodes(template: str) -> dict[int, int]:
     """Tier column: step -> how many node folders matching ``template`` hold it committed."""
-    import glob
-
     from ckptlib.backends import open_storage
-    from ckptlib.tiers.local import local_steps
+    from ckptlib.tiers.inventory import local_steps, node_folders
 
     counts: dict[int, int] = {}
-    for folder in sorted(glob.glob(template.replace("{node}", "*"))):
+    for _node, folder in node_folders(template):
         for step in local_steps(open_storage(folder)):
             counts[step] = counts.get(step, 0) + 1
     return counts

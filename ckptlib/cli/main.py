@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--step", type=int_at_least(0), metavar="N", help="verify step N")
     which.add_argument("--all", action="store_true",
                        help="verify every step (any step that is not committed fails)")
+    _tier_options(p, "check")
 
     p = sub.add_parser("prune", parents=[common], help="delete old steps by retention policy",
                        description="Delete committed steps that the retention policy does not "
@@ -113,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "With --verify, kept steps are deep-checked first and a corrupt one never "
                        "counts as kept.")
     p.add_argument("url", metavar="URL", help="checkpoint root (local path or fsspec URL)")
-    p.add_argument("--keep-last", type=int_at_least(1), required=True, metavar="N",
-                   help="keep the newest N committed steps")
+    p.add_argument("--keep-last", type=int_at_least(1), metavar="N",
+                   help="keep the newest N committed steps (required unless --tier local)")
     p.add_argument("--keep-every", type=int_at_least(1), metavar="K",
                    help="also keep steps divisible by K")
     p.add_argument("--verify", action="store_true",
@@ -125,12 +126,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove a crashed save's .tmp- folder only once its save started this "
                    "long ago; a younger one may be a save still running (default 3600; 0 removes "
                    "all debris)")
+    _tier_options(p, "prune")
+    p.add_argument("--local-keep-last", type=int_at_least(1), default=2, metavar="N",
+                   help="local tier: keep the newest N locally committed steps on each node, as "
+                   "CheckpointManager(local_keep_last=N) does (default 2)")
     from . import diff, export, plan
 
     export.add_parser(sub, common)
     diff.add_parser(sub, common)
     plan.add_parser(sub, common)
     return parser
+
+
+def _tier_options(p: argparse.ArgumentParser, verb: str) -> None:
+    """``--local``, ``--node`` and ``--tier`` of ``verify`` and ``prune`` (docs/tiers.md)."""
+    p.add_argument("--local", metavar="TEMPLATE", default=None,
+                   help=f"the run's node-local tier (CheckpointManager local=; '{{node}}' matches every "
+                   f"node's folder): {verb} each node's folder too")
+    p.add_argument("--node", type=int_at_least(0), action="append", metavar="N",
+                   help="only node N's folder (repeatable; a missing folder counts as an empty node)")
+    p.add_argument("--tier", choices=("local", "persistent", "all"), default=None,
+                   help="which tier to " + verb + " (default: all with --local, else persistent)")
 
 
 def _merge_common(args: argparse.Namespace) -> None:

@@ -38,12 +38,31 @@ def _debris_row(d: retire.Debris, size: int | None) -> dict[str, Any]:
 
 
 def cmd_prune(args: argparse.Namespace, out: Output) -> int:
-    """Delete committed steps the retention policy does not keep, and removable debris.
+    """Delete committed steps the retention policy does not keep, and removable debris; with
+    ``--local``, on each node's local folder too (:func:`_prune_local`).
 
     The newest committed (with ``--verify``: verified) step is never deleted; a damaged step
     is removed only once a newer committed step supersedes it; ``--dry-run`` deletes nothing
     and prints what would go.
     """
+    tier = "persistent"
+    if getattr(args, "local", None) is not None or getattr(args, "node", None) or getattr(args, "tier", None):
+        from .nodes import check_tier_args
+
+        tier = check_tier_args(args)
+    if tier != "local" and args.keep_last is None:
+        raise CliError("prune needs a retention policy for the persistent tier: --keep-last N (the newest N "
+                       "committed steps stay; add --keep-every K to keep every K-th too), or --tier local")
+    local = _prune_local(args) if tier != "persistent" else None
+    if tier == "local":
+        assert local is not None
+        return _report_local_only(args, out, local)
+    return _prune_persistent(args, out, local)
+
+
+def _prune_persistent(args: argparse.Namespace, out: Output, local: dict[str, Any] | None) -> int:
+    """The persistent tier (the root at ``args.url``), as without ``--local``; ``local``: the
+    local tier's result, added to the JSON document and printed after the root's table."""
     target = open_target(args.url, args.storage_options, ROOT_HINT)
     errors: list[str] = []
     deleted: list[dict[str, Any]] = []
@@ -106,7 +125,7 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
         {"step": i.step, "path": i.path, "status": i.status, "reason": i.reason}
         for i in infos if i.status != "committed"
     ]
-    code = EXIT_USAGE if errors else EXIT_OK
+    code = EXIT_USAGE if errors or (local is not None and local["errors"]) else EXIT_OK
     out.exit_code = code
     out.emit({
         "url": args.url,
@@ -124,8 +143,9 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
         "debris_removed": removed,
         "bytes_freed": _freed(plan, deleted, debris_rows, removed, args.dry_run),
         "errors": errors,
+        **({"local": local} if local is not None else {}),
     })
-    for message in errors:
+    for message in errors + (local["errors"] if local is not None else []):
         out.note(f"ckptlib: {message}", style="red")
     if out.json_mode:
         return code
@@ -169,6 +189,8 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     freed = _freed(plan, deleted, debris_rows, removed, args.dry_run)
     out.print(f"{verb} {n} step(s) and {n_debris} debris folder(s), {human_bytes(freed)}"
               + (" (dry run: nothing was deleted)" if args.dry_run else ""))
+    if local is not None:
+        _print_local(args, out, local)
     return code
 
 
@@ -182,3 +204,137 @@ def _freed(plan: list[dict[str, Any]], deleted: list[dict[str, Any]], debris: li
         if r["removable"] and (dry_run or name in gone):
             total += r["bytes"] or 0
     return total
+
+
+# ---------------------------------------------------------------- the local tier (--local TEMPLATE)
+
+
+def _pending_drains(args: argparse.Namespace, min_age: float) -> set[int]:
+    """Steps whose drain may be running: a staging folder of that step on the persistent tier
+    that ``prune`` would not remove (younger than ``--debris-min-age``, so maybe in use)."""
+    from ckptlib.backends import open_storage
+
+    from . import deadline
+
+    storage = deadline.watched(open_storage(args.url, args.storage_options), args.url.rstrip("/"))
+    try:
+        found = retire.find_debris(storage, None, min_age=min_age, grace=min_age)
+    finally:
+        storage.close()
+    out: set[int] = set()
+    for d in found:
+        m = layout.TMP_RE.match(d.path.split("/", 1)[0])
+        step = layout.parse_step(m.group(1)) if m else None
+        if d.kind == "tmp" and not d.removable and step is not None:
+            out.add(step)
+    return out
+
+
+def _prune_local(args: argparse.Namespace) -> dict[str, Any]:
+    """Each node folder of ``--local``: local retention (``--local-keep-last``, by
+    :func:`ckptlib.tiers.inventory.retired_by_local_retention`, the manager's rule: never a step
+    whose drain may be pending, never the newest) and debris (:func:`ckptlib.engine.retire.find_debris`
+    as for the root, outside any job). Deletes unless ``--dry-run``. Prints nothing."""
+    from ckptlib.tiers import inventory
+
+    from .nodes import close_nodes, open_nodes
+
+    min_age = max(args.debris_min_age, 0.0)
+    keep = args.local_keep_last
+    folders = open_nodes(args.local, args.node)
+    nodes: list[dict[str, Any]] = []
+    errors: list[str] = []
+    try:
+        pending = _pending_drains(args, min_age)
+        for f in folders:
+            node: dict[str, Any] = {"node": f.node, "path": f.path, "exists": f.exists, "steps": [], "debris": [],
+                                    "deleted": [], "debris_removed": [], "bytes_freed": 0}
+            nodes.append(node)
+            if not f.exists:
+                continue
+            steps = inventory.local_steps(f.storage)
+            plain = set(inventory.retired_by_local_retention(steps, keep, ()))
+            gone = set(inventory.retired_by_local_retention(steps, keep, pending))
+            for s in sorted(steps):
+                if s in gone:
+                    why = f"older than the newest {keep} locally committed step(s)"
+                elif s in plain:
+                    why = "drain may be pending (a staging folder of this step on the persistent tier)"
+                else:
+                    why = f"newest {keep} locally committed"
+                node["steps"].append({"step": s, "path": layout.step_dir(s), "keep": s not in gone, "why": why,
+                                      "bytes": retire.tree_bytes(f.storage, layout.step_dir(s))})
+            debris = retire.find_debris(f.storage, None, min_age=min_age, grace=min_age)
+            node["debris"] = [_debris_row(d, retire.tree_bytes(f.storage, d.path)) for d in debris]
+            if args.dry_run:
+                node["bytes_freed"] = sum(p["bytes"] or 0 for p in node["steps"] if not p["keep"]) + sum(
+                    r["bytes"] or 0 for r in node["debris"] if r["removable"])
+                continue
+            for p in node["steps"]:
+                if p["keep"]:
+                    continue
+                try:
+                    retire.delete_step(f.storage, p["path"])
+                except FileNotFoundError:
+                    p["why"] += " (already gone)"
+                except (OSError, CheckpointError) as e:
+                    errors.append(f"{f.path}: could not delete step {p['step']}: {e}")
+                    continue
+                node["deleted"].append(p["step"])
+                node["bytes_freed"] += p["bytes"] or 0
+            try:
+                node["debris_removed"] = retire.remove_debris(f.storage, debris)
+            except (OSError, CheckpointError) as e:
+                errors.append(f"{f.path}: could not remove debris: {e}")
+            node["bytes_freed"] += sum(r["bytes"] or 0 for r in node["debris"] if r["path"] in node["debris_removed"])
+    finally:
+        close_nodes(folders)
+    return {"template": args.local, "local_keep_last": keep, "pending_drains": sorted(pending), "nodes": nodes,
+            "errors": errors}
+
+
+def _report_local_only(args: argparse.Namespace, out: Output, local: dict[str, Any]) -> int:
+    code = EXIT_USAGE if local["errors"] else EXIT_OK
+    out.exit_code = code
+    out.emit({"url": args.url, "dry_run": args.dry_run, "tier": "local", "local": local})
+    for message in local["errors"]:
+        out.note(f"ckptlib: {message}", style="red")
+    if not out.json_mode:
+        _print_local(args, out, local)
+    return code
+
+
+def _print_local(args: argparse.Namespace, out: Output, local: dict[str, Any]) -> None:
+    """The local tier's table: one row per step and debris folder of each node."""
+    verb = "would delete" if args.dry_run else "deleted"
+    t = table("node", "step", "action", "size", "why", right=("step", "size"), fold=("why",))
+    for node in local["nodes"]:
+        label = str(node["node"]) if node["node"] is not None else node["path"]
+        if not node["exists"]:
+            t.add_row(label, "-", Text("no folder", style="yellow"), "-", f"{node['path']} does not exist")
+        for p in node["steps"]:
+            if p["keep"]:
+                action = Text("keep", style="green")
+            elif args.dry_run or p["step"] in node["deleted"]:
+                action = Text(verb, style="red")
+            else:
+                action = Text("failed", style="bold red")
+            t.add_row(label, str(p["step"]), action, human_bytes(p["bytes"]), p["why"])
+        for r in node["debris"]:
+            if not r["removable"]:
+                action = Text("left alone", style="yellow")
+            elif args.dry_run or r["path"] in node["debris_removed"]:
+                action = Text("would remove" if args.dry_run else "removed", style="red")
+            else:
+                action = Text("failed", style="bold red")
+            t.add_row(label, step_label(r["step"]), action, human_bytes(r["bytes"]), f"{r['kind']} {r['path']}: {r['why']}")
+    out.print(Text(f"local tier {local['template']} (keep the newest {local['local_keep_last']} per node):",
+                   style="bold"))
+    out.print(t)
+    n = sum(len([p for p in nd["steps"] if not p["keep"]]) if args.dry_run else len(nd["deleted"])
+            for nd in local["nodes"])
+    n_debris = sum(sum(r["removable"] for r in nd["debris"]) if args.dry_run else len(nd["debris_removed"])
+                   for nd in local["nodes"])
+    freed = sum(nd["bytes_freed"] for nd in local["nodes"])
+    out.print(f"local tier: {verb} {n} step(s) and {n_debris} debris folder(s) on {len(local['nodes'])} node(s), "
+              f"{human_bytes(freed)}" + (" (dry run: nothing was deleted)" if args.dry_run else ""))

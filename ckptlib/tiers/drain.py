@@ -38,6 +38,7 @@ from ckptlib.format import layout
 from ckptlib.format.build import rebased
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
+from ckptlib.tiers.inventory import file_name, local_save_id, writer_rank
 from ckptlib.tiers.local import LocalTier
 
 log = logging.getLogger("ckptlib")
@@ -57,8 +58,7 @@ def drain_coordinator(coord: Coordinator) -> Coordinator:
 
 def writer_of(path: str) -> int | None:
     """The rank that wrote payload ``path`` (``<save id>/r<rank>...bin``), or None."""
-    name = path.rsplit("/", 1)[-1]
-    return int(name[1:6]) if layout.is_payload_name(name) else None
+    return writer_rank(file_name(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,14 +110,6 @@ def persisted_manifest(data: bytes, m: Manifest, save_id: str, mode: str) -> byt
     ``save_id``, payload and index paths under it, commit mode ``mode``, the local save id in
     ``extra["tiers"]``."""
     return rebased(data, save_id, mode, {**(m.extra or {}), "tiers": {"local_save_id": m.save_id}})
-
-
-def local_save_id(m: Manifest) -> str:
-    """The save id of the local step ``m`` came from (its own for a local manifest)."""
-    tiers = (m.extra or {}).get("tiers")
-    if isinstance(tiers, dict) and isinstance(tiers.get("local_save_id"), str):
-        return str(tiers["local_save_id"])
-    return m.save_id
 
 
 def _copy(src: Storage, src_path: str, dst: Storage, dst_path: str, rate: float | None, rank: int,

@@ -29,13 +29,12 @@ from ckptlib.backends import Storage, join
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import commit, retire
 from ckptlib.engine.save import SaveOptions, SaveResult, SaveSession, encode_metadata, write_state
-from ckptlib.engine.scan import read_manifest
 from ckptlib.errors import CheckpointError, CommitError
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
-from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
 from ckptlib.tiers import replicas as replica_flow
+from ckptlib.tiers.inventory import local_steps, retired_by_local_retention
 from ckptlib.tiers.node import Topology
 
 log = logging.getLogger("ckptlib")
@@ -184,27 +183,6 @@ def save_local(
             commit.abort(local, node_staging)
 
 
-def local_steps(storage: Storage) -> dict[int, str]:
-    """Steps committed in this node's local folder (manifest present and valid): step -> save id.
-    Only the manifest is judged here; restore verifies the files it uses."""
-    out: dict[int, str] = {}
-    try:
-        entries = storage.listdir("")
-    except FileNotFoundError:
-        return out
-    for ent in entries:
-        step = layout.parse_step(ent.name)
-        if step is None or not ent.is_dir:
-            continue
-        try:
-            m = read_manifest(storage, ent.name, pieces=False)  # v2: index files live on several nodes
-        except CheckpointError:
-            continue
-        if m.step == step:
-            out[step] = m.save_id
-    return out
-
-
 def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int], rank: int = 0,
                        ) -> list[int]:
     """A node leader, after a local commit (persist thread): remove debris of crashed local
@@ -213,12 +191,10 @@ def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Co
     deleted: list[int] = []
     try:
         retire.clean_debris(tier.storage, active_ids)
-        steps = sorted(local_steps(tier.storage))
-        for d in retention.decide(steps, tier.keep_last, None):
-            if not d.keep and d.step not in protect:
-                crashpoints.point("local_retention", rank)
-                retire.delete_step(tier.storage, layout.step_dir(d.step))
-                deleted.append(d.step)
+        for step in retired_by_local_retention(local_steps(tier.storage), tier.keep_last, protect):
+            crashpoints.point("local_retention", rank)
+            retire.delete_step(tier.storage, layout.step_dir(step))
+            deleted.append(step)
     except Exception as e:
         log.warning("ckptlib: local retention/cleanup failed (will retry after the next save): %s", e)
     return deleted

@@ -41,6 +41,7 @@ from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
 from ckptlib.tiers.drain import COPY_PIECE, StepFile, local_save_id, step_files, verify_files
+from ckptlib.tiers.inventory import unrestorable
 from ckptlib.tiers.local import LocalTier, local_steps
 from ckptlib.tiers.node import Topology
 from ckptlib.tiers.replicas import REPLICA_DIR, transfer
@@ -218,13 +219,10 @@ def _plan_manifests(reports: list[dict[str, Any]], persistent: bool) -> list[dic
     persisted)? And for each rank without a local manifest, which rank sends it one."""
     world = len(reports)
     files = next((r["files"] for r in reports if r["files"] is not None), None)
-    if files is None and not persistent:
-        return [{"error": "no manifest on any node"}] * world
-    held = {name for rep in reports for name in rep["held"]}
-    if not persistent:
-        lost = [name for name, _ in files or [] if name not in held]
-        if lost:
-            return [{"error": f"no verified copy of {', '.join(lost)} on any node and the step is not persisted"}] * world
+    why = unrestorable(None if files is None else [name for name, _ in files], [rep["held"] for rep in reports],
+                       persistent)
+    if why:
+        return [{"error": why}] * world
     plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": []} for _ in range(world)]
     holders = [r for r, rep in enumerate(reports) if rep["files"] is not None]
     for r, rep in enumerate(reports):

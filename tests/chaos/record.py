@@ -44,6 +44,9 @@ class Record:
     s3_retries: int = 0
     s3_giveups: int = 0
     death_to_error_s: list[float] = field(default_factory=list)  # a rank's death -> peers' error
+    kills: int = 0  # processes SIGKILLed by the case's fault (tier kills)
+    debris_left: int = 0  # .tmp-/.del- folders left in local folders after the next save: must be 0
+    half_visible: int = 0  # persistent-tier steps visible but not whole (a half-published drain): must be 0
     duration_s: float = 0.0
     ok: bool = True
     note: str = ""

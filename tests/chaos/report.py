@@ -1,10 +1,14 @@
 """Render chaos results (tests/chaos/record.py JSONL) into docs/reliability.md.
 
-usage: python -m tests.chaos.report RESULTS.jsonl DOC.md [--date YYYY-MM-DD]
+usage: python -m tests.chaos.report RESULTS.jsonl DOC.md [--date YYYY-MM-DD] [--scenario NAME]
 
 Replaces the text between ``<!-- chaos-report:begin -->`` and ``<!-- chaos-report:end -->`` in
 DOC.md (appends the pair when missing) and leaves the hand-written prose around it alone. Any
-scenario name is rendered (one row per scenario, in order of first appearance). Exit status
+scenario name is rendered (one row per scenario, in order of first appearance). A scenario
+may also have a section of its own, between ``<!-- chaos-report:NAME:begin -->`` and
+``<!-- chaos-report:NAME:end -->``: a full run refreshes every such section whose scenario it
+recorded, and ``--scenario NAME`` renders only that scenario's records into its own section
+(one scenario's matrix run alone, without wiping the other scenarios' figures). Exit status
 1 when a must-be-zero count is not zero (the document is written first), 2 on bad input.
 Run by ``make chaos`` after the suite; a plain function (:func:`render`) for tests.
 """
@@ -20,6 +24,13 @@ from .record import RESUME_OUTCOMES, Record, read
 
 BEGIN = "<!-- chaos-report:begin -->"
 END = "<!-- chaos-report:end -->"
+
+
+def markers(scenario: str | None = None) -> tuple[str, str]:
+    """The (begin, end) markers of the whole report, or of ``scenario``'s own section."""
+    if scenario is None:
+        return BEGIN, END
+    return f"<!-- chaos-report:{scenario}:begin -->", f"<!-- chaos-report:{scenario}:end -->"
 
 
 def _pcts(values: list[float]) -> tuple[float | None, float | None]:
@@ -64,6 +75,8 @@ def checks(records: Sequence[Record]) -> list[tuple[str, int, bool]]:
     out.append(("corruptions undetected", _sum(records, "corruptions_undetected"), False))
     missed = _sum(records, "malicious_total") - _sum(records, "malicious_rejected")
     out.append(("malicious inputs not rejected", missed, False))
+    out.append(("debris left after the next save", _sum(records, "debris_left"), False))
+    out.append(("half-visible drains", _sum(records, "half_visible"), False))
     out.append(("failed runs (a check raised)", sum(1 for r in records if not r.ok), False))
     return [(what, n, n == 0) for what, n, _ in out]
 
@@ -111,19 +124,34 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
             continue
         counts = [sum(1 for r in rs if r.resume == o) for o in RESUME_OUTCOMES]
         lines.append(f"| {name} | " + " | ".join(map(str, counts)) + " |")
-    lines += [
-        "",
-        "### Time from a rank's death (or freeze) to the survivors' error",
-        "",
-        "| scenario | samples | p50 s | p99 s | max s |",
-        "|---|---|---|---|---|",
-    ]
+    if any(r.death_to_error_s for r in records):
+        lines += [
+            "",
+            "### Time from a rank's death (or freeze) to the survivors' error",
+            "",
+            "| scenario | samples | p50 s | p99 s | max s |",
+            "|---|---|---|---|---|",
+        ]
     for name, rs in rows:
         vals = [v for r in rs for v in r.death_to_error_s]
         if not vals:
             continue
         p50, p99 = _pcts(vals)
         lines.append(f"| {name} | {len(vals)} | {_f(p50)} | {_f(p99)} | {_f(max(vals))} |")
+    killed = [(name, rs) for name, rs in rows if _sum(rs, "kills")]
+    if killed:
+        lines += [
+            "",
+            "### Kills, debris and drains",
+            "",
+            "| scenario | kills | resumes checked | committed saves lost | debris left after the next save "
+            "| half-visible drains |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, rs in killed:
+            resumes = sum(1 for r in rs if r.resume is not None)
+            lines.append(f"| {name} | {_sum(rs, 'kills')} | {resumes} | {_sum(rs, 'saves_lost')} "
+                         f"| {_sum(rs, 'debris_left')} | {_sum(rs, 'half_visible')} |")
     lines += ["", "### Must be zero", ""]
     for what, n, ok in checks(records):
         lines.append(f"- {'PASS' if ok else 'FAIL'}: {what} = {n}")
@@ -137,13 +165,29 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def update(doc: str, section: str) -> str:
-    """``doc`` with the text between the markers replaced (markers appended when missing)."""
-    if BEGIN in doc and END in doc and doc.index(BEGIN) < doc.index(END):
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        return f"{head}{BEGIN}\n{section}\n{END}{tail}"
-    return f"{doc.rstrip()}\n\n{BEGIN}\n{section}\n{END}\n"
+def update(doc: str, section: str, scenario: str | None = None) -> str:
+    """``doc`` with the text between the markers (of ``scenario``'s own section, when given)
+    replaced; the markers are appended when missing."""
+    begin, end = markers(scenario)
+    if begin in doc and end in doc and doc.index(begin) < doc.index(end):
+        head, rest = doc.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        return f"{head}{begin}\n{section}\n{end}{tail}"
+    return f"{doc.rstrip()}\n\n{begin}\n{section}\n{end}\n"
+
+
+def update_all(doc: str, records: Sequence[Record], date: str | None, scenario: str | None = None) -> str:
+    """``doc`` after a run: ``scenario`` given, only its own section (from its records);
+    otherwise the whole report and every scenario section already in ``doc`` that the run
+    recorded (a section whose scenario did not run is left as it was)."""
+    if scenario is not None:
+        return update(doc, render([r for r in records if r.scenario == scenario], date), scenario)
+    doc = update(doc, render(records, date))
+    for name, rs in _by_scenario(records).items():
+        begin, end = markers(name)
+        if begin in doc and end in doc:
+            doc = update(doc, render(rs, date), name)
+    return doc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,19 +197,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("results")
     ap.add_argument("doc")
     ap.add_argument("--date", default=None)
+    ap.add_argument("--scenario", default=None,
+                    help="render only this scenario's records, into its own section")
     ns = ap.parse_args(argv)
     try:
         records = read(ns.results)
     except (OSError, ValueError, TypeError) as e:
         print(f"report: cannot read {ns.results}: {e}", file=sys.stderr)
         return 2
+    if ns.scenario is not None:
+        records = [r for r in records if r.scenario == ns.scenario]
     if not records:
-        print(f"report: {ns.results} holds no records", file=sys.stderr)
+        what = f" of scenario {ns.scenario!r}" if ns.scenario else ""
+        print(f"report: {ns.results} holds no records{what}", file=sys.stderr)
         return 2
     with open(ns.doc) as f:
         doc = f.read()
     with open(ns.doc, "w") as f:
-        f.write(update(doc, render(records, ns.date)))
+        f.write(update_all(doc, records, ns.date, ns.scenario))
     failed = [what for what, _, ok in checks(records) if not ok]
     print(
         f"report: {len(records)} runs -> {ns.doc}; "

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from .record import Record, emit, read
-from .report import BEGIN, END, checks, main, render, update
+from .report import BEGIN, END, checks, main, markers, render, update
 
 
 def _write(path: Path, records: list[Record], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,3 +133,30 @@ def test_update_and_bad_input(tmp_path: Path) -> None:
     garbage = tmp_path / "g.jsonl"
     garbage.write_text("{not json\n")
     assert main([str(garbage), str(doc)]) == 2
+
+
+def test_tier_kill_counts_and_scenario_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = [Record("tier_kill", f"k{i}", 5, kills=1, saves_attempted=4, saves_committed=3, resume="correct")
+            for i in range(3)]
+    res, doc = tmp_path / "r.jsonl", tmp_path / "doc.md"
+    _write(res, _good() + tier, monkeypatch)
+    tb, te = markers("tier_kill")
+    doc.write_text(f"# T\n\n{BEGIN}\nold all\n{END}\n\n## Tiers\n\n{tb}\nold tiers\n{te}\n")
+    # One scenario's matrix alone: only its own section changes.
+    assert main([str(res), str(doc), "--date", "d1", "--scenario", "tier_kill"]) == 0
+    text = doc.read_text()
+    assert "old all" in text and "old tiers" not in text
+    section = text.split(tb, 1)[1].split(te, 1)[0]
+    assert "from 3 runs; seed(s): 5" in section and "| phase_kill |" not in section
+    assert "| tier_kill | 3 | 3 | 0 | 0 | 0 |" in section  # kills, resumes, lost, debris, half-visible
+    assert "PASS: debris left after the next save = 0" in section and "PASS: half-visible drains = 0" in section
+    # A full run refreshes both.
+    assert main([str(res), str(doc), "--date", "d2"]) == 0
+    text = doc.read_text()
+    assert "old all" not in text and text.count("d2") == 2 and text.count(tb) == 1
+    # Debris or a half-visible drain fails the report.
+    _write(res, [Record("tier_kill", "bad", 5, kills=1, debris_left=2, half_visible=1)], monkeypatch)
+    assert main([str(res), str(doc), "--scenario", "tier_kill"]) == 1
+    text = doc.read_text()
+    assert "FAIL: debris left after the next save = 2" in text and "FAIL: half-visible drains = 1" in text
+    assert main([str(res), str(doc), "--scenario", "nope"]) == 2

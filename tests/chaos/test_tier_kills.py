@@ -7,20 +7,25 @@ older than the newest step every rank saw committed, never one whose save did no
 writes), its bytes are exactly those saved; the persistent tier shows no step that is not
 wholly there (no half-visible drain); after a further save every local folder is free of
 debris of the killed save. ``CKPTLIB_CHAOS_FULL=1`` runs the whole matrix; CI a seeded sample.
+Every case is recorded (tests/chaos/record.py, scenario ``tier_kill``: the kill, the saves some
+rank saw committed, the resume outcome, committed saves lost, debris left, half-visible drains)
+before its assertions, for the report in docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
-from distributed.test_tiers import finish_job, resumed, run_job, start_job
+from distributed.test_tiers import finish_job, run_job, start_job
 
 from ckptlib.backends import open_storage
 from ckptlib.crashpoints import TIER_PHASES
 from ckptlib.engine.scan import scan
 
-from .conftest import sampled
+from .conftest import SEED, sampled
+from .record import recording
 
 pytestmark = pytest.mark.chaos
 
@@ -51,19 +56,47 @@ def test_kill_at_tier_phase(tmp_path: Path, phase: str, victim: int, nth: int, a
     persist = tmp_path / "persist"
     args = {"url": str(persist), "local": str(tmp_path / "node{node}"), "persist_every": 2}
     env = {"CKPTLIB_COORD_TIMEOUT": "5"}
-    procs, res = start_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]}, env=env,
-                           rank_env={victim: {"CKPTLIB_TEST_KILL_AT": f"{phase}:{victim}::{nth}"}})
-    outcomes = finish_job(procs, res)
-    assert outcomes[victim].result is None, f"rank {victim} was not killed at {phase}:\n{outcomes[victim].log}"
-    # No drain half-visible: whatever the persistent tier shows as a step is whole.
-    if persist.exists():
-        for info in scan(open_storage(str(persist))):
-            assert info.status in ("committed", "incomplete"), (info.step, info.status, info.reason)
-            assert info.status != "incomplete" or ".tmp-" in info.path, info
-    step = resumed(tmp_path, [0, 1], args)
-    assert step in allowed, (phase, step, allowed)
-    # The next save commits and clears what the killed save left in the local folders.
-    run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [4]})
-    for node in ("node0", "node1"):
-        left = [p.name for p in (tmp_path / node).iterdir() if ".tmp-" in p.name or ".del-" in p.name]
-        assert not left, (node, left)
+    with recording("tier_kill", f"{phase}-r{victim}-n{nth}", SEED) as rec:
+        procs, res = start_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]}, env=env,
+                               rank_env={victim: {"CKPTLIB_TEST_KILL_AT": f"{phase}:{victim}::{nth}"}})
+        outcomes = finish_job(procs, res)
+        killed = outcomes[victim].result is None and outcomes[victim].returncode == -signal.SIGKILL
+        rec.kills = int(killed)
+        # Saves some rank saw committed (h.wait() returned), and the one the kill interrupted.
+        seen = {int(line) for f in res.glob("committed-*.txt") for line in f.read_text().split()}
+        rec.saves_attempted = len(seen) + (len(seen) < 3)
+        rec.saves_committed = len(seen)
+        assert killed, f"rank {victim} was not killed at {phase}:\n{outcomes[victim].log}"
+        # No drain half-visible: whatever the persistent tier shows as a step is whole.
+        bad = []
+        if persist.exists():
+            bad = [i for i in scan(open_storage(str(persist)))
+                   if not (i.status == "committed" or (i.status == "incomplete" and ".tmp-" in i.path))]
+        rec.half_visible = len(bad)
+        resume = finish_job(*start_job(tmp_path, [0, 1], {**args, "mode": "resume"}))
+        got = [o.result for o in resume]
+        step: int | None = None
+        if any(r is None or "crash" in r for r in got):
+            rec.resume = "crash"
+        else:
+            steps = {r["restored"] for r in got if r is not None}
+            step = steps.pop() if len(steps) == 1 else None
+            if step is None or step not in allowed or step < max(seen, default=0):
+                rec.resume = "wrong_step"
+            elif not all(r is not None and r["bitwise"] for r in got):
+                rec.resume = "partial"
+            else:
+                rec.resume = "correct"
+        rec.saves_lost = sum(1 for s in seen if step is None or s > step)
+        # The next save commits and clears what the killed save left in the local folders.
+        run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [4]})
+        rec.saves_attempted += 1
+        rec.saves_committed += 1
+        rec.saves_aborted = rec.saves_attempted - rec.saves_committed
+        left = {node: [p.name for p in (tmp_path / node).iterdir() if ".tmp-" in p.name or ".del-" in p.name]
+                for node in ("node0", "node1")}
+        rec.debris_left = sum(map(len, left.values()))
+        rec.note = f"resumed step {step}, seen committed {sorted(seen)}"
+        assert not bad, [(i.step, i.status, i.reason) for i in bad]
+        assert rec.resume == "correct", (phase, step, allowed, got, [o.log for o in resume])
+        assert not rec.debris_left, left

@@ -75,6 +75,8 @@ def main() -> None:
             for step in args["steps"]:
                 h = mgr.save(step, state(world, rank, step), persist=persist.get(str(step)))
                 h.wait()
+                with open(os.path.join(out, f"committed-{rank}.txt"), "a") as log:  # chaos: saves seen committed
+                    log.write(f"{step}\n")
             mgr.close(drain=args.get("drain", True))
             result["steps"] = [[i.step, i.status, i.tiers] for i in mgr.steps()]
         else:

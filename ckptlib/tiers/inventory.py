@@ -1,0 +1,180 @@
+"""What the local tier holds, judged without torch: the rules the manager, restore and the
+command line share.
+
+Who calls what:
+
+- :func:`local_steps`: the manager's local retention and restore (every rank, its node's folder),
+  ``ckptlib ls/verify/prune --local`` (the command's worker thread);
+- :func:`retired_by_local_retention`: :func:`ckptlib.tiers.local.after_local_commit` (a node
+  leader, persist thread) and ``ckptlib prune --local``: which local steps go;
+- :func:`unrestorable` / :func:`lost_pieces`: the restorability rule, in restore's coordinator
+  (:func:`ckptlib.tiers.restore._plan_manifests`) and in ``ckptlib verify --local``;
+- :func:`check_copies`: ``ckptlib verify --local``, one node folder's copies of one step (its
+  ranks' own files and the replicas it holds), every chunk's checksum;
+- :func:`node_folders`: ``ckptlib ls/verify/prune --local``: the node folders a ``local=``
+  template names.
+
+Nothing here imports torch (tests/test_cli_imports.py runs the commands with ``-X importtime``).
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from ckptlib.backends import Storage, join
+from ckptlib.engine.scan import read_manifest
+from ckptlib.engine.verify import verify_chunks
+from ckptlib.errors import CheckpointError
+from ckptlib.format import layout
+from ckptlib.format.schema import Manifest
+from ckptlib.plan import retention
+from ckptlib.tiers.node import local_root
+from ckptlib.tiers.replicas import REPLICA_DIR
+
+
+def local_steps(storage: Storage) -> dict[int, str]:
+    """Steps committed in this node's local folder (manifest present and valid): step -> save id.
+    Only the manifest is judged here; restore verifies the files it uses."""
+    out: dict[int, str] = {}
+    try:
+        entries = storage.listdir("")
+    except FileNotFoundError:
+        return out
+    for ent in entries:
+        step = layout.parse_step(ent.name)
+        if step is None or not ent.is_dir:
+            continue
+        try:
+            m = read_manifest(storage, ent.name, pieces=False)  # v2: index files live on several nodes
+        except CheckpointError:
+            continue
+        if m.step == step:
+            out[step] = m.save_id
+    return out
+
+
+def retired_by_local_retention(steps: Iterable[int], keep_last: int, protect: Collection[int]) -> list[int]:
+    """The locally committed ``steps`` local retention deletes, oldest first: all but the newest
+    ``keep_last``, never one in ``protect`` (drain pending), never the newest."""
+    ordered = sorted(set(steps))
+    newest = ordered[-1:]
+    return [d.step for d in retention.decide(ordered, keep_last, None)
+            if not d.keep and d.step not in protect and d.step not in newest]
+
+
+def lost_pieces(files: Sequence[str], held: Iterable[Collection[str]]) -> list[str]:
+    """The payload file names of ``files`` that no holder in ``held`` (one collection of file
+    names with a verified copy per node, or per rank) has, in ``files`` order."""
+    have: set[str] = set()
+    for names in held:
+        have.update(names)
+    return [name for name in files if name not in have]
+
+
+def unrestorable(files: Sequence[str] | None, held: Iterable[Collection[str]], persisted: bool) -> str | None:
+    """The restorability rule: why a step cannot be restored, or None when it can. A step can
+    be when it is persisted (the persistent copy is the fallback of every piece) or when every
+    file its manifest names (``files``; None: no manifest found) has a verified copy in some
+    holder of ``held``."""
+    if persisted:
+        return None
+    if files is None:
+        return "no manifest on any node"
+    lost = lost_pieces(files, held)
+    if lost:
+        return f"no verified copy of {', '.join(lost)} on any node and the step is not persisted"
+    return None
+
+
+def local_save_id(m: Manifest) -> str:
+    """The save id of the local step ``m`` came from (its own for a local manifest; a drained
+    copy names it in ``extra["tiers"]``)."""
+    tiers = (m.extra or {}).get("tiers")
+    if isinstance(tiers, dict) and isinstance(tiers.get("local_save_id"), str):
+        return str(tiers["local_save_id"])
+    return m.save_id
+
+
+def file_name(path: str) -> str:
+    """A payload file's name (files are found by name across tiers and save ids)."""
+    return path.rsplit("/", 1)[-1]
+
+
+def writer_rank(name: str) -> int | None:
+    """The rank that wrote payload file ``name`` (``r<rank>-...bin``), or None."""
+    return int(name[1:6]) if layout.is_payload_name(name) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One copy of one payload file in a node's local step folder."""
+
+    name: str
+    rank: int | None
+    copy: str
+    """``own`` (the node's ranks wrote it) or ``replica`` (under ``replicas/``)."""
+    status: str
+    """``ok``, ``corrupt`` (size or a checksum wrong) or ``missing`` (the node holds its rank's
+    other files, or other replicas of it, but not this one)."""
+    reason: str = ""
+    bytes: int = 0
+
+
+def check_copies(storage: Storage, final: str, m: Manifest,
+                 progress: Callable[[int], None] | None = None) -> list[Copy]:
+    """Every copy of ``m``'s files in the node folder ``storage``, step folder ``final``: size,
+    then every chunk's checksum (:func:`ckptlib.engine.verify.verify_chunks`, one file at a
+    time). A rank's file counts as ``missing`` where the node holds some of that rank's files
+    in the same place (own or replica) but not this one."""
+    out: list[Copy] = []
+    present: dict[str, set[int | None]] = {"own": set(), "replica": set()}
+    absent: list[tuple[str, int, str]] = []
+    for i, f in enumerate(m.files):
+        name = file_name(f.path)
+        rank = writer_rank(name)
+        for kind, folder in (("own", final), ("replica", join(final, REPLICA_DIR))):
+            size = storage.size(join(folder, f.path))
+            if size is None:
+                absent.append((kind, i, name))
+                continue
+            present[kind].add(rank)
+            if size != f.size:
+                out.append(Copy(name, rank, kind, "corrupt", f"{size} bytes, the manifest says {f.size}", size))
+                if progress is not None:
+                    progress(f.size)
+                continue
+            try:
+                verify_chunks(storage, folder, m, progress=progress, files={i})
+            except (CheckpointError, OSError) as e:
+                out.append(Copy(name, rank, kind, "corrupt", str(e), size))
+                continue
+            out.append(Copy(name, rank, kind, "ok", "", size))
+    for kind, i, name in absent:
+        rank = writer_rank(name)
+        if rank is not None and rank in present[kind]:
+            where = "replicas/" if kind == "replica" else "the step folder"
+            out.append(Copy(name, rank, kind, "missing", f"not in {where}, though other files of rank {rank} are"))
+            if progress is not None:
+                progress(m.files[i].size)
+    return sorted(out, key=lambda c: (c.name, c.copy))
+
+
+def node_folders(template: str, nodes: Sequence[int] | None = None) -> list[tuple[int | None, str]]:
+    """(node index, folder) of every node folder ``template`` names, by node: ``{node}`` replaced
+    by each of ``nodes``, or, without ``nodes``, matched against the folders that exist (the
+    index read back from the name; None when it is not a number). A template without
+    ``{node}`` is one folder (node None)."""
+    if "{node}" not in template:
+        return [(None, template)]
+    if nodes is not None:
+        return [(n, local_root(template, n)) for n in nodes]
+    pattern = re.compile("^" + re.escape(template).replace(re.escape("{node}"), "(.*)") + "$")
+    found: list[tuple[int | None, str]] = []
+    for folder in glob.glob(glob.escape(template).replace(glob.escape("{node}"), "*")):
+        m = pattern.match(folder)
+        text = m.group(1) if m else ""
+        found.append((int(text) if text.isdigit() else None, folder))
+    return sorted(found, key=lambda nf: (nf[0] is None, nf[0] or 0, nf[1]))
