@@ -67,9 +67,12 @@ def test_verify_intact_run_every_tier(tree: Path) -> None:
     assert [(n["node"], [s["step"] for s in n["steps"]]) for n in doc["nodes"]] == [(0, [1, 2, 3]), (1, [1, 2, 3])]
     for n in doc["nodes"]:
         for s in n["steps"]:
-            # Each node holds its own rank's file and the other rank's replica, all good.
-            assert sorted((c["rank"], c["copy"], c["status"]) for c in s["copies"]) == sorted(
-                [(n["node"], "own", "ok"), (1 - n["node"], "replica", "ok")]), s
+            # Each node holds its own rank's files (payload and format v2 index file) and the
+            # other rank's replicas of them, all good.
+            assert sorted((c["rank"], c["copy"], c["status"], c["name"].endswith("-index.bin"))
+                          for c in s["copies"]) == sorted(
+                [(n["node"], "own", "ok", False), (n["node"], "own", "ok", True),
+                 (1 - n["node"], "replica", "ok", False), (1 - n["node"], "replica", "ok", True)]), s
     v = verdict(doc, 2)
     assert v["restorable"] and v["persisted"] and v["damaged"] == [] and v["single_copy"] == []
     assert all(sorted(src) == ["node 0", "node 1 replica", "persistent"] or
@@ -104,6 +107,22 @@ def test_verify_corrupt_local_copy_is_still_restorable(tree: Path) -> None:
     assert resumed(tree, [0, 1], args) == 3
 
 
+def test_verify_corrupt_local_index_file(tree: Path) -> None:
+    """Format v2: a damaged copy of a rank's index file is reported, that rank's payload on the
+    same node cannot be vouched for, and both still have good copies in node 1's replicas."""
+    bad = payload(tree / "node0", 3, 0, index=True)
+    flip(bad)
+    code, doc = verify(tree)
+    assert code == 1
+    (node0,) = [n for n in doc["nodes"] if n["node"] == 0]
+    corrupt = {c["name"]: c["reason"] for c in node0["steps"][0]["copies"] if c["status"] == "corrupt"}
+    assert set(corrupt) == {bad.name, payload(tree / "node0", 3, 0).name}
+    assert "checksum" in corrupt[bad.name] and "cannot be checked" in corrupt[payload(tree / "node0", 3, 0).name]
+    v = verdict(doc, 3)
+    assert v["restorable"] and {d["name"]: d["still_from"] for d in v["damaged"]} == {
+        name: ["node 1 replica"] for name in corrupt}
+
+
 def test_verify_both_copies_corrupt_is_not_restorable(tree: Path) -> None:
     for step in (2, 3):  # rank 1's own copy on node 1 and its replica on node 0
         flip(payload(tree / "node1", step, 1))
@@ -121,7 +140,7 @@ def test_verify_both_copies_corrupt_is_not_restorable(tree: Path) -> None:
     code, text = cli("verify", str(tree / "persist"), "--local", str(tree / "node{node}"), "--step", "3")
     assert code == 1 and f"step 3: NOT RESTORABLE: no verified copy of {name}" in text
     # The persistent copy damaged too: step 2 has no good copy of that piece either.
-    (pfile,) = list((tree / "persist" / layout.step_dir(2)).glob(f"*/{name.split('-')[0]}-*.bin"))
+    (pfile,) = list((tree / "persist" / layout.step_dir(2)).glob(f"*/{name.split('-')[0]}-[0-9]*.bin"))
     flip(pfile)
     code, doc = verify(tree, "--step", "2")
     assert code == 1 and not verdict(doc, 2)["restorable"] and not doc["steps"][0]["ok"]

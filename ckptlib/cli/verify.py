@@ -234,14 +234,14 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
             if ns.status != "ok":
                 continue
             try:
-                manifests[(ns.node.path, ns.step)] = read_manifest(ns.node.storage, layout.step_dir(ns.step))
+                manifests[(ns.node.path, ns.step)] = read_manifest(ns.node.storage, layout.step_dir(ns.step), pieces=False)
             except (CheckpointError, OSError) as e:
                 ns.status, ns.reason = "unreadable", str(e)
         total = sum(stored_bytes(c.info.manifest) for c in checks if c.info.status == "committed")
         for (path, step), m in manifests.items():  # the copies each node folder holds
             node = next(f for f in folders if f.path == path)
             final = layout.step_dir(step)
-            total += sum(fe.size for fe in m.files for folder in (final, join(final, inventory.REPLICA_DIR))
+            total += sum(fe.size for fe in inventory.step_files(m) for folder in (final, join(final, inventory.REPLICA_DIR))
                          if node.storage.size(join(folder, fe.path)) is not None)
         with Progress(out, total, "verifying") as progress:
             for c in checks:
@@ -262,7 +262,7 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
                 ns.copies = inventory.check_copies(ns.node.storage, layout.step_dir(ns.step), got,
                                                    progress=progress.advance)
                 ns.checked_bytes = progress.done - before
-                ns.files = [inventory.file_name(fe.path) for fe in got.files]
+                ns.files = [fe.name for fe in inventory.step_files(got)]
                 bad = [c for c in ns.copies if c.status != "ok"]
                 if bad:
                     ns.status = "damaged"
@@ -286,11 +286,11 @@ def _report_tiers(args: argparse.Namespace, out: Output, tier: str, target: Targ
         good_pers = any(r["step"] == s and r["ok"] for r in pers_rows)
         if files is None and good_pers:
             m = next(c.result.manifest for c in checks if c.step == s and c.result and c.result.manifest)
-            files = [inventory.file_name(fe.path) for fe in m.files]
-        holders = {f"{ns.node.label}{' replica' if c.copy == 'replica' else ''}": c
-                   for ns in mine for c in ns.copies if c.status == "ok"}
+            files = [fe.name for fe in inventory.step_files(m)]
+        holders = [(f"{ns.node.label}{' replica' if c.copy == 'replica' else ''}", c)
+                   for ns in mine for c in ns.copies if c.status == "ok"]
         sources: dict[str, list[str]] = {name: [] for name in files or []}
-        for label, c in holders.items():
+        for label, c in holders:
             sources.setdefault(c.name, []).append(label)
         held = [{c.name for c in ns.copies if c.status == "ok"} for ns in mine]
         why = inventory.unrestorable(files, held, good_pers)

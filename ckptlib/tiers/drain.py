@@ -23,22 +23,25 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.engine import commit
-from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.save import SaveOptions, SaveSession
 from ckptlib.engine.scan import check_step, read_manifest
-from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointError, CommitError, CommitTimeoutError
 from ckptlib.format import layout
 from ckptlib.format.build import rebased
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
-from ckptlib.tiers.inventory import file_name, local_save_id, writer_rank
+from ckptlib.tiers.inventory import (
+    file_name,
+    local_save_id,
+    step_files,
+    verify_files,
+    writer_rank,
+)
 from ckptlib.tiers.local import LocalTier
 
 log = logging.getLogger("ckptlib")
@@ -59,50 +62,6 @@ def drain_coordinator(coord: Coordinator) -> Coordinator:
 def writer_of(path: str) -> int | None:
     """The rank that wrote payload ``path`` (``<save id>/r<rank>...bin``), or None."""
     return writer_rank(file_name(path))
-
-
-@dataclass(frozen=True, slots=True)
-class StepFile:
-    """One file of a step that a node holds: a payload file or (format v2) a piece index file."""
-
-    path: str
-    """Relative to the step folder (``<save id>/r00001-0.bin``)."""
-    size: int
-    rank: int | None
-    """The rank that wrote it."""
-    file: int | None = None
-    """Its position in ``Manifest.files`` (payloads)."""
-    index: int | None = None
-    """Its position in ``Manifest.indexes`` (v2 index files)."""
-
-    @property
-    def name(self) -> str:
-        return self.path.rsplit("/", 1)[-1]
-
-
-def step_files(m: Manifest) -> list[StepFile]:
-    """Every file of step ``m`` -- payloads and v2 index files -- with the rank that wrote it,
-    from the manifest's own lists (v2: each ``indexes`` row names its rank's slice of
-    ``files``; v1: the payload name). What replicas, drains and restores move."""
-    writer: dict[int, int] = {}
-    out: list[StepFile] = []
-    for j, ix in enumerate(m.indexes):
-        writer.update((i, ix.rank) for i in range(ix.first_file, ix.first_file + ix.num_files))
-        out.append(StepFile(ix.path, ix.size, ix.rank, index=j))
-    files = [StepFile(f.path, f.size, writer.get(i, writer_of(f.path)) if m.indexes else writer_of(f.path), file=i)
-             for i, f in enumerate(m.files)]
-    return files + out
-
-
-def verify_files(storage: Storage, folder: str, m: Manifest, files: list[StepFile]) -> None:
-    """Check ``files`` of ``m`` as held under ``folder`` on ``storage``: index files (size,
-    checksum, contents: they are loaded into ``m``, engine/index_io.py), then every chunk of
-    the payload files (engine/verify.py). The index files of the payloads' writers must be
-    among ``files`` or already loaded. Raises :class:`CorruptCheckpointError`."""
-    load_indexes(storage, folder, m, [f.index for f in files if f.index is not None])
-    payloads = {f.file for f in files if f.file is not None}
-    if payloads:
-        verify_chunks(storage, folder, m, files=payloads)
 
 
 def persisted_manifest(data: bytes, m: Manifest, save_id: str, mode: str) -> bytes:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ckptlib.backends import Storage, join
+from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.scan import read_manifest
 from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointError
@@ -109,6 +110,50 @@ def writer_rank(name: str) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
+class StepFile:
+    """One file of a step that a node holds: a payload file or (format v2) a piece index file."""
+
+    path: str
+    """Relative to the step folder (``<save id>/r00001-0.bin``)."""
+    size: int
+    rank: int | None
+    """The rank that wrote it."""
+    file: int | None = None
+    """Its position in ``Manifest.files`` (payloads)."""
+    index: int | None = None
+    """Its position in ``Manifest.indexes`` (v2 index files)."""
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+def step_files(m: Manifest) -> list[StepFile]:
+    """Every file of step ``m`` -- payloads and v2 index files -- with the rank that wrote it,
+    from the manifest's own lists (v2: each ``indexes`` row names its rank's slice of
+    ``files``; v1: the payload name). What replicas, drains and restores move."""
+    writer: dict[int, int] = {}
+    out: list[StepFile] = []
+    for j, ix in enumerate(m.indexes):
+        writer.update((i, ix.rank) for i in range(ix.first_file, ix.first_file + ix.num_files))
+        out.append(StepFile(ix.path, ix.size, ix.rank, index=j))
+    files = [StepFile(f.path, f.size, writer.get(i, writer_rank(file_name(f.path))) if m.indexes else writer_rank(file_name(f.path)), file=i)
+             for i, f in enumerate(m.files)]
+    return files + out
+
+
+def verify_files(storage: Storage, folder: str, m: Manifest, files: list[StepFile]) -> None:
+    """Check ``files`` of ``m`` as held under ``folder`` on ``storage``: index files (size,
+    checksum, contents: they are loaded into ``m``, engine/index_io.py), then every chunk of
+    the payload files (engine/verify.py). The index files of the payloads' writers must be
+    among ``files`` or already loaded. Raises :class:`CorruptCheckpointError`."""
+    load_indexes(storage, folder, m, [f.index for f in files if f.index is not None])
+    payloads = {f.file for f in files if f.file is not None}
+    if payloads:
+        verify_chunks(storage, folder, m, files=payloads)
+
+
+@dataclass(frozen=True, slots=True)
 class Copy:
     """One copy of one payload file in a node's local step folder."""
 
@@ -125,40 +170,59 @@ class Copy:
 
 def check_copies(storage: Storage, final: str, m: Manifest,
                  progress: Callable[[int], None] | None = None) -> list[Copy]:
-    """Every copy of ``m``'s files in the node folder ``storage``, step folder ``final``: size,
-    then every chunk's checksum (:func:`ckptlib.engine.verify.verify_chunks`, one file at a
-    time). A rank's file counts as ``missing`` where the node holds some of that rank's files
-    in the same place (own or replica) but not this one."""
+    """Every copy of the files of step ``m`` (:func:`step_files`: payloads and v2 index files) in
+    the node folder ``storage``, step folder ``final``, own and under ``replicas/``: size, then
+    :func:`verify_files` (an index file's checksum and contents; every chunk of a payload, one
+    file at a time). Each copy set is checked against its own fresh manifest, so a good own copy
+    never vouches for a bad replica. A v2 payload is checked with its writer's index file from
+    whichever copy here is good; with none it is ``corrupt`` (cannot be checked on this node).
+    A rank's file counts as ``missing`` where the node holds some of that rank's files in the
+    same place (own or replica) but not this one."""
+    files = sorted(step_files(m), key=lambda f: f.index is None)  # index files first
+    index_of = {f.rank: f.index for f in files if f.index is not None}
+    good_index: dict[int, str] = {}  # index position -> a folder holding a good copy
     out: list[Copy] = []
     present: dict[str, set[int | None]] = {"own": set(), "replica": set()}
-    absent: list[tuple[str, int, str]] = []
-    for i, f in enumerate(m.files):
-        name = file_name(f.path)
-        rank = writer_rank(name)
-        for kind, folder in (("own", final), ("replica", join(final, REPLICA_DIR))):
+    absent: list[tuple[str, StepFile]] = []
+    for kind, folder in (("own", final), ("replica", join(final, REPLICA_DIR))):
+        mk = read_manifest(storage, final, pieces=False)
+        for f in files:
             size = storage.size(join(folder, f.path))
             if size is None:
-                absent.append((kind, i, name))
+                absent.append((kind, f))
                 continue
-            present[kind].add(rank)
+            present[kind].add(f.rank)
             if size != f.size:
-                out.append(Copy(name, rank, kind, "corrupt", f"{size} bytes, the manifest says {f.size}", size))
+                out.append(Copy(f.name, f.rank, kind, "corrupt", f"{size} bytes, the manifest says {f.size}", size))
                 if progress is not None:
                     progress(f.size)
                 continue
+            j = index_of.get(f.rank) if f.file is not None and mk.version >= 2 else None
+            if j is not None and j not in mk.loaded:
+                if j not in good_index:
+                    out.append(Copy(f.name, f.rank, kind, "corrupt",
+                                    f"cannot be checked: no good copy of rank {f.rank}'s index file here", size))
+                    if progress is not None:
+                        progress(f.size)
+                    continue
+                load_indexes(storage, good_index[j], mk, [j])
             try:
-                verify_chunks(storage, folder, m, progress=progress, files={i})
+                verify_files(storage, folder, mk, [f])
             except (CheckpointError, OSError) as e:
-                out.append(Copy(name, rank, kind, "corrupt", str(e), size))
+                out.append(Copy(f.name, f.rank, kind, "corrupt", str(e), size))
                 continue
-            out.append(Copy(name, rank, kind, "ok", "", size))
-    for kind, i, name in absent:
-        rank = writer_rank(name)
-        if rank is not None and rank in present[kind]:
+            finally:
+                if progress is not None:
+                    progress(f.size)
+            if f.index is not None:
+                good_index.setdefault(f.index, folder)
+            out.append(Copy(f.name, f.rank, kind, "ok", "", size))
+    for kind, f in absent:
+        if f.rank is not None and f.rank in present[kind]:
             where = "replicas/" if kind == "replica" else "the step folder"
-            out.append(Copy(name, rank, kind, "missing", f"not in {where}, though other files of rank {rank} are"))
+            out.append(Copy(f.name, f.rank, kind, "missing", f"not in {where}, though other files of rank {f.rank} are"))
             if progress is not None:
-                progress(m.files[i].size)
+                progress(f.size)
     return sorted(out, key=lambda c: (c.name, c.copy))
 
 
