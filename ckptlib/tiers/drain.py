@@ -38,7 +38,7 @@ from ckptlib.format import layout
 from ckptlib.format.build import rebased
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
-from ckptlib.tiers.local import LocalTier
+from ckptlib.tiers.local import LocalTier, local_save_id
 
 log = logging.getLogger("ckptlib")
 
@@ -110,14 +110,6 @@ def persisted_manifest(data: bytes, m: Manifest, save_id: str, mode: str) -> byt
     ``save_id``, payload and index paths under it, commit mode ``mode``, the local save id in
     ``extra["tiers"]``."""
     return rebased(data, save_id, mode, {**(m.extra or {}), "tiers": {"local_save_id": m.save_id}})
-
-
-def local_save_id(m: Manifest) -> str:
-    """The save id of the local step ``m`` came from (its own for a local manifest)."""
-    tiers = (m.extra or {}).get("tiers")
-    if isinstance(tiers, dict) and isinstance(tiers.get("local_save_id"), str):
-        return str(tiers["local_save_id"])
-    return m.save_id
 
 
 def _copy(src: Storage, src_path: str, dst: Storage, dst_path: str, rate: float | None, rank: int,

@@ -33,6 +33,7 @@ from ckptlib.engine.scan import read_manifest
 from ckptlib.errors import CheckpointError, CommitError
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
+from ckptlib.format.schema import Manifest
 from ckptlib.plan import retention
 from ckptlib.plan.flatten import FlatState, TensorItem
 from ckptlib.tiers import replicas as replica_flow
@@ -184,9 +185,19 @@ def save_local(
             commit.abort(local, node_staging)
 
 
+def local_save_id(m: Manifest) -> str:
+    """The save id of the local step ``m`` came from (its own for a local manifest; a drained
+    copy, or a step written back from it by a restore, names it in ``extra["tiers"]``)."""
+    tiers = (m.extra or {}).get("tiers")
+    if isinstance(tiers, dict) and isinstance(tiers.get("local_save_id"), str):
+        return str(tiers["local_save_id"])
+    return m.save_id
+
+
 def local_steps(storage: Storage) -> dict[int, str]:
-    """Steps committed in this node's local folder (manifest present and valid): step -> save id.
-    Only the manifest is judged here; restore verifies the files it uses."""
+    """Steps committed in this node's local folder (manifest present and valid): step -> the
+    local save id (:func:`local_save_id`). Only the manifest is judged here; restore verifies
+    the files it uses."""
     out: dict[int, str] = {}
     try:
         entries = storage.listdir("")
@@ -201,7 +212,7 @@ def local_steps(storage: Storage) -> dict[int, str]:
         except CheckpointError:
             continue
         if m.step == step:
-            out[step] = m.save_id
+            out[step] = local_save_id(m)
     return out
 
 

@@ -40,8 +40,8 @@ from ckptlib.format import tree as tree_codec
 from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
-from ckptlib.tiers.drain import COPY_PIECE, StepFile, local_save_id, step_files, verify_files
-from ckptlib.tiers.local import LocalTier, local_steps
+from ckptlib.tiers.drain import COPY_PIECE, StepFile, step_files, verify_files
+from ckptlib.tiers.local import LocalTier, local_save_id, local_steps
 from ckptlib.tiers.node import Topology
 from ckptlib.tiers.replicas import REPLICA_DIR, transfer
 
