@@ -37,8 +37,9 @@ from ckptlib.tiers.replicas import REPLICA_DIR
 
 
 def local_steps(storage: Storage) -> dict[int, str]:
-    """Steps committed in this node's local folder (manifest present and valid): step -> save id.
-    Only the manifest is judged here; restore verifies the files it uses."""
+    """Steps committed in this node's local folder (manifest present and valid): step -> the
+    local save id (:func:`local_save_id`: a step written back from the persistent copy counts as
+    the same save on every node). Only the manifest is judged here; restore verifies the files."""
     out: dict[int, str] = {}
     try:
         entries = storage.listdir("")
@@ -53,7 +54,7 @@ def local_steps(storage: Storage) -> dict[int, str]:
         except CheckpointError:
             continue
         if m.step == step:
-            out[step] = m.save_id
+            out[step] = local_save_id(m)
     return out
 
 
@@ -92,7 +93,7 @@ def unrestorable(files: Sequence[str] | None, held: Iterable[Collection[str]], p
 
 def local_save_id(m: Manifest) -> str:
     """The save id of the local step ``m`` came from (its own for a local manifest; a drained
-    copy names it in ``extra["tiers"]``)."""
+    copy, or a step written back from it by a restore, names it in ``extra["tiers"]``)."""
     tiers = (m.extra or {}).get("tiers")
     if isinstance(tiers, dict) and isinstance(tiers.get("local_save_id"), str):
         return str(tiers["local_save_id"])

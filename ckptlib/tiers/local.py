@@ -4,17 +4,19 @@ Called by the manager's persist thread (one save at a time), every rank, in orde
 :func:`save_local` = :meth:`SaveSession.begin` against this node's local storage (the
 coordinator opens its node's staging folder) -> the other nodes' leaders open theirs with
 :func:`ckptlib.engine.commit.begin` (same save id, so the same payload prefix) and every rank
-learns whether they could -> :func:`ckptlib.engine.save.write_state` (the one writer pipeline; format v2 also writes the
-rank's piece index file, :meth:`SaveSession.write_index`) -> :func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish` (the commit protocol:
+learns whether they could -> :func:`ckptlib.engine.save.write_state` (the one writer pipeline;
+format v2 also writes the rank's piece index file, :meth:`SaveSession.write_index`) ->
+:func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish` (the commit protocol:
 every rank durable, the coordinator's node committed) -> the other node leaders commit the
 same manifest bytes in their folders (:func:`ckptlib.engine.commit.publish`). Every rank
 returns or raises the same :class:`CommitError`. Then each node leader runs
 :func:`after_local_commit` (debris and local retention).
 
 A step folder on node n holds the manifest (naming every rank's files), the payload (and v2
-index) files of n's ranks and, under ``replicas/``, copies of its source ranks' files. A save that fails after
-the coordinator's node committed leaves that node's folder visible: its bytes and replicas were
-all durable (the commit protocol checked), so it is a usable step, only not reported as saved.
+index) files of n's ranks and, under ``replicas/``, copies of its source ranks' files. A save
+that fails after the coordinator's node committed leaves that node's folder visible: its bytes
+and replicas were all durable (the commit protocol checked), so it is a usable step, only not
+reported as saved.
 """
 
 from __future__ import annotations

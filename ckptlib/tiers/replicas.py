@@ -1,4 +1,5 @@
-"""Peer copies of payload files over ckptlib's own process group.
+"""Peer copies of a step's files (payloads and format v2 piece index files) over ckptlib's own
+process group.
 
 :func:`transfer` moves whole files between ranks point to point (gloo ``isend``/``irecv`` on the
 coordinator's dedicated group, every wait bounded). Two users, both collective and on the
@@ -79,12 +80,12 @@ def pieces(files: list[tuple[str, int]], piece: int = PIECE) -> list[tuple[str, 
 
 def replicate(storage: Storage, coord: Coordinator, topo: Topology, *, work: str, mine: list[tuple[str, int]],
               replicas: int, jump: int, timeout: float, piece: int = PIECE) -> int:
-    """Every rank (collective): send this rank's payload files ``mine`` (paths under ``work``,
-    sizes) to its peers and make the replicas of its sources durable under ``work``'s
-    ``replicas/`` on ``storage`` (this node's local tier). Streamed in rounds of one piece per
-    pair (every rank runs the same number of rounds, so no send waits on an unposted receive).
-    Returns the bytes this rank received. Raises on any failure (the caller fails the save
-    through the commit protocol)."""
+    """Every rank (collective): send this rank's files ``mine`` (payloads and v2 index file;
+    paths under ``work``, sizes) to its peers and make the replicas of its sources durable
+    under ``work``'s ``replicas/`` on ``storage`` (this node's local tier). Streamed in rounds
+    of one piece per pair (every rank runs the same number of rounds, so no send waits on an
+    unposted receive). Returns the bytes this rank received. Raises on any failure (the caller
+    fails the save through the commit protocol)."""
     pairs = topo.pairs(replicas, jump)
     if not pairs:
         return 0

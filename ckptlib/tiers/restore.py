@@ -16,6 +16,11 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
   over the process group, :mod:`.replicas`), else the persistent tier. The rank then loads through a
   read-only :class:`SourceView` (own local > peer copy > persistent) with the reader's checksum
   checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
+
+"Files" are every file :func:`ckptlib.tiers.drain.step_files` lists: payloads and, format v2,
+the ranks' piece index files (verified by size and checksum, then used to verify the payloads
+of their rank). After :func:`resume_newest` returns, :func:`write_back` (collective, same
+thread) puts what each node lost back into its folder.
 """
 
 from __future__ import annotations
