@@ -46,7 +46,14 @@ from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.format.schema import Manifest
 from ckptlib.tiers.drain import COPY_PIECE
-from ckptlib.tiers.inventory import StepFile, local_save_id, local_steps, step_files, unrestorable, verify_files
+from ckptlib.tiers.inventory import (
+    StepFile,
+    local_save_id,
+    local_steps,
+    step_files,
+    unrestorable,
+    verify_files,
+)
 from ckptlib.tiers.local import LocalTier
 from ckptlib.tiers.node import Topology
 from ckptlib.tiers.replicas import REPLICA_DIR, transfer
