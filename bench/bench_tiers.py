@@ -214,13 +214,15 @@ def worker_main(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- parent
-def run_round(r: int, args: argparse.Namespace, base: Path, s3: dict[str, Any] | None) -> list[dict]:
+def run_round(r: int, args: argparse.Namespace, base: Path, pbase: Path, s3: dict[str, Any] | None) -> list[dict]:
+    """Round ``r``: one job; its folders (local under ``base``, posix persistent under ``pbase``)
+    removed afterwards. The results of every rank."""
     import launcher
 
     root = base / f"round{r}"
     world = args.nodes * args.ranks_per_node
     backends: dict[str, Any] = {}
-    persist = Path(args.persist_dir) / f"{base.name}-round{r}"
+    persist = pbase / f"round{r}"
     for name in names(args):
         if name.startswith("posix"):
             backends[name] = {"url": {m: str(persist / name / m) for m in MODES},
@@ -321,7 +323,7 @@ def main() -> None:
 
     started, load_start, t0 = datetime.now(UTC), os.getloadavg(), time.monotonic()
     base = Path(tempfile.mkdtemp(prefix="ckptlib-bench-tiers-", dir=args.dir))
-    args.persist_dir = args.persist_dir or str(base)
+    pbase = Path(tempfile.mkdtemp(prefix="ckptlib-bench-tiers-", dir=args.persist_dir)) if args.persist_dir else base
     server = None
     rounds: list[list[dict]] = []
     try:
@@ -333,12 +335,13 @@ def main() -> None:
             server.create_bucket(BUCKET)
             s3 = {"options": server.storage_options(), "data": str(base / "weed" / "data")}
         for r in range(args.rounds):
-            rounds.append(run_round(r, args, base, s3))
+            rounds.append(run_round(r, args, base, pbase, s3))
             print(f"round {r + 1}/{args.rounds} done ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     finally:
         if server is not None:
             server.kill()
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(pbase, ignore_errors=True)
     load_end = os.getloadavg()
     summary = summarize(rounds, names(args))
     first = rounds[0][0]
@@ -347,7 +350,7 @@ def main() -> None:
         "wall_s": time.monotonic() - t0, "loadavg_start": load_start, "loadavg_end": load_end,
         "cpus": os.cpu_count(), "world": args.nodes * args.ranks_per_node, "nodes": args.nodes,
         "ranks_per_node": args.ranks_per_node, "rounds": args.rounds, "rate_mb_s": args.rate_mb,
-        "persist_dir": args.persist_dir, "local_dir": str(base.parent),
+        "persist_dir": str(pbase.parent), "local_dir": str(base.parent),
         "state_bytes": sum(res["bytes"] for res in rounds[0]), "bytes_per_rank": first["bytes"],
         "bitwise": all(res["bitwise"] for results in rounds for res in results),
         "throttled_bytes": [res["throttled_bytes"] for results in rounds for res in results],
