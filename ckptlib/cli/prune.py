@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.text import Text
 
+from ckptlib.backends import Storage
 from ckptlib.engine import retire
 from ckptlib.engine.scan import StepInfo
 from ckptlib.errors import CheckpointError
@@ -101,17 +102,7 @@ def _prune_persistent(args: argparse.Namespace, out: Output, local: dict[str, An
         debris = retire.find_debris(target.storage, None, min_age=min_age, grace=min_age, steps=infos)
         sizes = {d.path: None if d.kind == "upload" else retire.tree_bytes(target.storage, d.path) for d in debris}
         if not args.dry_run:
-            for p in plan:
-                if p["keep"]:
-                    continue
-                try:
-                    retire.delete_step(target.storage, p["path"])
-                except FileNotFoundError:
-                    p["why"] += " (already gone)"
-                except (OSError, CheckpointError) as e:
-                    errors.append(f"could not delete step {p['step']}: {e}")
-                    continue
-                deleted.append(p)
+            deleted.extend(_delete_steps(target.storage, plan, errors, ""))
             try:
                 removed = retire.remove_debris(target.storage, debris)
             except (OSError, CheckpointError) as e:
@@ -270,16 +261,7 @@ def _prune_local(args: argparse.Namespace) -> dict[str, Any]:
                 node["bytes_freed"] = sum(p["bytes"] or 0 for p in node["steps"] if not p["keep"]) + sum(
                     r["bytes"] or 0 for r in node["debris"] if r["removable"])
                 continue
-            for p in node["steps"]:
-                if p["keep"]:
-                    continue
-                try:
-                    retire.delete_step(f.storage, p["path"])
-                except FileNotFoundError:
-                    p["why"] += " (already gone)"
-                except (OSError, CheckpointError) as e:
-                    errors.append(f"{f.path}: could not delete step {p['step']}: {e}")
-                    continue
+            for p in _delete_steps(f.storage, node["steps"], errors, f"{f.path}: "):
                 node["deleted"].append(p["step"])
                 node["bytes_freed"] += p["bytes"] or 0
             try:
@@ -338,3 +320,23 @@ def _print_local(args: argparse.Namespace, out: Output, local: dict[str, Any]) -
     freed = sum(nd["bytes_freed"] for nd in local["nodes"])
     out.print(f"local tier: {verb} {n} step(s) and {n_debris} debris folder(s) on {len(local['nodes'])} node(s), "
               f"{human_bytes(freed)}" + (" (dry run: nothing was deleted)" if args.dry_run else ""))
+
+
+def _delete_steps(storage: Storage, plan: list[dict[str, Any]], errors: list[str], where: str,
+                  ) -> list[dict[str, Any]]:
+    """Delete the steps of ``plan`` not marked ``keep`` (one storage: the run root, or one node's
+    local folder); return the rows deleted. A step already gone is noted in its ``why``; a failed
+    deletion is appended to ``errors`` (prefixed by ``where``) and the step is left as it is."""
+    deleted: list[dict[str, Any]] = []
+    for p in plan:
+        if p["keep"]:
+            continue
+        try:
+            retire.delete_step(storage, p["path"])
+        except FileNotFoundError:
+            p["why"] += " (already gone)"
+        except (OSError, CheckpointError) as e:
+            errors.append(f"{where}could not delete step {p['step']}: {e}")
+            continue
+        deleted.append(p)
+    return deleted
