@@ -34,6 +34,7 @@ TIER_PHASES = (
     "drain_upload",  # drain thread: part of a payload file copied to the persistent tier
     "drain_commit",  # drain thread, coordinator: every file uploaded, before the persistent commit
     "local_retention",  # node leaders: after a local commit, while deleting old local steps
+    "write_back",  # after a restore: a rank has written part of a file back into its node's folder
 )
 """The phases only a tiered manager reaches (tests/chaos/test_tier_kills.py)."""
 

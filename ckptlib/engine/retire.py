@@ -107,7 +107,8 @@ class Debris:
     step an ``overwrite`` save moved aside and then crashed before its rename: "removing" it
     puts it back), ``claim`` (an ``overwrite``
     save's claim, format/layout.py ``CLAIM``, left in the committed save's folder once its
-    manifest is in place), ``upload`` (a multipart upload)."""
+    manifest is in place), ``upload`` (a multipart upload), ``partial`` (a local tier's crashed
+    restore write-back's temporary file, :func:`ckptlib.tiers.inventory.write_back_debris`)."""
 
     path: str
     save_id: str
@@ -158,6 +159,9 @@ def find_debris(
 def tree_bytes(storage: Storage, folder: str) -> int | None:
     """Bytes of every file under ``folder`` (``ls``/``prune`` show debris sizes); None when
     the folder is gone or holds more than ``MAX_TREE_FILES`` files."""
+    size = storage.size(folder)
+    if size is not None:  # one file (``partial`` debris)
+        return size
     total, files, todo = 0, 0, [folder]
     while todo:
         path = todo.pop()
@@ -232,7 +236,7 @@ def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
                 continue  # something took its place meanwhile: judged again next time
             log.info("ckptlib: putting %s back: %s", d.path, d.why)
             storage.rename(d.path, m.group(1))
-        elif d.kind == "claim":  # one file, in the committed save's folder
+        elif d.kind in ("claim", "partial"):  # one file, in a committed step's folder
             storage.delete(d.path)
         elif d.kind in ("damaged", "step"):
             log.info("ckptlib: removing %s: %s", d.path, d.why)

@@ -12,7 +12,11 @@ Who calls what:
 - :func:`check_copies`: ``ckptlib verify --local``, one node folder's copies of one step (its
   ranks' own files and the replicas it holds), every chunk's checksum;
 - :func:`node_folders`: ``ckptlib ls/verify/prune --local``: the node folders a ``local=``
-  template names.
+  template names;
+- :func:`write_back_tmp` names a restore write-back's temporary file
+  (:func:`ckptlib.tiers.restore.write_back`); :func:`write_back_debris` judges the ones a crash
+  left (:func:`ckptlib.tiers.local.after_local_commit` after each local commit, ``ckptlib prune
+  --local``).
 
 Nothing here imports torch (tests/test_cli_imports.py runs the commands with ``-X importtime``).
 """
@@ -21,11 +25,14 @@ from __future__ import annotations
 
 import glob
 import re
+import secrets
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ckptlib.backends import Storage, join
 from ckptlib.engine.index_io import load_indexes
+from ckptlib.engine.retire import Debris
 from ckptlib.engine.scan import read_manifest
 from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CheckpointError
@@ -243,3 +250,68 @@ def node_folders(template: str, nodes: Sequence[int] | None = None) -> list[tupl
         text = m.group(1) if m else ""
         found.append((int(text) if text.isdigit() else None, folder))
     return sorted(found, key=lambda nf: (nf[0] is None, nf[0] or 0, nf[1]))
+
+
+WRITE_BACK_TMP_RE = re.compile(r"^(.+)\.wb-(\d{1,12})-([0-9a-f]{8,32})\.partial$")
+"""A write-back's temporary file: ``<file>.wb-<unix start time>-<write-back id>.partial``."""
+
+MAX_WRITE_BACK_DEPTH = 3
+"""Folders under a step folder searched for them (``<save id>/``, ``replicas/<save id>/``)."""
+
+
+def new_write_back_id() -> str:
+    """A fresh write-back id (:func:`ckptlib.tiers.restore.write_back`, every rank its own)."""
+    return secrets.token_hex(6)
+
+
+def write_back_tmp(path: str, write_back_id: str, started: float | None = None) -> str:
+    """The temporary name a write-back of ``path`` writes and verifies before its rename."""
+    return f"{path}.wb-{int(time.time() if started is None else started)}-{write_back_id}.partial"
+
+
+def write_back_debris(storage: Storage, active_ids: Collection[str] | None, *, min_age: float = 0.0,
+                      now: float | None = None) -> list[Debris]:
+    """The temporary files of write-backs that crashed (SIGKILL between open and rename), in
+    every step folder of this node's local folder, with a verdict (kind ``partial``).
+
+    The rule: a temp file is provably not being written when its write-back id is not in
+    ``active_ids``, the write-backs running in the calling process
+    (:data:`ckptlib.tiers.restore.ACTIVE_WRITE_BACKS`). The job's cleanup runs after a local
+    commit: that save is collective and began after every rank of the job left the restore
+    (whose write-back ends in a collective), and no other job writes into a node's local folder
+    (the same assumption as for ``.tmp-`` folders). From outside any job (``active_ids`` None,
+    ``ckptlib prune --local``) a file counts as crashed once it started ``min_age`` seconds ago
+    (the start time is in its name). Deletes nothing; :func:`ckptlib.engine.retire.remove_debris`
+    removes the removable ones."""
+    now = time.time() if now is None else now
+    out: list[Debris] = []
+    try:
+        entries = storage.listdir("")
+    except FileNotFoundError:
+        return []
+    todo = [(e.name, 0) for e in entries if e.is_dir and layout.parse_step(e.name) is not None]
+    while todo:
+        folder, depth = todo.pop()
+        try:
+            children = storage.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in children:
+            path = join(folder, e.name)
+            if e.is_dir:
+                if depth < MAX_WRITE_BACK_DEPTH:
+                    todo.append((path, depth + 1))
+                continue
+            m = WRITE_BACK_TMP_RE.match(e.name)
+            if m is None:
+                continue
+            wid, age = m.group(3), now - int(m.group(2))
+            if active_ids is not None and wid in active_ids:
+                out.append(Debris(path, wid, "partial", age, False, "a write-back in flight in this process"))
+            elif active_ids is None and age < min_age:
+                out.append(Debris(path, wid, "partial", age, False,
+                                  f"write-back started {age:.0f}s ago: may still be running "
+                                  f"(younger than {min_age:.0f}s)"))
+            else:
+                out.append(Debris(path, wid, "partial", age, True, "crashed restore write-back"))
+    return sorted(out, key=lambda d: d.path)

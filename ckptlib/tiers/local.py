@@ -36,7 +36,7 @@ from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.plan.flatten import FlatState, TensorItem
 from ckptlib.tiers import replicas as replica_flow
-from ckptlib.tiers.inventory import local_steps, retired_by_local_retention
+from ckptlib.tiers.inventory import local_steps, retired_by_local_retention, write_back_debris
 from ckptlib.tiers.node import Topology
 
 log = logging.getLogger("ckptlib")
@@ -189,10 +189,15 @@ def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Co
                        ) -> list[int]:
     """A node leader, after a local commit (persist thread): remove debris of crashed local
     saves and apply local retention: the newest ``keep_last`` locally committed steps stay, so
-    does every step in ``protect`` (drain pending). Failures are logged, never raised."""
+    does every step in ``protect`` (drain pending). Failures are logged, never raised.
+    Debris includes the temporary files of crashed restore write-backs
+    (:func:`ckptlib.tiers.inventory.write_back_debris`; none of this process's in flight)."""
+    from ckptlib.tiers.restore import ACTIVE_WRITE_BACKS  # restore imports this module
+
     deleted: list[int] = []
     try:
         retire.clean_debris(tier.storage, active_ids)
+        retire.remove_debris(tier.storage, write_back_debris(tier.storage, set(ACTIVE_WRITE_BACKS)))
         for step in retired_by_local_retention(local_steps(tier.storage), tier.keep_last, protect):
             crashpoints.point("local_retention", rank)
             retire.delete_step(tier.storage, layout.step_dir(step))

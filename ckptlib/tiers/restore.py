@@ -17,6 +17,16 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
   read-only :class:`SourceView` (own local > peer copy > persistent) with the reader's checksum
   checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
 
+Waits: the attempt runs inside the resume loop's liveness session, and both rounds meet with
+:meth:`Coordinator.exchange` (every rank gets every report and computes the same plans), so a
+rank that is slow but alive (a slow local disk verifying checksums) is waited for up to the
+restore's ``timeout`` per wait, while a dead or frozen one fails the others within the
+coordination timeout. The bulk bytes stay on gloo (:func:`.replicas.transfer`); that wait is
+:func:`_transfer_timeout` (coordination timeout plus the round's bytes at a floor bandwidth,
+capped by the deadline). :func:`write_back` writes each file under a temporary name carrying
+its id and start time; a crash leaves it for the next local commit's cleanup (module
+:mod:`.inventory`, :func:`write_back_debris`).
+
 "Files" are every file :func:`ckptlib.tiers.drain.step_files` lists: payloads and, format v2,
 the ranks' piece index files (verified by size and checksum, then used to verify the payloads
 of their rank). After :func:`resume_newest` returns, :func:`write_back` (collective, same
@@ -28,10 +38,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections import Counter
 from typing import Any
 
+from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.backends.base import Entry, ReadHandle, WriteStream
 from ckptlib.coord.coordinator import Coordinator
@@ -50,9 +60,11 @@ from ckptlib.tiers.inventory import (
     StepFile,
     local_save_id,
     local_steps,
+    new_write_back_id,
     step_files,
     unrestorable,
     verify_files,
+    write_back_tmp,
 )
 from ckptlib.tiers.local import LocalTier
 from ckptlib.tiers.node import Topology
@@ -331,6 +343,22 @@ def _exchange(coord: Coordinator, plan: dict[str, Any], local: Storage, have: di
     return {name: data for (_src, name, _size), data in zip(plan["recv"], got, strict=True)}
 
 
+TRANSFER_FLOOR = 8 << 20
+"""Bytes per second a peer transfer of the restore is allowed at the slowest (the sender reads
+the files from its local disk, then gloo moves them): its timeout grows by size / this."""
+
+
+def _transfer_timeout(coord: Coordinator, plans: list[dict[str, Any]], deadline: float) -> float:
+    """The wait of one round of peer transfers (gloo: the one wait of a tier restore not judged
+    by heartbeats): the coordination timeout (``dead_after``) plus the round's bytes, all ranks
+    together, at :data:`TRANSFER_FLOOR`, and never past ``deadline`` (``time.monotonic()``). The
+    ranks enter it together, right after an :meth:`Coordinator.exchange` of the plans, so a dead
+    or frozen peer fails it within about that time, not a fixed timeout."""
+    total = sum(int(size) for p in plans for _src, _name, size in p.get("recv", []))
+    base = float(getattr(coord, "dead_after", 30.0))
+    return max(0.1, min(base + total / TRANSFER_FLOOR, deadline - time.monotonic()))
+
+
 def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None = None,
             verify: bool = True, per_rank: str = "error", timeout: float = 600.0, strict: bool = True,
             keys: dict[str, list[str]] | None = None) -> int | None:
@@ -345,6 +373,9 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
         cands = candidates(tier, persistent, [{int(s): sid for s, sid in h.items()} for h in held])
         return cands if step is None else [c for c in cands if c.step == step]
 
+    def deadline() -> float:
+        return time.monotonic() + timeout
+
     def attempt(c: Candidate) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
         extra = c.extra or {}
@@ -352,13 +383,15 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
         where = f"{c.folder} (tiers)"
         have, mdata, files = _holdings(tier.storage, c.folder, str(extra.get("save_id")), verify)
         report = {"held": sorted(have), "files": files, "msize": len(mdata) if mdata is not None else 0}
-        # Round 1: is the step whole somewhere; a manifest for every rank.
-        reports = coord.gather(report, timeout) if coord.world_size > 1 else [report]
-        plans = _plan_manifests(reports, pers_id is not None) if reports is not None else None
-        plan = coord.scatter(plans, timeout) if coord.world_size > 1 else (plans or [{}])[0]
+        # Round 1: is the step whole somewhere; a manifest for every rank. Every rank gets every
+        # report (a wait on a slow rank lasts while it is alive) and computes the same plans.
+        reports = coord.exchange(report, deadline()) if coord.world_size > 1 else [report]
+        plans = _plan_manifests(reports, pers_id is not None)
+        plan = plans[coord.rank]
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
-        mdata = _exchange(coord, plan, tier.storage, have, mdata, timeout).get(MANIFEST_NAME, mdata)
+        mdata = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plans, deadline())
+                          ).get(MANIFEST_NAME, mdata)
         if mdata is None and pers_id is not None:  # only the persistent copy has a manifest
             try:
                 mdata = persistent.read(join(c.folder, MANIFEST_NAME))
@@ -370,14 +403,12 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
         if need is None:  # unknown: every file the manifest names
             need = set(sizes)
         mine = sorted(need - set(have))
-        needs = coord.gather(mine, timeout) if coord.world_size > 1 else [mine]
-        plans = None
-        if reports is not None and needs is not None:
-            plans = _plan_files(reports, needs, topo.nodes, pers_id is not None)
-        plan = coord.scatter(plans, timeout) if coord.world_size > 1 else (plans or [{}])[0]
+        needs = coord.exchange(mine, deadline()) if coord.world_size > 1 else [mine]
+        plans = _plan_files(reports, needs, topo.nodes, pers_id is not None)
+        plan = plans[coord.rank]
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
-        fetched = _exchange(coord, plan, tier.storage, have, mdata, timeout)
+        fetched = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plans, deadline()))
         if mdata is None:
             raise CorruptCheckpointError(f"step {c.step}: no readable manifest on any tier")
         view_args: dict[str, Any] = {}
@@ -427,16 +458,20 @@ def duties(m: Manifest, final: str, topo: Topology, rank: int, replicas: int, ju
 
 
 def _put_verified(local: Storage, final: str, mdata: bytes, m: Manifest, path: str, f: StepFile,
-                  src: ReadHandle) -> None:
-    """Write ``src`` to ``path`` on ``local`` atomically: a temporary name, fsynced, checked
-    (:func:`verify_files`: size and checksums), then renamed over any bad copy; the folder synced."""
-    tmp = f"{path}.{uuid.uuid4().hex[:12]}.partial"
+                  src: ReadHandle, write_back_id: str, rank: int = 0) -> None:
+    """Write ``src`` to ``path`` on ``local`` atomically: a temporary name
+    (:func:`write_back_tmp`, naming ``write_back_id``: what a crash leaves is found and removed by
+    :func:`ckptlib.tiers.inventory.write_back_debris`), fsynced, checked (:func:`verify_files`:
+    size and checksums), then renamed over any bad copy; the folder synced."""
+    tmp = write_back_tmp(path, write_back_id)
     w = local.open_write(tmp)
     try:
         start = 0
         while start < src.size:
             n = min(COPY_PIECE, src.size - start)
             w.write(src.read(start, n))
+            if not start:
+                crashpoints.point("write_back", rank)  # a temporary file half-written
             start += n
         w.close()  # fsync
     except BaseException:
@@ -455,6 +490,12 @@ def _put_verified(local: Storage, final: str, mdata: bytes, m: Manifest, path: s
     local.sync_dir(path.rsplit("/", 1)[0])
 
 
+ACTIVE_WRITE_BACKS: set[str] = set()
+"""Ids of the write-backs running in this process (:func:`write_back` adds and removes its own;
+the node leader's post-commit cleanup, :func:`ckptlib.tiers.local.after_local_commit`, leaves
+their temporary files alone)."""
+
+
 def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: Topology, last: dict[str, Any], *,
                timeout: float) -> list[str]:
     """Every rank (collective), right after a restore that every rank finished: make this
@@ -465,7 +506,17 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
     so ``local_steps`` (``ls --local``, ``StepInfo.tiers``) counts the node again. Only when the
     world size is the step's (otherwise the next save lays the local tier out anew). Bounded by
     ``timeout``; a failure is logged, never raised. ``last``: what the restore's attempt kept.
-    Returns the paths this rank wrote."""
+    Returns the paths this rank wrote. While it runs, its id is in :data:`ACTIVE_WRITE_BACKS`."""
+    wid = new_write_back_id()
+    ACTIVE_WRITE_BACKS.add(wid)
+    try:
+        return _write_back(tier, persistent, coord, topo, last, timeout=timeout, wid=wid)
+    finally:
+        ACTIVE_WRITE_BACKS.discard(wid)
+
+
+def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: Topology, last: dict[str, Any], *,
+                timeout: float, wid: str) -> list[str]:
     deadline = time.monotonic() + timeout
 
     def left() -> float:
@@ -512,7 +563,7 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
                     try:
                         load_indexes(view, final, m, [index_of[f.rank]] if f.rank in index_of else [])
                         with view.open_read(join(final, name)) as h:
-                            _put_verified(local, final, mdata, m, path, f, h)
+                            _put_verified(local, final, mdata, m, path, f, h, wid, coord.rank)
                         written.append(path)
                     except (CheckpointError, OSError) as e:
                         ok = False

@@ -14,11 +14,13 @@ before its assertions, for the report in docs/reliability.md.
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
 import pytest
-from distributed.test_tiers import finish_job, run_job, start_job
+from distributed.test_tiers import finish_job, flip, payload, run_job, start_job
+from test_cli_tiers import cli
 
 from ckptlib.backends import open_storage
 from ckptlib.crashpoints import TIER_PHASES
@@ -47,8 +49,9 @@ IDS = [f"{p}-r{r}-n{n}" for p, r, n, _ in CASES]
 
 
 def test_every_tier_phase_has_a_case() -> None:
-    """A new tier crash point must be added to CASES (as test_phase_kills does for saves)."""
-    assert {c[0] for c in CASES} == set(TIER_PHASES)
+    """A new tier crash point must be added to CASES (as test_phase_kills does for saves); the
+    restore's ``write_back`` has its own case (test_kill_during_write_back)."""
+    assert {c[0] for c in CASES} | {"write_back"} == set(TIER_PHASES)
 
 
 @pytest.mark.parametrize(("phase", "victim", "nth", "allowed"), sampled(CASES, IDS, 2, "tier-kills"))
@@ -100,3 +103,47 @@ def test_kill_at_tier_phase(tmp_path: Path, phase: str, victim: int, nth: int, a
         assert not bad, [(i.step, i.status, i.reason) for i in bad]
         assert rec.resume == "correct", (phase, step, allowed, got, [o.log for o in resume])
         assert not rec.debris_left, left
+
+
+def _partials(tmp_path: Path) -> list[Path]:
+    return sorted(p for node in ("node0", "node1") for p in (tmp_path / node).rglob("*.partial"))
+
+
+def test_kill_during_write_back(tmp_path: Path) -> None:
+    """Rank 1's own copy of step 1 is corrupt, so its restore writes it back from the replica
+    node 0 sent; SIGKILL half-way leaves a temporary file in the committed step folder. A fresh
+    job still restores step 1 bitwise; ``ckptlib prune --local --dry-run`` lists the file as
+    removable debris; the next save removes it (and the write-back repaired the copy)."""
+    persist = tmp_path / "persist"
+    args = {"url": str(persist), "local": str(tmp_path / "node{node}"), "persist_every": 100}
+    env = {"CKPTLIB_COORD_TIMEOUT": "5"}
+    with recording("tier_kill", "write_back-r1-n1", SEED) as rec:
+        run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1]})
+        rec.saves_attempted = rec.saves_committed = 1
+        flip(payload(tmp_path / "node1", 1, 1))
+        procs, res = start_job(tmp_path, [0, 1], {**args, "mode": "resume"}, env=env,
+                               rank_env={1: {"CKPTLIB_TEST_KILL_AT": "write_back:1"}})
+        outcomes = finish_job(procs, res)
+        killed = outcomes[1].result is None and outcomes[1].returncode == -signal.SIGKILL
+        rec.kills = int(killed)
+        assert killed, outcomes[1].log
+        left = _partials(tmp_path)
+        assert left and all(p.parent.parent.name == "step-000000000001" for p in left), left
+        got = [o.result for o in finish_job(*start_job(tmp_path, [0, 1], {**args, "mode": "resume"}))]
+        ok = all(r is not None and r.get("restored") == 1 and r["bitwise"] for r in got)
+        rec.resume = "correct" if ok else "crash" if any(r is None or "crash" in r for r in got) else "partial"
+        rec.saves_lost = int(not ok)
+        _code, text = cli("prune", str(persist), "--local", args["local"], "--tier", "local", "--local-keep-last",
+                          "2", "--dry-run", "--json", "--debris-min-age", "0")
+        debris = [d for n in json.loads(text)["local"]["nodes"] for d in n["debris"]]
+        run_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [2]})
+        rec.saves_attempted += 1
+        rec.saves_committed += 1
+        rec.debris_left = len(_partials(tmp_path))
+        rec.half_visible = 0
+        rec.note = f"write-back temp files left by the kill: {len(left)}"
+        assert ok, got
+        assert {d["path"].rsplit("/", 1)[-1] for d in debris if d["removable"]} >= {p.name for p in left}, debris
+        assert not rec.debris_left, _partials(tmp_path)
+        assert payload(tmp_path / "node1", 1, 1).read_bytes() == payload(tmp_path / "node0", 1, 1, replica=True
+                                                                        ).read_bytes()

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 import traceback
 import zlib
 from datetime import timedelta
@@ -56,6 +58,26 @@ def matches(st: dict, world: int, rank: int, step: int) -> bool:
         and st["step"] == step
 
 
+def slow_local_reads(mgr: ckptlib.CheckpointManager, delay: float, out: str, rank: int) -> None:
+    """This rank's node folder, seen through fault-injecting storage: the first read of a
+    payload file (the restore verifying its local copies) sleeps ``delay`` seconds; a negative
+    ``delay`` SIGSTOPs the process there instead (the time goes to OUT/stopped-<rank>.txt)."""
+    from ckptlib.testing.faults import Fault, FaultyStorage
+
+    tier = mgr._tier
+    assert tier is not None
+
+    def freeze() -> BaseException:
+        with open(os.path.join(out, f"stopped-{rank}.txt"), "w") as f:
+            f.write(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return OSError("resumed after SIGSTOP")
+
+    fault = Fault("open_read", "step-*/*/r*.bin", kind="slow", delay=delay) if delay >= 0 else Fault(
+        "open_read", "step-*/*/r*.bin", kind="error", error=freeze)
+    tier.storage = FaultyStorage(tier.storage, [fault])
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     args = json.loads(sys.argv[5])
@@ -81,13 +103,18 @@ def main() -> None:
             result["steps"] = [[i.step, i.status, i.tiers] for i in mgr.steps()]
         else:
             st = state(world, rank, None)
+            if args.get("slow_verify") is not None and rank == args.get("slow_rank", 1):
+                slow_local_reads(mgr, float(args["slow_verify"]), out, rank)
+            started = time.monotonic()
             got = mgr.restore(st)
+            result["elapsed"] = time.monotonic() - started
             result["restored"] = got
             result["bitwise"] = got is not None and matches(st, world, rank, got)
             mgr.close()
         result["ok"] = True
     except BaseException as e:  # reported to the test, which fails with it
         result["crash"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        result.update(error=type(e).__name__, message=str(e), time=time.time())
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
