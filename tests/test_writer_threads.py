@@ -20,8 +20,8 @@ def two_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("local", "wanted", "expected"), [
-    (None, 2, 2), (None, 8, 2), ("1", 2, 2), ("2", 2, 1), ("4", 2, 1), ("4", 1, 1),
-    ("", 2, 2), ("four", 2, 2), ("0", 2, 2), ("-3", 2, 2),
+    (None, 2, 2), (None, 8, 8), ("1", 8, 8), ("2", 8, 1), ("2", 2, 1), ("4", 2, 1), ("4", 1, 1),
+    ("", 8, 8), ("four", 8, 8), ("0", 8, 8), ("-3", 8, 8),
 ])
 def test_cpu_share(two_cpus: None, monkeypatch: pytest.MonkeyPatch, local: str | None, wanted: int,
                    expected: int) -> None:

@@ -26,15 +26,18 @@ DEFAULT_TIMEOUT = 3600.0
 
 
 def cpu_share(wanted: int) -> int:
-    """``wanted`` threads, at most this process's share of the CPUs it may run on when several
-    ranks share the machine (``LOCAL_WORLD_SIZE``, set by torchrun; unset or invalid: 1 rank),
-    and at least 1. Called by ``engine.writer.write_files`` to size its writer threads: four
-    ranks with two writer threads each on two cores ran 8 streams that contended for the CPUs
-    and the disk, where one stream per rank keeps the disk as busy."""
+    """``wanted`` threads, but when several ranks share this machine (``LOCAL_WORLD_SIZE`` > 1,
+    set by torchrun) at most this process's share of the CPUs it may run on, and at least 1.
+    Called by ``engine.writer.write_files`` to size its writer threads (one per payload file):
+    four ranks with two writer threads each on two cores ran 8 write streams that contended for
+    the CPUs and the disk, where one stream per rank keeps the disk as busy. Not used for reads:
+    one reader thread per rank could not overlap checksums with reads and was slower."""
     try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     except ValueError:
         local = 1
+    if local <= 1:
+        return max(1, wanted)
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
