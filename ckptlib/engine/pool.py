@@ -31,7 +31,7 @@ def cpu_share(wanted: int) -> int:
     Called by ``engine.writer.write_files`` to size its writer threads (one per payload file):
     four ranks with two writer threads each on two cores ran 8 write streams that contended for
     the CPUs and the disk, where one stream per rank keeps the disk as busy. Not used for reads:
-    one reader thread per rank could not overlap checksums with reads and was slower."""
+    one reader thread per rank cannot overlap checksums with reads, and was not faster."""
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     except ValueError:
