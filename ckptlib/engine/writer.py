@@ -22,7 +22,7 @@ import torch
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.engine.bytes_view import Box, as_bytes
-from ckptlib.engine.pool import run_all
+from ckptlib.engine.pool import cpu_share, run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format import layout
@@ -219,11 +219,12 @@ def write_files(
     timeout: float | None = None,
 ) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]]:
     """Write ``jobs`` into payload files under ``prefix``; returns ``(files, written)``, files
-    as ``(path, size)``, all durable, or raises ``StorageTimeoutError`` after ``timeout``."""
+    as ``(path, size)``, all durable, or raises ``StorageTimeoutError`` after ``timeout``. At
+    most ``num_files`` files, fewer when ranks share the machine's CPUs (``pool.cpu_share``)."""
     if storage.supports_atomic_rename and not storage.exists(prefix):
         # The coordinator removed the staging folder (save abandoned): never recreate it.
         raise CommitError(f"staging folder {prefix} is gone: the save was abandoned")
-    groups = plan_files(make_units(jobs), num_files)
+    groups = plan_files(make_units(jobs), cpu_share(num_files))  # one thread per file
     # ``tag`` keeps names unique when one rank writes a save in several rounds.
     paths = [join(prefix, layout.payload_name(rank, tag, i)) for i in range(len(groups))]
     results = run_all(
