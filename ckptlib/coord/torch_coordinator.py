@@ -408,7 +408,19 @@ class _Session:
             else:
                 got = self.store.multi_get([self.k(f"{n}/{r}") for r in range(self.world)])
                 self.set(f"{n}/all", json.dumps({"values": [json.loads(v.decode()) for v in got]}))
+            # The store lives in this process: wait (at most ``dead_after``) until the others have
+            # read the list, so that a coordinator that returns and exits at once (the last
+            # exchange of a restore) does not take the answer with it.
+            readers = [self.k(f"{n}/read/{r}") for r in range(self.world) if r != 0 and r not in dead]
+            end, pause = time.monotonic() + self.dead_after, _pauses(0.05)
+            while readers and not self.store.check(readers) and time.monotonic() < end:
+                time.sleep(next(pause))
         doc = json.loads(self._from_coordinator(f"{n}/all", deadline, "collect every rank's value"))
+        if self.rank != 0:
+            try:
+                self.bounded(self.set, f"{n}/read/{self.rank}", "1")
+            except _Unreachable:
+                pass  # the coordinator stopped waiting for us: the answer is ours already
         if "failed" in doc:
             failures = {int(r): why for r, why in doc["failed"].items()}
             detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
