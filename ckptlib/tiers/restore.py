@@ -17,13 +17,16 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
   read-only :class:`SourceView` (own local > peer copy > persistent) with the reader's checksum
   checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
 
-Waits: the attempt runs inside the resume loop's liveness session, and both rounds meet with
-:meth:`Coordinator.exchange` (every rank gets every report and computes the same plans), so a
-rank that is slow but alive (a slow local disk verifying checksums) is waited for up to the
-restore's ``timeout`` per wait, while a dead or frozen one fails the others within the
-coordination timeout. The bulk bytes stay on gloo (:func:`.replicas.transfer`); that wait is
-:func:`_transfer_timeout` (coordination timeout plus the round's bytes at a floor bandwidth,
-capped by the deadline). :func:`write_back` writes each file under a temporary name carrying
+Waits: :func:`restore` opens one liveness session
+(:func:`ckptlib.engine.resume.liveness_session`; the ranks meet once to open it, as a save's
+first agree) around everything else: the topology (:meth:`Topology.discover`), the exchange of
+every rank's local steps, the resume loop (which runs in it) and :func:`write_back`. Every
+meeting in it is a :meth:`Coordinator.exchange` or :meth:`Coordinator.share` (every rank gets
+every report and computes the same plans), so a rank that is slow but alive (a slow local
+listing, a slow disk verifying checksums) is waited for up to the restore's ``timeout`` per
+wait, while a dead or frozen one fails the others within the coordination timeout. The bulk
+bytes stay on gloo (:func:`.replicas.transfer`); that wait is :func:`_transfer_timeout`
+(coordination timeout plus the round's bytes at a floor bandwidth, capped by the deadline). :func:`write_back` writes each file under a temporary name carrying
 its id and start time; a crash leaves it for the next local commit's cleanup (module
 :mod:`.inventory`, :func:`write_back_debris`).
 
@@ -47,9 +50,14 @@ from ckptlib.backends.base import Entry, ReadHandle, WriteStream
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.index_io import load_indexes
-from ckptlib.engine.resume import Candidate, resume_newest
+from ckptlib.engine.resume import Candidate, liveness_session, resume_newest
 from ckptlib.engine.scan import StepInfo, read_manifest, scan
-from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommitError,
+    CorruptCheckpointError,
+)
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.decode import decode
@@ -364,12 +372,19 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             keys: dict[str, list[str]] | None = None) -> int | None:
     """``CheckpointManager.restore`` with a local tier (module docstring). Every rank.
     ``strict``/``keys``: as :func:`ckptlib.engine.resume.restore`."""
+    with liveness_session(coord, timeout):  # every meeting below, write-back included
+        return _restore(tier, persistent, state, coord, step=step, verify=verify, per_rank=per_rank,
+                        timeout=timeout, strict=strict, keys=keys)
+
+
+def _restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None,
+             verify: bool, per_rank: str, timeout: float, strict: bool, keys: dict[str, list[str]] | None,
+             ) -> int | None:
     topo = tier.topo(coord, timeout)
     mine = {str(s): sid for s, sid in local_steps(tier.storage).items()}
-    held = coord.gather(mine, timeout) if coord.world_size > 1 else [mine]
+    held = coord.exchange(mine, time.monotonic() + timeout) if coord.world_size > 1 else [mine]
 
     def listing() -> list[Candidate]:
-        assert held is not None
         cands = candidates(tier, persistent, [{int(s): sid for s, sid in h.items()} for h in held])
         return cands if step is None else [c for c in cands if c.step == step]
 
@@ -504,8 +519,12 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
     tier; each file written with :func:`_put_verified`. Then each node leader whose folder had
     no manifest of the step writes it (atomically) if every rank of its node got all its files,
     so ``local_steps`` (``ls --local``, ``StepInfo.tiers``) counts the node again. Only when the
-    world size is the step's (otherwise the next save lays the local tier out anew). Bounded by
-    ``timeout``; a failure is logged, never raised. ``last``: what the restore's attempt kept.
+    world size is the step's (otherwise the next save lays the local tier out anew). Runs inside
+    the restore's liveness session: the ranks meet twice with :meth:`Coordinator.exchange` (the
+    files each lacks; then whether each got them all), so a slow-but-alive rank is waited for up
+    to ``timeout`` while a dead or frozen one makes the others log a warning and return within
+    about the coordination timeout; the peer transfer waits :func:`_transfer_timeout`. A failure
+    is logged, never raised. ``last``: what the restore's attempt kept.
     Returns the paths this rank wrote. While it runs, its id is in :data:`ACTIVE_WRITE_BACKS`."""
     wid = new_write_back_id()
     ACTIVE_WRITE_BACKS.add(wid)
@@ -539,15 +558,19 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
         ok = False
         log.warning("ckptlib: no write-back of %s: %s", where, e)
     written: list[str] = []
+    apart: CommitError | None = None  # a meeting failed, alike on every live rank: none follows
     try:
-        # Peers send what neither the restore fetched nor this node holds.
+        # Peers send what neither the restore fetched nor this node holds. Every rank gets every
+        # rank's list and computes the same plans (as the attempt's round 2 does).
         lacking = sorted(n for n in todo if n not in fetched)
-        needs = coord.gather(lacking, left()) if coord.world_size > 1 else [lacking]
-        plans = None
-        if needs is not None:
-            plans = _plan_files(last["reports"], needs, topo.nodes, True)
-        plan = coord.scatter(plans, left()) if coord.world_size > 1 else (plans or [{}])[0]
-        fetched.update(_exchange(coord, plan, local, have, mdata, left()))
+        try:
+            needs = coord.exchange(lacking, deadline) if coord.world_size > 1 else [lacking]
+        except CommitError as e:
+            apart = e
+            raise
+        plans = _plan_files(last["reports"], needs, topo.nodes, True)
+        fetched.update(_exchange(coord, plans[coord.rank], local, have, mdata,
+                                 _transfer_timeout(coord, plans, deadline)))
         if m is not None and todo:
             view = SourceView(final, manifest=mdata, local=local, local_paths=have, fetched=fetched,
                               persistent=persistent if pers_id is not None else None, persistent_prefix=pers_id or "")
@@ -571,9 +594,14 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
     except Exception as e:
         ok = False
         log.warning("ckptlib: write-back to %s failed: %s", where, e)
+    oks: list[Any] = []
+    if apart is None:
+        try:  # every rank reaches the end together (a dead or frozen one fails the others in time)
+            oks = coord.exchange(ok, deadline) if coord.world_size > 1 else [ok]
+        except CommitError as e:
+            log.warning("ckptlib: write-back to %s: the ranks did not finish together: %s", where, e)
     try:
-        oks = coord.agree(coord.gather(ok, left()), left()) if coord.world_size > 1 else [ok]
-        node_ok = all(o for r, o in enumerate(oks) if topo.nodes[r] == topo.nodes[coord.rank])
+        node_ok = bool(oks) and all(o for r, o in enumerate(oks) if topo.nodes[r] == topo.nodes[coord.rank])
         if (topo.is_leader(coord.rank) and node_ok and m is not None and m.world_size == coord.world_size
                 and not last["node_had"] and local.size(join(final, MANIFEST_NAME)) is None):
             with local.deadline(left()):
