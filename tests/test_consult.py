@@ -101,3 +101,18 @@ def test_answers_are_json_values(world: int) -> None:
     out = _ranks(world, lambda s: s.consult(None, lambda vs: [{1: (s.rank, r)} for r in range(len(vs))],
                                             time.monotonic() + LONG))
     assert [out[r] for r in range(world)] == [{"1": [0, r]} for r in range(world)]
+
+
+def test_a_rank_at_another_kind_of_meeting_fails_every_rank() -> None:
+    """Rank 1 skipped a consult (a local failure) and came to the next meeting, an exchange,
+    while ranks 0 and 2 consult: every rank raises a CommitError naming rank 1 at once, none
+    waits for an answer under a key that is never written (until the deadline)."""
+    def call(s: _Session) -> Any:
+        if s.rank == 1:
+            return s.exchange("verdict", time.monotonic() + 60)
+        return s.consult("needs", lambda vs: vs, time.monotonic() + 60)
+
+    out = _ranks(3, call)
+    for r in range(3):
+        assert type(out[r]) is CommitError and set(out[r].failures) == {1}, out[r]
+        assert "another meeting" in out[r].failures[1], out[r].failures

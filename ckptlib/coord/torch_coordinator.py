@@ -400,31 +400,35 @@ class _Session:
         """:meth:`Coordinator.exchange` over the store: every rank posts ``value`` (JSON); the
         coordinator waits for all while their heartbeats move (:meth:`wait_ranks`) and posts
         the list, or the ranks it judged dead, which every rank then raises as a CommitError."""
-        return list(self._meet(value, deadline, None))
+        return list(self._round(value, deadline, None))
 
     def consult(self, value: Any, decide: Callable[[list[Any]], list[Any]], deadline: float) -> Any:
         """:meth:`Coordinator.consult` over the store: as :meth:`exchange`, but the coordinator
         posts ``decide(values)[r]`` under a key of rank ``r``'s own, which only that rank reads."""
-        return self._meet(value, deadline, decide)
+        return self._round(value, deadline, decide)
 
-    def _meet(self, value: Any, deadline: float, decide: Callable[[list[Any]], list[Any]] | None) -> Any:
-        """One meeting: every rank posts ``value`` (key ``<n>/<rank>``); the coordinator waits for
-        all (:meth:`wait_ranks`) and posts, for every rank, the list of values (``decide`` None:
-        one key ``<n>/all``) or its own answer (key ``<n>/to/<rank>``); or, to every key, the
-        ranks it judged dead (or its own failure), which every rank raises as a CommitError."""
+    def _round(self, value: Any, deadline: float, decide: Callable[[list[Any]], list[Any]] | None) -> Any:
+        """One meeting: every rank posts ``value`` (key ``<n>/<rank>``, tagged with the kind of
+        meeting); the coordinator waits for all (:meth:`wait_ranks`) and posts, for every rank,
+        the list of values (``decide`` None, an exchange: one key ``<n>/all``) or its own answer
+        (a consult: key ``<n>/to/<rank>``); or, to every key either kind reads, the ranks it
+        judged dead, its own failure, or the ranks that came to another kind of meeting (one
+        that skipped a meeting after a local failure), which every rank raises as a CommitError."""
         n = self._next()
-        names = [f"{n}/all"] if decide is None else [f"{n}/to/{r}" for r in range(self.world)]
+        kind = "exchange" if decide is None else "consult"
+        every = [f"{n}/all"] + [f"{n}/to/{r}" for r in range(self.world)]
+        names = every[:1] if decide is None else every[1:]
         try:
-            self.bounded(self.set, f"{n}/{self.rank}", json.dumps(value))
+            self.bounded(self.set, f"{n}/{self.rank}", json.dumps([kind, value]))
         except _Unreachable:
             raise CommitError(f"coordination failed: {_UNREACHABLE}", {0: _UNREACHABLE}) from None
         if self.rank == 0:
 
-            def post(docs: list[Any]) -> None:
-                self.store.multi_set([self.k(x) for x in names], [json.dumps(d) for d in docs])
+            def post(keys: list[str], docs: list[Any]) -> None:
+                self.store.multi_set([self.k(x) for x in keys], [json.dumps(d) for d in docs])
 
             def fail(failures: dict[int, str]) -> None:
-                post([{"failed": {str(r): why for r, why in failures.items()}}] * len(names))
+                post(every, [{"failed": {str(r): why for r, why in failures.items()}}] * len(every))
 
             try:
                 dead = self.wait_ranks(n, deadline, "did not arrive before the deadline")
@@ -434,17 +438,22 @@ class _Session:
             if dead:
                 fail(dead)
             else:
-                got = self.store.multi_get([self.k(f"{n}/{r}") for r in range(self.world)])
-                values = [json.loads(v.decode()) for v in got]
-                if decide is None:
-                    post([{"values": values}])
+                got = [json.loads(v.decode()) for v in
+                       self.store.multi_get([self.k(f"{n}/{r}") for r in range(self.world)])]
+                astray = {r: f"at another meeting (a {k}, not the coordinator's {kind})"
+                          for r, (k, _v) in enumerate(got) if k != kind}
+                values = [v for _k, v in got]
+                if astray:
+                    fail(astray)
+                elif decide is None:
+                    post(names, [{"values": values}])
                 else:
                     try:
                         answers = decide(values)
                     except Exception as e:  # the others must not wait for answers that never come
                         fail({0: f"{type(e).__name__}: {e}"})
                         raise
-                    post([{"values": a} for a in answers])
+                    post(names, [{"values": a} for a in answers])
             # The store lives in this process: wait (at most ``dead_after``) until the others have
             # read their answer, so that a coordinator that returns and exits at once (the last
             # meeting of a restore) does not take it with it.
@@ -462,7 +471,7 @@ class _Session:
         if "failed" in doc:
             failures = {int(r): why for r, why in doc["failed"].items()}
             detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
-            raise CommitError(f"coordination failed during exchange: {detail}", failures)
+            raise CommitError(f"coordination failed during {kind}: {detail}", failures)
         return doc["values"]
 
     def _from_coordinator(self, name: str, deadline: float, what: str) -> bytes:
