@@ -7,7 +7,9 @@ on the coordinator and :meth:`wait_release` elsewhere; :meth:`gather` of results
 :meth:`share_outcome`; :meth:`end_session`. Every rank returns or raises the same
 :class:`CommitError`. The resume loop (:mod:`ckptlib.engine.resume`): :meth:`agree` (session
 id), :meth:`begin_session`, :meth:`share` (the candidates), then per candidate :meth:`exchange`
-(meet, then the verdicts), :meth:`end_session`. :class:`LocalCoordinator` is the single-process implementation;
+(meet, then the verdicts), :meth:`end_session`; a tier restore (:mod:`ckptlib.tiers.restore`)
+also :meth:`consult` (the coordinator plans from every rank's report, each rank reads its own
+plan). :class:`LocalCoordinator` is the single-process implementation;
 :class:`ckptlib.coord.torch_coordinator.TorchCoordinator` the torch.distributed one.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,6 +88,18 @@ class Coordinator(ABC):
         timeout = max(0.1, deadline - time.monotonic())
         gathered = self.gather(value, timeout)
         return list(self.agree(gathered, timeout))
+
+    def consult(self, value: Any, decide: Callable[[list[Any]], list[Any]], deadline: float) -> Any:
+        """Every rank's ``value`` goes to the coordinator, which computes ``decide(values)`` (every
+        rank's value in rank order -> one JSON-typed answer per rank); each rank gets its own
+        answer and reads no other (a tier restore's plans: every rank's report in, one plan out,
+        no rank reading all the reports). Waits as :meth:`exchange` does; ``decide`` runs on the
+        coordinator only and should not raise (put errors in the answers): with a session open,
+        its exception fails every rank with a CommitError. Default: :meth:`gather`, then
+        :meth:`scatter`."""
+        timeout = max(0.1, deadline - time.monotonic())
+        gathered = self.gather(value, timeout)
+        return self.scatter(decide(gathered) if gathered is not None else None, timeout)
 
 
 class LocalCoordinator(Coordinator):

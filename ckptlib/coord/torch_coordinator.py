@@ -15,7 +15,8 @@ says so (``"gave_up": True``); the save flow then fences the save on storage
 (:func:`ckptlib.engine.commit.fence`), so a coordinator frozen mid-publish and woken later
 cannot commit what the others reported failed. The resume loop (:mod:`ckptlib.engine.resume`)
 opens a session too: :meth:`TorchCoordinator.share` (the coordinator's listing) and
-:meth:`TorchCoordinator.exchange` (meetings, verdicts) go over the store, each wait lasting
+:meth:`TorchCoordinator.exchange` (meetings, verdicts) and :meth:`TorchCoordinator.consult` (a
+tier restore's plans, each rank reading only its own) go over the store, each wait lasting
 while the heartbeat of the rank waited on moves, so a slow listing or load never fails a
 restore; a dead or frozen rank fails the others within ``dead_after``.
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -179,6 +180,13 @@ class TorchCoordinator(Coordinator):
         if self._session is None:
             return super().exchange(value, deadline)
         return self._store("exchanging values", self._session.exchange, value, deadline)
+
+    def consult(self, value: Any, decide: Callable[[list[Any]], list[Any]], deadline: float) -> Any:
+        """Over the store while a session is open (see :meth:`_Session.consult`): each rank
+        reads only its own answer; else :meth:`Coordinator.consult`."""
+        if self._session is None:
+            return super().consult(value, decide, deadline)
+        return self._store("consulting the coordinator", self._session.consult, value, decide, deadline)
 
 
 class _Session:
@@ -392,30 +400,69 @@ class _Session:
         """:meth:`Coordinator.exchange` over the store: every rank posts ``value`` (JSON); the
         coordinator waits for all while their heartbeats move (:meth:`wait_ranks`) and posts
         the list, or the ranks it judged dead, which every rank then raises as a CommitError."""
+        return list(self._round(value, deadline, None))
+
+    def consult(self, value: Any, decide: Callable[[list[Any]], list[Any]], deadline: float) -> Any:
+        """:meth:`Coordinator.consult` over the store: as :meth:`exchange`, but the coordinator
+        posts ``decide(values)[r]`` under a key of rank ``r``'s own, which only that rank reads."""
+        return self._round(value, deadline, decide)
+
+    def _round(self, value: Any, deadline: float, decide: Callable[[list[Any]], list[Any]] | None) -> Any:
+        """One meeting: every rank posts ``value`` (key ``<n>/<rank>``, tagged with the kind of
+        meeting); the coordinator waits for all (:meth:`wait_ranks`) and posts, for every rank,
+        the list of values (``decide`` None, an exchange: one key ``<n>/all``) or its own answer
+        (a consult: key ``<n>/to/<rank>``); or, to every key either kind reads, the ranks it
+        judged dead, its own failure, or the ranks that came to another kind of meeting (one
+        that skipped a meeting after a local failure), which every rank raises as a CommitError."""
         n = self._next()
+        kind = "exchange" if decide is None else "consult"
+        every = [f"{n}/all"] + [f"{n}/to/{r}" for r in range(self.world)]
+        names = every[:1] if decide is None else every[1:]
         try:
-            self.bounded(self.set, f"{n}/{self.rank}", json.dumps(value))
+            self.bounded(self.set, f"{n}/{self.rank}", json.dumps([kind, value]))
         except _Unreachable:
             raise CommitError(f"coordination failed: {_UNREACHABLE}", {0: _UNREACHABLE}) from None
         if self.rank == 0:
+
+            def post(keys: list[str], docs: list[Any]) -> None:
+                self.store.multi_set([self.k(x) for x in keys], [json.dumps(d) for d in docs])
+
+            def fail(failures: dict[int, str]) -> None:
+                post(every, [{"failed": {str(r): why for r, why in failures.items()}}] * len(every))
+
             try:
                 dead = self.wait_ranks(n, deadline, "did not arrive before the deadline")
             except CommitTimeoutError as e:
-                self.set(f"{n}/all", json.dumps({"failed": {"0": str(e)}}))
+                fail({0: str(e)})
                 raise
             if dead:
-                self.set(f"{n}/all", json.dumps({"failed": {str(r): why for r, why in dead.items()}}))
+                fail(dead)
             else:
-                got = self.store.multi_get([self.k(f"{n}/{r}") for r in range(self.world)])
-                self.set(f"{n}/all", json.dumps({"values": [json.loads(v.decode()) for v in got]}))
+                got = [json.loads(v.decode()) for v in
+                       self.store.multi_get([self.k(f"{n}/{r}") for r in range(self.world)])]
+                astray = {r: f"at another meeting (a {k}, not the coordinator's {kind})"
+                          for r, (k, _v) in enumerate(got) if k != kind}
+                values = [v for _k, v in got]
+                if astray:
+                    fail(astray)
+                elif decide is None:
+                    post(names, [{"values": values}])
+                else:
+                    try:
+                        answers = decide(values)
+                    except Exception as e:  # the others must not wait for answers that never come
+                        fail({0: f"{type(e).__name__}: {e}"})
+                        raise
+                    post(names, [{"values": a} for a in answers])
             # The store lives in this process: wait (at most ``dead_after``) until the others have
-            # read the list, so that a coordinator that returns and exits at once (the last
-            # exchange of a restore) does not take the answer with it.
+            # read their answer, so that a coordinator that returns and exits at once (the last
+            # meeting of a restore) does not take it with it.
             readers = [self.k(f"{n}/read/{r}") for r in range(self.world) if r != 0 and r not in dead]
             end, pause = time.monotonic() + self.dead_after, _pauses(0.05)
             while readers and not self.store.check(readers) and time.monotonic() < end:
                 time.sleep(next(pause))
-        doc = json.loads(self._from_coordinator(f"{n}/all", deadline, "collect every rank's value"))
+        doc = json.loads(self._from_coordinator(names[0 if decide is None else self.rank], deadline,
+                                                "collect every rank's value"))
         if self.rank != 0:
             try:
                 self.bounded(self.set, f"{n}/read/{self.rank}", "1")
@@ -424,8 +471,8 @@ class _Session:
         if "failed" in doc:
             failures = {int(r): why for r, why in doc["failed"].items()}
             detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
-            raise CommitError(f"coordination failed during exchange: {detail}", failures)
-        return list(doc["values"])
+            raise CommitError(f"coordination failed during {kind}: {detail}", failures)
+        return doc["values"]
 
     def _from_coordinator(self, name: str, deadline: float, what: str) -> bytes:
         """The coordinator's key ``name`` (its own process: read directly); a silent or late

@@ -2,12 +2,14 @@
 
 :func:`node_index` runs on the training thread when the manager is made; :class:`Topology` is
 built once per manager by :meth:`Topology.discover` (collective, on the thread of the first save
-or restore) and then answered locally on any thread.
+or restore; a restore discovers it inside its liveness session) and then answered locally on any
+thread.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,10 +44,13 @@ class Topology:
 
     @classmethod
     def discover(cls, coord: Coordinator, node: int, timeout: float) -> Topology:
-        """Every rank (collective): learn every rank's node."""
+        """Every rank (collective): learn every rank's node, in one :meth:`Coordinator.exchange`
+        (inside a restore's liveness session a slow-but-alive rank is waited for up to
+        ``timeout``, a dead or frozen one fails the others within the coordination timeout;
+        outside a session, as at a save's start, gather and agree)."""
         if coord.world_size <= 1:
             return cls((node,))
-        return cls(tuple(int(n) for n in coord.agree(coord.gather(node, timeout), timeout)))
+        return cls(tuple(int(n) for n in coord.exchange(node, time.monotonic() + timeout)))
 
     def ranks_on(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.nodes) if n == node]

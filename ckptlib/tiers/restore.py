@@ -17,15 +17,20 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
   read-only :class:`SourceView` (own local > peer copy > persistent) with the reader's checksum
   checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
 
-Waits: the attempt runs inside the resume loop's liveness session, and both rounds meet with
-:meth:`Coordinator.exchange` (every rank gets every report and computes the same plans), so a
-rank that is slow but alive (a slow local disk verifying checksums) is waited for up to the
-restore's ``timeout`` per wait, while a dead or frozen one fails the others within the
-coordination timeout. The bulk bytes stay on gloo (:func:`.replicas.transfer`); that wait is
-:func:`_transfer_timeout` (coordination timeout plus the round's bytes at a floor bandwidth,
-capped by the deadline). :func:`write_back` writes each file under a temporary name carrying
-its id and start time; a crash leaves it for the next local commit's cleanup (module
-:mod:`.inventory`, :func:`write_back_debris`).
+Waits: :func:`restore` opens one liveness session
+(:func:`ckptlib.engine.resume.liveness_session`; the ranks meet once to open it, as a save's
+first agree) around everything else: the topology (:meth:`Topology.discover`), the collection
+of every rank's local steps, the resume loop (which runs in it) and :func:`write_back`. Every
+meeting in it is a :meth:`Coordinator.exchange`, :meth:`Coordinator.share` or
+:meth:`Coordinator.consult` (the local steps and the planning rounds: the coordinator gets every
+rank's report and answers each rank its own plan; no rank reads every report, each of which
+lists the step's files), so a rank that is slow but alive (a slow local listing, a slow disk
+verifying checksums) is waited for up to the restore's ``timeout`` per wait, while a dead or
+frozen one fails the others within the coordination timeout. The bulk bytes stay on gloo
+(:func:`.replicas.transfer`); that wait is :func:`_transfer_timeout` (coordination timeout plus
+the round's bytes at a floor bandwidth, capped by the deadline). :func:`write_back` writes each
+file under a temporary name carrying its id and start time; a crash leaves it for the next local
+commit's cleanup (module :mod:`.inventory`, :func:`write_back_debris`).
 
 "Files" are every file :func:`ckptlib.tiers.drain.step_files` lists: payloads and, format v2,
 the ranks' piece index files (verified by size and checksum, then used to verify the payloads
@@ -47,9 +52,14 @@ from ckptlib.backends.base import Entry, ReadHandle, WriteStream
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.index_io import load_indexes
-from ckptlib.engine.resume import Candidate, resume_newest
+from ckptlib.engine.resume import Candidate, liveness_session, resume_newest
 from ckptlib.engine.scan import StepInfo, read_manifest, scan
-from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommitError,
+    CorruptCheckpointError,
+)
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.decode import decode
@@ -348,13 +358,21 @@ TRANSFER_FLOOR = 8 << 20
 the files from its local disk, then gloo moves them): its timeout grows by size / this."""
 
 
-def _transfer_timeout(coord: Coordinator, plans: list[dict[str, Any]], deadline: float) -> float:
+def _answers(plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Coordinator: one round's plans as the ranks' answers (:meth:`Coordinator.consult`): each
+    rank's plan with ``bytes``, the round's bytes all ranks together (:func:`_transfer_timeout`)."""
+    total = sum(int(size) for p in plans for _src, _name, size in p.get("recv", []))
+    return [{**p, "bytes": total} for p in plans]
+
+
+def _transfer_timeout(coord: Coordinator, plan: dict[str, Any], deadline: float) -> float:
     """The wait of one round of peer transfers (gloo: the one wait of a tier restore not judged
     by heartbeats): the coordination timeout (``dead_after``) plus the round's bytes, all ranks
     together, at :data:`TRANSFER_FLOOR`, and never past ``deadline`` (``time.monotonic()``). The
-    ranks enter it together, right after an :meth:`Coordinator.exchange` of the plans, so a dead
-    or frozen peer fails it within about that time, not a fixed timeout."""
-    total = sum(int(size) for p in plans for _src, _name, size in p.get("recv", []))
+    ranks enter it together, right after the :meth:`Coordinator.consult` of the plans, so a dead
+    or frozen peer fails it within about that time, not a fixed timeout. ``plan``: this rank's
+    (:func:`_answers`)."""
+    total = int(plan.get("bytes", 0))
     base = float(getattr(coord, "dead_after", 30.0))
     return max(0.1, min(base + total / TRANSFER_FLOOR, deadline - time.monotonic()))
 
@@ -364,12 +382,25 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             keys: dict[str, list[str]] | None = None) -> int | None:
     """``CheckpointManager.restore`` with a local tier (module docstring). Every rank.
     ``strict``/``keys``: as :func:`ckptlib.engine.resume.restore`."""
+    with liveness_session(coord, timeout):  # every meeting below, write-back included
+        return _restore(tier, persistent, state, coord, step=step, verify=verify, per_rank=per_rank,
+                        timeout=timeout, strict=strict, keys=keys)
+
+
+def _restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None,
+             verify: bool, per_rank: str, timeout: float, strict: bool, keys: dict[str, list[str]] | None,
+             ) -> int | None:
     topo = tier.topo(coord, timeout)
     mine = {str(s): sid for s, sid in local_steps(tier.storage).items()}
-    held = coord.gather(mine, timeout) if coord.world_size > 1 else [mine]
+    held: list[dict[str, str]] = []
+
+    def keep(steps: list[dict[str, str]]) -> list[None]:  # coordinator: for listing()
+        held[:] = steps
+        return [None] * len(steps)
+
+    coord.consult(mine, keep, time.monotonic() + timeout)
 
     def listing() -> list[Candidate]:
-        assert held is not None
         cands = candidates(tier, persistent, [{int(s): sid for s, sid in h.items()} for h in held])
         return cands if step is None else [c for c in cands if c.step == step]
 
@@ -383,14 +414,18 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
         where = f"{c.folder} (tiers)"
         have, mdata, files = _holdings(tier.storage, c.folder, str(extra.get("save_id")), verify)
         report = {"held": sorted(have), "files": files, "msize": len(mdata) if mdata is not None else 0}
-        # Round 1: is the step whole somewhere; a manifest for every rank. Every rank gets every
-        # report (a wait on a slow rank lasts while it is alive) and computes the same plans.
-        reports = coord.exchange(report, deadline()) if coord.world_size > 1 else [report]
-        plans = _plan_manifests(reports, pers_id is not None)
-        plan = plans[coord.rank]
+        # Round 1: is the step whole somewhere; a manifest for every rank. The coordinator gets
+        # every report (a wait on a slow rank lasts while it is alive), each rank its own plan.
+        kept: dict[str, Any] = {}  # coordinator: every rank's report, for round 2 and the write-back
+
+        def manifests(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            kept["reports"] = reports
+            return _answers(_plan_manifests(reports, pers_id is not None))
+
+        plan = coord.consult(report, manifests, deadline())
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
-        mdata = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plans, deadline())
+        mdata = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plan, deadline())
                           ).get(MANIFEST_NAME, mdata)
         if mdata is None and pers_id is not None:  # only the persistent copy has a manifest
             try:
@@ -403,12 +438,11 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
         if need is None:  # unknown: every file the manifest names
             need = set(sizes)
         mine = sorted(need - set(have))
-        needs = coord.exchange(mine, deadline()) if coord.world_size > 1 else [mine]
-        plans = _plan_files(reports, needs, topo.nodes, pers_id is not None)
-        plan = plans[coord.rank]
+        plan = coord.consult(mine, lambda needs: _answers(_plan_files(kept["reports"], needs, topo.nodes,
+                                                                      pers_id is not None)), deadline())
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
-        fetched = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plans, deadline()))
+        fetched = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plan, deadline()))
         if mdata is None:
             raise CorruptCheckpointError(f"step {c.step}: no readable manifest on any tier")
         view_args: dict[str, Any] = {}
@@ -427,7 +461,7 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             log.warning("ckptlib: a local or peer copy of step %d is bad (%s); reading the persistent copy", c.step, e)
             load_flow.load_checkpoint(persistent, c.folder, state, verify=verify, rank=coord.rank,
                                       world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found)
-        last.update(step=c.step, folder=c.folder, manifest=mdata, have=have, fetched=fetched, reports=reports,
+        last.update(step=c.step, folder=c.folder, manifest=mdata, have=have, fetched=fetched, reports=kept.get("reports"),
                     node_had=files is not None, persistent=pers_id)
         return found
 
@@ -504,8 +538,13 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
     tier; each file written with :func:`_put_verified`. Then each node leader whose folder had
     no manifest of the step writes it (atomically) if every rank of its node got all its files,
     so ``local_steps`` (``ls --local``, ``StepInfo.tiers``) counts the node again. Only when the
-    world size is the step's (otherwise the next save lays the local tier out anew). Bounded by
-    ``timeout``; a failure is logged, never raised. ``last``: what the restore's attempt kept.
+    world size is the step's (otherwise the next save lays the local tier out anew). Runs inside
+    the restore's liveness session: the ranks meet twice, :meth:`Coordinator.consult` (the
+    files each lacks; each its plan) then :meth:`Coordinator.exchange` (whether each got them
+    all), so a slow-but-alive rank is waited for up
+    to ``timeout`` while a dead or frozen one makes the others log a warning and return within
+    about the coordination timeout; the peer transfer waits :func:`_transfer_timeout`. A failure
+    is logged, never raised. ``last``: what the restore's attempt kept.
     Returns the paths this rank wrote. While it runs, its id is in :data:`ACTIVE_WRITE_BACKS`."""
     wid = new_write_back_id()
     ACTIVE_WRITE_BACKS.add(wid)
@@ -539,15 +578,18 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
         ok = False
         log.warning("ckptlib: no write-back of %s: %s", where, e)
     written: list[str] = []
+    apart: CommitError | None = None  # a meeting failed, alike on every live rank: none follows
     try:
-        # Peers send what neither the restore fetched nor this node holds.
+        # Peers send what neither the restore fetched nor this node holds (the coordinator plans
+        # from the attempt's reports, as in its round 2).
         lacking = sorted(n for n in todo if n not in fetched)
-        needs = coord.gather(lacking, left()) if coord.world_size > 1 else [lacking]
-        plans = None
-        if needs is not None:
-            plans = _plan_files(last["reports"], needs, topo.nodes, True)
-        plan = coord.scatter(plans, left()) if coord.world_size > 1 else (plans or [{}])[0]
-        fetched.update(_exchange(coord, plan, local, have, mdata, left()))
+        try:
+            plan = coord.consult(lacking, lambda needs: _answers(_plan_files(last["reports"], needs, topo.nodes,
+                                                                             True)), deadline)
+        except CommitError as e:
+            apart = e
+            raise
+        fetched.update(_exchange(coord, plan, local, have, mdata, _transfer_timeout(coord, plan, deadline)))
         if m is not None and todo:
             view = SourceView(final, manifest=mdata, local=local, local_paths=have, fetched=fetched,
                               persistent=persistent if pers_id is not None else None, persistent_prefix=pers_id or "")
@@ -571,9 +613,14 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
     except Exception as e:
         ok = False
         log.warning("ckptlib: write-back to %s failed: %s", where, e)
+    oks: list[Any] = []
+    if apart is None:
+        try:  # every rank reaches the end together (a dead or frozen one fails the others in time)
+            oks = coord.exchange(ok, deadline) if coord.world_size > 1 else [ok]
+        except CommitError as e:
+            log.warning("ckptlib: write-back to %s: the ranks did not finish together: %s", where, e)
     try:
-        oks = coord.agree(coord.gather(ok, left()), left()) if coord.world_size > 1 else [ok]
-        node_ok = all(o for r, o in enumerate(oks) if topo.nodes[r] == topo.nodes[coord.rank])
+        node_ok = bool(oks) and all(o for r, o in enumerate(oks) if topo.nodes[r] == topo.nodes[coord.rank])
         if (topo.is_leader(coord.rank) and node_ok and m is not None and m.world_size == coord.world_size
                 and not last["node_had"] and local.size(join(final, MANIFEST_NAME)) is None):
             with local.deadline(left()):

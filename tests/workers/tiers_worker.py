@@ -5,8 +5,10 @@ usage: tiers_worker.py RANK WORLD PORT OUT JSON-ARGS
 The node comes from CKPTLIB_NODE (set per rank by the test). args: ``mode`` (``save``: save
 ``steps`` with ``persist_every``/``persist``; ``resume``: restore into zeros and report),
 ``url`` (persistent tier), ``local`` (template with ``{node}``), ``storage_options``,
-``drain`` (close(drain=...)). Writes OUT/result-<rank>.json. Every tensor's content is a pure
-function of (name, step), so any rank of any world size can check restored bytes exactly.
+``drain`` (close(drain=...)), ``save_timeout`` (also the restore's), ``slow_verify``/``slow_list``/
+``slow_write_back``/``slow_rank`` (:data:`SLOW_AT`).
+Writes OUT/result-<rank>.json. Every tensor's content is a pure function of (name, step), so
+any rank of any world size can check restored bytes exactly.
 """
 
 from __future__ import annotations
@@ -58,10 +60,17 @@ def matches(st: dict, world: int, rank: int, step: int) -> bool:
         and st["step"] == step
 
 
-def slow_local_reads(mgr: ckptlib.CheckpointManager, delay: float, out: str, rank: int) -> None:
-    """This rank's node folder, seen through fault-injecting storage: the first read of a
-    payload file (the restore verifying its local copies) sleeps ``delay`` seconds; a negative
-    ``delay`` SIGSTOPs the process there instead (the time goes to OUT/stopped-<rank>.txt)."""
+SLOW_AT = {"slow_verify": ("open_read", "step-*/*/r*.bin"), "slow_list": ("listdir", ""),
+           "slow_write_back": ("open_write", "step-*.partial")}
+"""Where a ``slow_*`` argument slows the rank's node folder: the first read of a payload file
+(the restore verifying its local copies), the first listing of the folder (the restore's start,
+listing the local steps), the first file the write-back writes (its temporary name)."""
+
+
+def slow_local(mgr: ckptlib.CheckpointManager, delay: float, out: str, rank: int, op: str, where: str) -> None:
+    """This rank's node folder, seen through fault-injecting storage: the first ``op`` call on
+    a path matching ``where`` sleeps ``delay`` seconds; a negative ``delay`` SIGSTOPs the
+    process there instead (the time goes to OUT/stopped-<rank>.txt)."""
     from ckptlib.testing.faults import Fault, FaultyStorage
 
     tier = mgr._tier
@@ -73,8 +82,8 @@ def slow_local_reads(mgr: ckptlib.CheckpointManager, delay: float, out: str, ran
         os.kill(os.getpid(), signal.SIGSTOP)
         return OSError("resumed after SIGSTOP")
 
-    fault = Fault("open_read", "step-*/*/r*.bin", kind="slow", delay=delay) if delay >= 0 else Fault(
-        "open_read", "step-*/*/r*.bin", kind="error", error=freeze)
+    fault = Fault(op, where, kind="slow", delay=delay) if delay >= 0 else Fault(op, where, kind="error",
+                                                                                 error=freeze)
     tier.storage = FaultyStorage(tier.storage, [fault])
 
 
@@ -90,7 +99,7 @@ def main() -> None:
         mgr = ckptlib.CheckpointManager(
             args["url"], local=args["local"], persist_every=args.get("persist_every", 1),
             replicas=args.get("replicas", 1), storage_options=args.get("storage_options"),
-            local_keep_last=args.get("local_keep_last", 2), save_timeout=60.0,
+            local_keep_last=args.get("local_keep_last", 2), save_timeout=args.get("save_timeout", 60.0),
         )
         if args["mode"] == "save":
             persist = args.get("persist", {})
@@ -103,8 +112,9 @@ def main() -> None:
             result["steps"] = [[i.step, i.status, i.tiers] for i in mgr.steps()]
         else:
             st = state(world, rank, None)
-            if args.get("slow_verify") is not None and rank == args.get("slow_rank", 1):
-                slow_local_reads(mgr, float(args["slow_verify"]), out, rank)
+            for key, (op, where) in SLOW_AT.items():
+                if args.get(key) is not None and rank == args.get("slow_rank", 1):
+                    slow_local(mgr, float(args[key]), out, rank, op, where)
             started = time.monotonic()
             got = mgr.restore(st)
             result["elapsed"] = time.monotonic() - started
