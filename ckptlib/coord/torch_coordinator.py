@@ -21,7 +21,9 @@ while the heartbeat of the rank waited on moves, so a slow listing or load never
 restore; a dead or frozen rank fails the others within ``dead_after``.
 
 Threads: every method runs on the thread driving the save; the heartbeat thread only bumps
-``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a throwaway daemon thread.
+``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a throwaway daemon thread; a
+:class:`_Wake` blocks in ``store.wait`` on a throwaway daemon thread with a connection of its
+own, so that a polling wait ends as soon as the keys it waits for exist.
 """
 
 from __future__ import annotations
@@ -250,8 +252,11 @@ class _Session:
         return box["value"]
 
     def post_done(self, error: str | None) -> None:
-        self.bounded(self.set, f"done/{self.rank}", "ok" if error is None else "err:" + error)
-        self.bounded(self.store.add, self.k("ndone"), 1)
+        def post() -> None:
+            self.set(f"done/{self.rank}", "ok" if error is None else "err:" + error)
+            self.store.add(self.k("ndone"), 1)
+
+        self.bounded(post)  # one helper thread for both calls
 
     def failed_ranks(self) -> dict[int, str]:
         return dict(self._failed)
@@ -266,6 +271,7 @@ class _Session:
         pending = set(range(self.world))
         failed: dict[int, str] = {}
         pause = _pauses(min(0.2, self.every))
+        wake = _Wake(self, [self.k(f"{name}/{r}") for r in range(self.world)], deadline)
         while True:
             now = time.monotonic()
             if count is not None and self.store.add(self.k(count), 0) >= self.world:
@@ -286,7 +292,7 @@ class _Session:
                 return {}
             if now > deadline:
                 raise CommitTimeoutError(f"ranks {sorted(pending)} {late}")
-            time.sleep(next(pause))
+            wake.sleep(next(pause))
 
     def wait_all_done(self, deadline: float) -> dict[int, str]:
         dead = self.wait_ranks("done", deadline, "did not finish writing before the deadline", count="ndone")
@@ -323,6 +329,7 @@ class _Session:
         """Non-coordinators: wait for the verdict while watching the coordinator's heartbeat."""
         watch = _Watch(self)
         pause = _pauses(0.1)
+        wake = _Wake(self, [self.k("release")], deadline)
         while True:
             verdict = self.read_release(0.0)
             if verdict is not None:
@@ -332,7 +339,7 @@ class _Session:
                 return {0: silent}
             if time.monotonic() > deadline:
                 raise CommitTimeoutError("the coordinator did not finish the save before the deadline")
-            time.sleep(next(pause))
+            wake.sleep(next(pause))
 
     def share_outcome(self, outcome: Any, deadline: float) -> Any:
         """The coordinator posts ``outcome`` (JSON) and waits, at most ``dead_after``, until
@@ -346,9 +353,7 @@ class _Session:
             text = json.dumps(outcome)
             self.set("outcome", text)
             # The others read it within a poll; one that died since gather is not waited for.
-            end = time.monotonic() + self.dead_after
-            while not self.store.check(readers) and time.monotonic() < end:
-                time.sleep(0.01)
+            self._await_readers(readers)
             return json.loads(text)
         try:
             value = json.loads(self.await_coordinator("outcome", deadline + self.dead_after).decode())
@@ -381,6 +386,14 @@ class _Session:
                 raise _Silent(silent)
             if time.monotonic() > deadline:
                 raise _Late(name)
+
+    def _await_readers(self, readers: list[str]) -> None:
+        """Coordinator: wait, at most ``dead_after``, until every key in ``readers`` exists (the
+        others' "I have read it"), so that the store in this process outlives their reads."""
+        end, pause = time.monotonic() + self.dead_after, _pauses(0.05)
+        wake = _Wake(self, readers, end)
+        while readers and not self.store.check(readers) and time.monotonic() < end:
+            wake.sleep(next(pause))
 
     def _next(self) -> str:
         self._exchanges += 1
@@ -457,10 +470,7 @@ class _Session:
             # The store lives in this process: wait (at most ``dead_after``) until the others have
             # read their answer, so that a coordinator that returns and exits at once (the last
             # meeting of a restore) does not take it with it.
-            readers = [self.k(f"{n}/read/{r}") for r in range(self.world) if r != 0 and r not in dead]
-            end, pause = time.monotonic() + self.dead_after, _pauses(0.05)
-            while readers and not self.store.check(readers) and time.monotonic() < end:
-                time.sleep(next(pause))
+            self._await_readers([self.k(f"{n}/read/{r}") for r in range(self.world) if r != 0 and r not in dead])
         doc = json.loads(self._from_coordinator(names[0 if decide is None else self.rank], deadline,
                                                 "collect every rank's value"))
         if self.rank != 0:
@@ -501,6 +511,37 @@ def _pauses(cap: float) -> Iterator[float]:
     while True:
         yield min(d, cap)
         d *= 2
+
+
+class _Wake:
+    """Ends a polling loop's sleep as soon as every key in ``keys`` exists: a daemon thread
+    opens a connection of its own to the store (``Store.clone``, torch 2.6 and later; so that
+    the heartbeat and the polls never queue behind it, and a frozen store never blocks the
+    loop), blocks in ``wait(keys)`` and sets an event. The loop still polls and watches
+    heartbeats as before (the same liveness bounds); the wake-up only removes the lag of its
+    back-off, up to 0.1-0.2 s after the last key (bench/bench_distributed.py saw ranks wake
+    40-100 ms after the release). The thread waits at most ``dead_after``, and not past
+    ``deadline``; after that, or where the store cannot clone itself, the polls alone notice.
+    Made and slept on by the thread driving the session."""
+
+    def __init__(self, session: _Session, keys: list[str], deadline: float) -> None:
+        self._event = threading.Event()
+        if not keys:
+            return
+        store, wait = session.store, max(0.01, min(session.dead_after, deadline - time.monotonic()))
+
+        def run() -> None:
+            try:
+                store.clone().wait(keys, timedelta(seconds=wait))
+            except Exception:  # no clone (older torch), timed out, or the store is gone: polls see to it
+                return
+            self._event.set()
+
+        threading.Thread(target=run, name="ckptlib-store-wake", daemon=True).start()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the keys appear meanwhile."""
+        self._event.wait(seconds)
 
 
 class _Unreachable(TimeoutError):
