@@ -85,18 +85,20 @@ def load(
     keys: dict[str, list[str]] = {}
     state = load_flow.load_checkpoint(
         storage, name, into, verify=verify, rank=rank, world_size=world, per_rank=per_rank,
-        manifest=_manifest(storage, name), strict=strict, keys=keys,
+        manifest=_manifest(storage, name, pieces=False), strict=strict, keys=keys,
     )
     if strict or into is None:
         return state
     return load_flow.LoadResult(state, keys["missing"], keys["unexpected"])
 
 
-def _manifest(storage: Storage, name: str) -> Manifest:
+def _manifest(storage: Storage, name: str, *, pieces: bool = True) -> Manifest:
     """The manifest of folder ``name``; a path that is no checkpoint folder at all (a file, a
-    run root, an empty or unrelated folder) raises an error that says what to pass instead."""
+    run root, an empty or unrelated folder) raises an error that says what to pass instead.
+    ``pieces=False`` (:func:`load`): format v2 index files are left to the reader, which
+    loads only those holding boxes this rank reads (``engine/index_io.resolve``)."""
     try:
-        return read_manifest(storage, name)
+        return read_manifest(storage, name, pieces=pieces)
     except (CheckpointNotFoundError, CorruptCheckpointError) as e:
         hint = target.not_a_checkpoint(storage, name)
         if hint is None:

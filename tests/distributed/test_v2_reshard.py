@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import launcher
+import pytest
 
 from ckptlib.backends import open_storage
 from ckptlib.engine.scan import read_manifest
@@ -70,6 +71,30 @@ def test_v2_reshard_2_to_3_uneven_and_own_cells_only(tmp_path: Path) -> None:
     plain_writer = read_manifest(open_storage(str(tmp_path)), "grid", pieces=False).sharding["/plain"].first
     for rank, r in enumerate(res):  # its own cells, plus the one file holding /plain and rank 0's /rng
         assert r["stats"]["index_files_read"] == len({rank, plain_writer, 0}), (rank, r["stats"])
+
+
+def test_public_load_reads_only_the_index_files_it_needs(tmp_path: Path) -> None:
+    """``ckptlib.load`` on one rank's boxes never opens another rank's index file: a damaged
+    one it does not need does not fail it; a load that needs it does."""
+    import torch
+    from workers.v2_worker import full, make
+
+    import ckptlib
+    from ckptlib.errors import CorruptCheckpointError
+
+    layout = {"w": (0, "chunk"), "v": (0, "chunk")}
+    run("save", 4, tmp_path, {"name": "grid", "tensors": list(layout)})
+    m = read_manifest(open_storage(str(tmp_path)), "grid", pieces=False)
+    plain_writer = m.sharding["/plain"].first
+    other = max({1, 2, 3} - {plain_writer})
+    damaged = tmp_path / "grid" / next(ix.path for ix in m.indexes if ix.rank == other)
+    damaged.write_bytes(b"x" * damaged.stat().st_size)
+    target = make(4, 0, layout, zero=True)
+    ckptlib.load(tmp_path / "grid", into=target, per_rank="rank0")
+    for k in layout:
+        assert torch.equal(target[k].local, full(k).narrow(0, 0, target[k].local.shape[0])), k
+    with pytest.raises(CorruptCheckpointError, match="index file checksum"):
+        ckptlib.load(tmp_path / "grid", into=make(4, other, layout, zero=True), per_rank="rank0")
 
 
 def test_v1_checkpoint_of_several_ranks_still_loads(tmp_path: Path) -> None:
