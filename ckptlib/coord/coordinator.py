@@ -1,15 +1,17 @@
 """Coordination between ranks during a save or load.
 
-The save flow (:mod:`ckptlib.engine.save`) calls on every rank, in order: :meth:`agree` (save
-id), :meth:`begin_session`; :meth:`agree` (staging prefix), :meth:`gather` + :meth:`scatter`
-(who writes what); writes, :meth:`report_done`, then :meth:`wait_all_done` + :meth:`release`
-on the coordinator and :meth:`wait_release` elsewhere; :meth:`gather` of results, publish,
+The save flow (:mod:`ckptlib.engine.save`) calls on every rank, in order: :meth:`begin_session`
+(unless its caller opened one: :func:`liveness_session`); :meth:`agree` (save id),
+:meth:`agree` (staging prefix), :meth:`gather` + :meth:`scatter` or :meth:`consult` (who writes
+what); writes, :meth:`report_done`, then :meth:`wait_all_done` + :meth:`release` on the
+coordinator and :meth:`wait_release` elsewhere; :meth:`gather` of results, publish,
 :meth:`share_outcome`; :meth:`end_session`. Every rank returns or raises the same
-:class:`CommitError`. The resume loop (:mod:`ckptlib.engine.resume`): :meth:`agree` (session
-id), :meth:`begin_session`, :meth:`share` (the candidates), then per candidate :meth:`exchange`
-(meet, then the verdicts), :meth:`end_session`; a tier restore (:mod:`ckptlib.tiers.restore`)
-also :meth:`consult` (the coordinator plans from every rank's report, each rank reads its own
-plan). :class:`LocalCoordinator` is the single-process implementation;
+:class:`CommitError`. The resume loop (:mod:`ckptlib.engine.resume`): :meth:`begin_session`,
+:meth:`share` (the candidates), then per candidate :meth:`exchange` (meet, then the verdicts),
+:meth:`end_session`; a tier restore (:mod:`ckptlib.tiers.restore`) also :meth:`consult` (the
+coordinator plans from every rank's report, each rank reads its own plan). Inside a session
+every meeting waits on liveness, not on a fixed collective timeout.
+:class:`LocalCoordinator` is the single-process implementation;
 :class:`ckptlib.coord.torch_coordinator.TorchCoordinator` the torch.distributed one.
 """
 
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -41,12 +44,21 @@ class Coordinator(ABC):
     def scatter(self, values: list[Any] | None, timeout: float) -> Any:
         """Every rank gets its entry of the coordinator's ``values``."""
 
-    # -- liveness during the write phase (no-ops for a single process)
-    def begin_session(self, save_id: str) -> None:  # noqa: B027 - optional hook
-        """Start liveness tracking for one save."""
+    # -- liveness during a save or restore (no-ops for a single process)
+    @property
+    def in_session(self) -> bool:
+        """A session is open (:meth:`begin_session`): the meetings wait on liveness."""
+        return False
+
+    def begin_session(self, label: str) -> None:  # noqa: B027 - optional hook
+        """Every rank, in the same order (collective, but no meeting): open a liveness session
+        for one save or restore (``label``: what it is for). Inside, :meth:`agree`,
+        :meth:`gather`, :meth:`scatter` and the other meetings take JSON-typed values and wait
+        on a rank while it is alive (its heartbeat moves), up to their deadline; a rank that
+        died, froze or left the session fails the others within the liveness timeout."""
 
     def end_session(self) -> None:  # noqa: B027 - optional hook
-        """Stop liveness tracking."""
+        """Close the session on this rank (whoever still waits for it there stops waiting)."""
 
     def report_done(self, error: str | None) -> None:  # noqa: B027 - optional hook
         """This rank finished writing (``error`` is None on success)."""
@@ -100,6 +112,23 @@ class Coordinator(ABC):
         timeout = max(0.1, deadline - time.monotonic())
         gathered = self.gather(value, timeout)
         return self.scatter(decide(gathered) if gathered is not None else None, timeout)
+
+
+@contextmanager
+def liveness_session(coord: Coordinator, label: str) -> Iterator[None]:
+    """Several ranks, every rank (collective, no meeting): a liveness session around a whole
+    flow (a restore; a tier save, its meetings before and after the save's own; a drain),
+    opened by the caller's thread. Inside an open one it opens nothing and yields at once, so
+    the flows inside (the resume loop, :meth:`ckptlib.engine.save.SaveSession.begin`) use the
+    caller's."""
+    if coord.world_size <= 1 or coord.in_session:
+        yield
+        return
+    coord.begin_session(label)
+    try:
+        yield
+    finally:
+        coord.end_session()
 
 
 class LocalCoordinator(Coordinator):

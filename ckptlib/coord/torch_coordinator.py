@@ -55,9 +55,10 @@ ALIGN_TIMEOUT = 120.0
 _generation = [0]
 
 
-def _meet(store: Any, world: int, timeout: float) -> None:
+def _meet(store: Any, world: int, timeout: float) -> int:
     """Store barrier before :class:`TorchCoordinator` creates its gloo group (collective, in
-    the same order on every rank, so the n-th call on each rank uses the same key)."""
+    the same order on every rank, so the n-th call on each rank uses the same key). Returns
+    that number: the coordinator's name in the store, the same on every rank."""
     _generation[0] += 1
     key = f"ckptlib/coordinator-init/{_generation[0]}"
     store.add(key, 1)
@@ -68,6 +69,7 @@ def _meet(store: Any, world: int, timeout: float) -> None:
                 f"ranks did not all create the checkpoint coordinator within {timeout:.0f}s"
             )
         time.sleep(0.02)
+    return _generation[0]
 
 
 class TorchCoordinator(Coordinator):
@@ -81,9 +83,13 @@ class TorchCoordinator(Coordinator):
         self.store = _default_store()
         # Ranks reach this point seconds apart (whatever each did since init_process_group);
         # gloo's connect timeout is the group timeout (dead_after), so meet first.
-        _meet(self.store, self.world_size, max(ALIGN_TIMEOUT, dead_after))
+        self.name = f"c{_meet(self.store, self.world_size, max(ALIGN_TIMEOUT, dead_after))}"
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after))
         self._session: _Session | None = None
+        self._sessions = 0  # sessions opened so far: the same count on every rank (collective)
+        # One heartbeat for the coordinator's life, not one per session: a rank that has not
+        # reached a save yet (training) is alive, and is waited for as long as the save allows.
+        self._heart = _Heart(self.store, f"ckptlib/{self.name}/hb/{self.rank}", heartbeat)
 
     # -- gloo data channel
     def _wrap(self, what: str, fn: Any) -> Any:
@@ -99,16 +105,26 @@ class TorchCoordinator(Coordinator):
             ) from e
 
     def agree(self, value: Any, timeout: float) -> Any:
+        """With a session open: over the store (:meth:`_Session.share`, JSON-typed values), a
+        wait lasting while the coordinator's heartbeat moves, up to ``timeout``; else gloo."""
+        if self._session is not None:
+            return self._store("agreeing", self._session.share, value, time.monotonic() + timeout)
         box = [value]
         self._wrap("agree", lambda: dist.broadcast_object_list(box, src=self._global(0), group=self.group))
         return box[0]
 
     def gather(self, value: Any, timeout: float) -> list[Any] | None:
+        """With a session open: over the store (:meth:`_Session.gather`); else gloo."""
+        if self._session is not None:
+            return self._store("gathering", self._session.gather, value, time.monotonic() + timeout)
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         self._wrap("gather", lambda: dist.gather_object(value, out, dst=self._global(0), group=self.group))
         return out
 
     def scatter(self, values: list[Any] | None, timeout: float) -> Any:
+        """With a session open: over the store (:meth:`_Session.scatter`); else gloo."""
+        if self._session is not None:
+            return self._store("scattering", self._session.scatter, values, time.monotonic() + timeout)
         out = [None]
         self._wrap(
             "scatter",
@@ -120,12 +136,20 @@ class TorchCoordinator(Coordinator):
         return dist.get_global_rank(self.group, group_rank)
 
     # -- liveness channel
-    def begin_session(self, save_id: str) -> None:
+    @property
+    def in_session(self) -> bool:
+        return self._session is not None
+
+    def begin_session(self, label: str) -> None:
+        """Open the next session (collective, in the same order on every rank: its keys are
+        named by the count of sessions, so no meeting is needed to open it)."""
         self.end_session()
-        self._session = _Session(self.store, save_id, self.rank, self.world_size, self.dead_after, self.heartbeat)
-        self._session.start()
+        self._sessions += 1
+        self._session = _Session(self.store, f"{self.name}/s{self._sessions}", self.rank, self.world_size,
+                                 self.dead_after, self.heartbeat, beats=f"ckptlib/{self.name}/")
 
     def end_session(self) -> None:
+        """Close the session; the others stop waiting for this rank in it (``gone/<rank>``)."""
         if self._session is not None:
             self._session.stop()
             self._session = None
@@ -191,42 +215,89 @@ class TorchCoordinator(Coordinator):
         return self._store("consulting the coordinator", self._session.consult, value, decide, deadline)
 
 
-class _Session:
-    """Store keys of one save; a heartbeat thread keeps ``hb/<rank>`` moving."""
+class _Heart:
+    """A daemon thread adding 1 to ``key`` every ``every`` seconds until :meth:`stop` (or the
+    store is gone): the rank's heartbeat, which the others read to tell slow from dead."""
 
-    def __init__(self, store: Any, save_id: str, rank: int, world: int, dead_after: float, every: float) -> None:
-        self.store = store
-        self.prefix = f"ckptlib/{save_id}/"
-        self.rank = rank
-        self.world = world
-        self.dead_after = dead_after
-        self.every = every
+    def __init__(self, store: Any, key: str, every: float) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="ckptlib-heartbeat", daemon=True)
-        self._failed: dict[int, str] = {}
-        self._exchanges = 0  # share/exchange calls so far: the same count on every rank
+        self.every = every
 
-    def k(self, name: str) -> str:
-        return self.prefix + name
+        def beat() -> None:
+            while not self._stop.is_set():
+                try:
+                    store.add(key, 1)
+                except Exception:  # the store host died: the waits on it will notice
+                    return
+                self._stop.wait(every)
 
-    def set(self, name: str, value: str) -> None:
-        self.store.set(self.k(name), value)
-
-    def start(self) -> None:
+        self._thread = threading.Thread(target=beat, name="ckptlib-heartbeat", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(self.every * 4 + 1)
 
-    def _beat(self) -> None:
-        key = self.k(f"hb/{self.rank}")
-        while not self._stop.is_set():
+
+class _Session:
+    """Store keys of one session (a save, a restore): under ``ckptlib/<name>/``. Heartbeats
+    ``hb/<rank>`` live under ``beats`` (a :class:`TorchCoordinator`'s, beating for its whole
+    life); without ``beats``, under the session's keys, moved by :meth:`start` (unit tests)."""
+
+    def __init__(self, store: Any, name: str, rank: int, world: int, dead_after: float, every: float,
+                 beats: str | None = None) -> None:
+        self.store = store
+        self.prefix = f"ckptlib/{name}/"
+        self.beats = beats if beats is not None else self.prefix
+        self.rank = rank
+        self.world = world
+        self.dead_after = dead_after
+        self.every = every
+        self._heart: _Heart | None = None
+        self._failed: dict[int, str] = {}
+        self._exchanges = 0  # meetings so far: the same count on every rank
+
+    def k(self, name: str) -> str:
+        return self.prefix + name
+
+    def hb(self, rank: int) -> str:
+        return f"{self.beats}hb/{rank}"
+
+    def set(self, name: str, value: str) -> None:
+        self.store.set(self.k(name), value)
+
+    def start(self) -> None:
+        """A heartbeat of the session's own (without ``beats``)."""
+        self._heart = _Heart(self.store, self.hb(self.rank), self.every)
+
+    def stop(self) -> None:
+        """This rank leaves the session: ``gone/<rank>`` (the failures it knows, JSON) tells
+        whoever still waits for it here to stop waiting (:meth:`gone`). Never blocks on the
+        store: elsewhere than on the coordinator the post runs on a daemon thread, not waited
+        for (a frozen coordinator's store would hold it for ``dead_after``)."""
+        text = json.dumps({str(r): m for r, m in self._failed.items()})
+
+        def post() -> None:
             try:
-                self.store.add(key, 1)
-            except Exception:  # the store host died: the waits below will notice
-                return
-            self._stop.wait(self.every)
+                self.set(f"gone/{self.rank}", text)
+            except Exception:  # the store is gone or unreachable: the others judge by heartbeats
+                pass
+
+        if self.rank == 0:
+            post()
+        else:
+            threading.Thread(target=post, name="ckptlib-store-call", daemon=True).start()
+        if self._heart is not None:
+            self._heart.stop()
+
+    def gone(self, rank: int) -> dict[int, str] | None:
+        """None while ``rank`` is in the session; once it left (:meth:`stop`), why: the failures
+        it knew, or that it left."""
+        key = self.k(f"gone/{rank}")
+        if not self.bounded(self.store.check, [key]):
+            return None
+        known = {int(r): m for r, m in json.loads(bytes(self.bounded(self.store.get, key)).decode()).items()}
+        return known or {rank: "left the save or restore (it failed before this meeting, or gave up)"}
 
     def bounded(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` (a store call) on a helper thread, given up after ``dead_after``
@@ -280,7 +351,11 @@ class _Session:
                 if self.store.check([self.k(f"{name}/{r}")]):
                     pending.discard(r)
                     continue
-                beat = self.store.add(self.k(f"hb/{r}"), 0)
+                left = self.gone(r)
+                if left is not None:
+                    failed.update(left)
+                    continue
+                beat = self.store.add(self.hb(r), 0)
                 last = seen.get(r)
                 if last is None or last[0] != beat:
                     seen[r] = (beat, now)
@@ -408,6 +483,44 @@ class _Session:
             self.set(name, text)
             return json.loads(text)
         return json.loads(self._from_coordinator(name, deadline, "share its value"))
+
+    def gather(self, value: Any, deadline: float) -> list[Any] | None:
+        """:meth:`Coordinator.gather` over the store: every rank posts ``value`` (JSON, tagged
+        as a gather) and goes on; the coordinator waits for all while their heartbeats move
+        (:meth:`wait_ranks`) and returns the decoded values in rank order, or raises
+        :class:`CommitError` naming the ranks that died, froze, left the session or came to
+        another kind of meeting (it then leaves the session: the others, waiting on it at their
+        next meeting, see ``gone/0``)."""
+        n = self._next()
+        try:
+            self.bounded(self.set, f"{n}/{self.rank}", json.dumps(["gather", value]))
+        except _Unreachable:
+            raise CommitError(f"coordination failed: {_UNREACHABLE}", {0: _UNREACHABLE}) from None
+        if self.rank != 0:
+            return None
+        dead = self.wait_ranks(n, deadline, "did not arrive before the deadline")
+        if not dead:
+            got = [json.loads(v.decode()) for v in
+                   self.store.multi_get([self.k(f"{n}/{r}") for r in range(self.world)])]
+            dead = {r: f"at another meeting (a {k}, not the coordinator's gather)"
+                    for r, (k, _v) in enumerate(got) if k != "gather"}
+        if dead:
+            self._failed.update(dead)
+            detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(dead.items()))
+            raise CommitError(f"coordination failed during gather: {detail}", dead)
+        return [v for _k, v in got]
+
+    def scatter(self, values: list[Any] | None, deadline: float) -> Any:
+        """:meth:`Coordinator.scatter` over the store: the coordinator posts ``values[r]`` (JSON)
+        under a key of rank ``r``'s own and goes on; each other rank waits for its own while the
+        coordinator's heartbeat moves, until ``deadline``."""
+        n = self._next()
+        if self.rank == 0:
+            assert values is not None and len(values) == self.world
+            texts = [json.dumps(v) for v in values]
+            self.store.multi_set([self.k(f"{n}/to/{r}") for r in range(self.world)], texts)
+            return json.loads(texts[0])
+        return json.loads(self._from_coordinator(f"{n}/to/{self.rank}", deadline, "send this rank its part"))
 
     def exchange(self, value: Any, deadline: float) -> list[Any]:
         """:meth:`Coordinator.exchange` over the store: every rank posts ``value`` (JSON); the
@@ -567,9 +680,13 @@ class _Watch:
         """None while the coordinator is alive; else why it is judged dead."""
         s = self.session
         try:
-            beat = s.bounded(s.store.add, s.k("hb/0"), 0)
+            left = s.gone(0)
+            beat = s.bounded(s.store.add, s.hb(0), 0)
         except Exception:
             return _UNREACHABLE
+        if left is not None:
+            return "coordinator (rank 0) left the session: " + "; ".join(
+                f"rank {r}: {m}" for r, m in sorted(left.items()))
         now = time.monotonic()
         if self.last is None or self.last[0] != beat:
             self.last = (beat, now)

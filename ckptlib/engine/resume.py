@@ -5,27 +5,25 @@ same order: the coordinator lists the candidates (newest first) and every rank g
 list (:meth:`Coordinator.share`); for each ``committed`` candidate the ranks meet, run
 ``attempt(candidate)``, and exchange the outcomes (:meth:`Coordinator.exchange`): if any rank
 found the step damaged, all move on to the next older one; other failures are raised
-everywhere. Several ranks: the loop runs in a liveness session (:func:`liveness_session`: its
-own, or the one its caller opened), so a wait on another rank lasts while that rank's heartbeat
-moves (a slow listing of a big root, a slow load) up to ``timeout`` per wait; a dead or frozen
-rank fails the others within the coordination timeout. :func:`resume_newest` returns None without candidates and raises
+everywhere. Several ranks: the loop runs in a liveness session
+(:func:`ckptlib.coord.coordinator.liveness_session`: its own, or the one its caller opened), so
+a wait on another rank lasts while that rank's heartbeat moves (a slow listing of a big root, a
+slow load) up to ``timeout`` per wait; a dead or frozen rank fails the others within the
+coordination timeout. :func:`resume_newest` returns None without candidates and raises
 :class:`CorruptCheckpointError` when none is usable; :func:`restore` is the manager's use.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage
-from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.coordinator import Coordinator, liveness_session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.errors import (
@@ -67,32 +65,6 @@ def corruption_of(error: BaseException) -> str | None:
     return str(error) if isinstance(error, CorruptCheckpointError) else None
 
 
-_OPEN: weakref.WeakSet[Coordinator] = weakref.WeakSet()
-"""Coordinators inside a :func:`liveness_session` (the caller's thread; a restore is collective,
-so one per coordinator at a time)."""
-
-
-@contextmanager
-def liveness_session(coord: Coordinator, timeout: float) -> Iterator[None]:
-    """Several ranks, every rank (collective): the resume loop's liveness session (the save's
-    heartbeats, coord/torch_coordinator.py). The ranks meet once, bounded by the fixed
-    collective timeout as a save's first agree is; inside, every :meth:`Coordinator.share` /
-    :meth:`Coordinator.exchange` waits on a rank while its heartbeat moves, up to ``timeout``
-    per wait. Inside an open one (a tier restore opens it around its topology discovery, the
-    loop and the write-back: ckptlib/tiers/restore.py) it opens nothing and yields at once."""
-    if coord.world_size <= 1 or coord in _OPEN:
-        yield
-        return
-    session = coord.agree(secrets.token_hex(8) if coord.is_coordinator else None, timeout)
-    coord.begin_session(f"restore-{session}")
-    _OPEN.add(coord)
-    try:
-        yield
-    finally:
-        _OPEN.discard(coord)
-        coord.end_session()
-
-
 def resume_newest(
     coord: Coordinator,
     list_candidates: Callable[[], list[Candidate]],
@@ -110,7 +82,7 @@ def resume_newest(
     (fall back), or None for a failure every rank must raise (a state that does not match).
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
     """
-    with liveness_session(coord, timeout):
+    with liveness_session(coord, "restore"):
 
         def deadline() -> float:
             return time.monotonic() + timeout

@@ -25,7 +25,7 @@ import torch
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, deadline_scope
 from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
-from ckptlib.engine import commit
+from ckptlib.engine import commit, wire
 from ckptlib.engine import options as argcheck
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.writer import ChunkJob, split_chunks, write_files, write_index
@@ -139,9 +139,11 @@ class SaveSession:
     calls what, in which order). Not thread-safe: one thread per rank drives it."""
 
     def __init__(self, storage: Storage, final: str, coord: Coordinator, options: SaveOptions, save_id: str,
-                 step: int | None, created: float, deadline: float, prefix: str, staging: commit.Staging | None) -> None:
+                 step: int | None, created: float, deadline: float, prefix: str, staging: commit.Staging | None,
+                 owns_session: bool = True) -> None:
         """Use :meth:`begin`."""
         self.storage, self.final, self.coord, self.options = storage, final, coord, options
+        self._owns_session = owns_session  # False: inside the caller's (coord.liveness_session)
         self.save_id, self.step, self.created, self.deadline = save_id, step, created, deadline
         self.prefix = prefix
         """Where this rank's payload files go (relative to the storage root)."""
@@ -166,14 +168,22 @@ class SaveSession:
               ) -> SaveSession:
         """Every rank (collective): start a save of ``final``. ``save_id`` and ``created`` are
         proposals; the coordinator's win. One deadline, ``options.timeout``, bounds the whole
-        session. Raises :class:`CommitError` on every rank when the staging area cannot be made."""
+        session. Raises :class:`CommitError` on every rank when the staging area cannot be made.
+
+        Several ranks: a liveness session opens first (the caller's, if it opened one around a
+        larger flow: a tier save, a drain), so every meeting of the save, these two agrees
+        included, waits on a rank while it is alive, up to the deadline: a coordinator slow to
+        make the staging folder, or a rank reaching the save long after the others, is waited
+        for; a dead or frozen one fails the others within the coordination timeout."""
         opts = options or SaveOptions()
         coord = coordinator or LocalCoordinator()
         deadline = time.monotonic() + opts.timeout
-        save_id, created = coord.agree([save_id or new_save_id(), time.time() if created is None else created],
-                                       opts.timeout)
-        coord.begin_session(save_id)
+        owns = not coord.in_session
+        if owns:
+            coord.begin_session("save")
         try:
+            save_id, created = coord.agree([save_id or new_save_id(), time.time() if created is None else created],
+                                           opts.timeout)
             staging: commit.Staging | None = None
             error = None
             if coord.is_coordinator:
@@ -183,15 +193,16 @@ class SaveSession:
                         staging = commit.begin(storage, final, save_id, overwrite=opts.overwrite)
                 except (CheckpointError, OSError) as e:
                     error = [type(e).__name__, str(e)]
-            prefix, error = coord.agree((staging.payload_prefix if staging else None, error),
+            prefix, error = coord.agree([staging.payload_prefix if staging else None, error],
                                         max(0.1, deadline - time.monotonic()))
             if error:  # the same error on every rank, before any payload is written
                 refused = _REFUSED.get(error[0])
                 raise refused(error[1]) if refused else _fail(storage, final, {0: f"{error[0]}: {error[1]}"})
         except BaseException:
-            coord.end_session()
+            if owns:
+                coord.end_session()
             raise
-        return cls(storage, final, coord, opts, save_id, step, created, deadline, prefix, staging)
+        return cls(storage, final, coord, opts, save_id, step, created, deadline, prefix, staging, owns)
 
     @property
     def files(self) -> list[tuple[str, int]]:
@@ -265,11 +276,18 @@ class SaveSession:
             digest = hashlib.blake2b(jsonio.dumps(skeleton, sort_keys=False).encode(), digest_size=16).hexdigest()
             mine: dict[str, Any] = {"files": self._files, "index": index, "tree_digest": digest,
                                     "skeleton": skeleton if coord.is_coordinator else None, "per_rank_values": values}
+        elif coord.world_size > 1:  # records and shapes travel as JSON (engine/wire.py)
+            mine = {"files": self._files, "chunks": wire.chunks_out(self._chunks), "tree": tree,
+                    "per_rank": per_rank, "shapes": wire.shapes_out(shapes or {})}
         else:
             mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
                     "shapes": shapes or {}}
         self._sent = True
-        return coord.gather(mine, self.left())
+        results = coord.gather(mine, self.left())
+        if results is not None and coord.world_size > 1 and not self.v2:
+            for res in results:
+                res["chunks"], res["shapes"] = wire.chunks_in(res["chunks"]), wire.shapes_in(res["shapes"])
+        return results
 
     def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
                 extra: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
@@ -380,10 +398,11 @@ class SaveSession:
             self._staging = None
 
     def close(self) -> None:
-        """End the session on this rank (liveness stops). Idempotent."""
+        """End the session on this rank (unless the caller opened it). Idempotent."""
         if self._open:
             self._open = False
-            self.coord.end_session()
+            if self._owns_session:
+                self.coord.end_session()
 
 
 def persist(
@@ -465,7 +484,9 @@ class _Offer:
 def _offer_v1(session: SaveSession, rep_desc: list[PieceDesc], shd_desc: list[PieceDesc]) -> _Offer:
     """Format v1: every sharded piece is gathered (one collective)."""
     coord = session.coord
-    everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, shd_desc), session.left())
+    sent = coord.gather([digest(rep_desc), wire.pieces_out(rep_desc) if coord.is_coordinator else None,
+                         wire.pieces_out(shd_desc)], session.left())
+    everyone = None if sent is None else [[d, wire.pieces_in(r or []), wire.pieces_in(s)] for d, r, s in sent]
     return _Offer(everyone, [e[2] for e in everyone] if everyone is not None else None, list(range(len(shd_desc))), [])
 
 
@@ -475,16 +496,21 @@ def _offer_v2(session: SaveSession, shd: list[TensorItem], rep_desc: list[PieceD
     with :mod:`ckptlib.plan.grid` (a proposal out, a list of exceptions back); only the pieces
     of the other tensors are gathered."""
     coord = session.coord
-    proposal = coord.agree(propose(shd_desc) if coord.is_coordinator else None, session.left())
+    proposal = wire.proposal_in(coord.agree(wire.proposal_out(propose(shd_desc)) if coord.is_coordinator else None,
+                                            session.left()))
     odd = conform(proposal, shd_desc, coord.rank)
     odd_set = set(odd)
     grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
-    everyone = coord.gather((digest(rep_desc), rep_desc if coord.is_coordinator else None, odd, grid_bytes),
-                            session.left())
+    sent = coord.gather([digest(rep_desc), wire.pieces_out(rep_desc) if coord.is_coordinator else None, odd,
+                         grid_bytes], session.left())
+    everyone = None if sent is None else [[d, wire.pieces_in(r or []), o, g] for d, r, o, g in sent]
     proposed_odd = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
     union: set[str] = set(coord.agree(proposed_odd, session.left()))
     mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
-    explicit = coord.gather([shd_desc[i] for i in mine_odd], session.left()) if union else [[]] * coord.world_size
+    explicit: list[list[PieceDesc]] | None = [[]] * coord.world_size
+    if union:
+        got = coord.gather(wire.pieces_out(shd_desc[i] for i in mine_odd), session.left())
+        explicit = None if got is None else [wire.pieces_in(x) for x in got]
     grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
     return _Offer(everyone, explicit, mine_odd, grid, [e[3] for e in everyone] if everyone is not None else None,
                   proposal, frozenset(union))
@@ -519,11 +545,12 @@ def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
                         writer[i] = r
                 chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
                 session.layout = describe(offer.proposal, set(offer.union), everyone[0][1], writer, chosen)
-            plans = [("ok", p) for p in got]
+            plans = [["ok", wire.plan_out(p)] for p in got]
         except PlanError as e:
-            plans = [("error", str(e))] * coord.world_size
-    status, plan = coord.scatter(plans, session.left())
+            plans = [["error", str(e)]] * coord.world_size
+    status, sent = coord.scatter(plans, session.left())
     if status == "error":
         session.abort()
-        raise _fail(session.storage, session.final, {0: plan})
+        raise _fail(session.storage, session.final, {0: sent})
+    plan = wire.plan_in(sent)
     return [rep[i] for i in plan.replicated] + offer.grid + [shd[offer.mine[i]] for i in plan.sharded]

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
-from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
+from ckptlib.coord.coordinator import Coordinator, LocalCoordinator, liveness_session
 from ckptlib.engine import commit
 from ckptlib.engine.save import SaveOptions, SaveSession
 from ckptlib.engine.scan import check_step, read_manifest
@@ -99,6 +99,13 @@ def drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: i
                rate: float | None = None) -> bool:
     """Every rank (collective), drain thread: copy ``step`` from the local tier and commit it on
     ``persistent`` (module docstring). False when it was already there (nothing done)."""
+    with liveness_session(coord, "drain"):
+        return _drain_step(tier, persistent, coord, step, timeout=timeout, rate=rate)
+
+
+def _drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: int, *, timeout: float,
+                rate: float | None = None) -> bool:
+    """:func:`drain_step`, inside its liveness session."""
     final = layout.step_dir(step)
     m: Manifest | None = None
     error: BaseException | None = None

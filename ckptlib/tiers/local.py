@@ -28,7 +28,7 @@ from typing import Any
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
-from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.coordinator import Coordinator, liveness_session
 from ckptlib.engine import commit, retire
 from ckptlib.engine.save import SaveOptions, SaveResult, SaveSession, encode_metadata, write_state
 from ckptlib.errors import CheckpointError, CommitError
@@ -102,6 +102,26 @@ def save_local(
 ) -> SaveResult:
     """Save ``flat`` as ``final`` on the local tier (module docstring). Every rank.
     ``metrics``: recorded in the manifest (``keep_best``)."""
+    with liveness_session(coordinator, "tier save"):
+        return _save_local(tier, final, flat, step=step, metadata=metadata, options=options, coordinator=coordinator,
+                           save_id=save_id, created=created, rounds=rounds, metrics=metrics)
+
+
+def _save_local(
+    tier: LocalTier,
+    final: str,
+    flat: FlatState,
+    *,
+    step: int | None,
+    metadata: Any,
+    options: SaveOptions,
+    coordinator: Coordinator,
+    save_id: str,
+    created: float,
+    rounds: Iterable[list[TensorItem]] | None = None,
+    metrics: dict[str, float] | None = None,
+) -> SaveResult:
+    """:func:`save_local`, inside its liveness session."""
     coord, local = coordinator, tier.storage
     topo = tier.topo(coord, options.timeout)
     meta_tree = encode_metadata(metadata)

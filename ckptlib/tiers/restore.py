@@ -18,8 +18,8 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
   checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
 
 Waits: :func:`restore` opens one liveness session
-(:func:`ckptlib.engine.resume.liveness_session`; the ranks meet once to open it, as a save's
-first agree) around everything else: the topology (:meth:`Topology.discover`), the collection
+(:func:`ckptlib.coord.coordinator.liveness_session`; opening it needs no meeting) around
+everything else: the topology (:meth:`Topology.discover`), the collection
 of every rank's local steps, the resume loop (which runs in it) and :func:`write_back`. Every
 meeting in it is a :meth:`Coordinator.exchange`, :meth:`Coordinator.share` or
 :meth:`Coordinator.consult` (the local steps and the planning rounds: the coordinator gets every
@@ -49,10 +49,10 @@ from typing import Any
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.backends.base import Entry, ReadHandle, WriteStream
-from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.coordinator import Coordinator, liveness_session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.index_io import load_indexes
-from ckptlib.engine.resume import Candidate, liveness_session, resume_newest
+from ckptlib.engine.resume import Candidate, resume_newest
 from ckptlib.engine.scan import StepInfo, read_manifest, scan
 from ckptlib.errors import (
     CheckpointError,
@@ -382,7 +382,7 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             keys: dict[str, list[str]] | None = None) -> int | None:
     """``CheckpointManager.restore`` with a local tier (module docstring). Every rank.
     ``strict``/``keys``: as :func:`ckptlib.engine.resume.restore`."""
-    with liveness_session(coord, timeout):  # every meeting below, write-back included
+    with liveness_session(coord, "tier restore"):  # every meeting below, write-back included
         return _restore(tier, persistent, state, coord, step=step, verify=verify, per_rank=per_rank,
                         timeout=timeout, strict=strict, keys=keys)
 
