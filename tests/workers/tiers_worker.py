@@ -6,7 +6,7 @@ The node comes from CKPTLIB_NODE (set per rank by the test). args: ``mode`` (``s
 ``steps`` with ``persist_every``/``persist``; ``resume``: restore into zeros and report),
 ``url`` (persistent tier), ``local`` (template with ``{node}``), ``storage_options``,
 ``drain`` (close(drain=...)), ``save_timeout`` (also the restore's), ``slow_verify``/``slow_list``/
-``slow_write_back``/``slow_rank`` (:data:`SLOW_AT`).
+``slow_write_back``/``slow_stage``/``slow_rank`` (:data:`SLOW_AT`, either mode).
 Writes OUT/result-<rank>.json. Every tensor's content is a pure function of (name, step), so
 any rank of any world size can check restored bytes exactly.
 """
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import ckptlib
+from ckptlib.format.layout import MARKER
 
 SHAPES = {"w": (24, 8), "b": (13,), "e": (10, 6)}
 
@@ -61,10 +62,12 @@ def matches(st: dict, world: int, rank: int, step: int) -> bool:
 
 
 SLOW_AT = {"slow_verify": ("open_read", "step-*/*/r*.bin"), "slow_list": ("listdir", ""),
-           "slow_write_back": ("open_write", "step-*.partial")}
+           "slow_write_back": ("open_write", "step-*.partial"), "slow_stage": ("open_write", f"step-*.tmp-*/{MARKER}")}
 """Where a ``slow_*`` argument slows the rank's node folder: the first read of a payload file
 (the restore verifying its local copies), the first listing of the folder (the restore's start,
-listing the local steps), the first file the write-back writes (its temporary name)."""
+listing the local steps), the first file the write-back writes (its temporary name), the marker
+of the first staging folder (a save: a node leader that is not the coordinator creating its
+node's staging folder, ``save_local``)."""
 
 
 def slow_local(mgr: ckptlib.CheckpointManager, delay: float, out: str, rank: int, op: str, where: str) -> None:
@@ -101,6 +104,10 @@ def main() -> None:
             replicas=args.get("replicas", 1), storage_options=args.get("storage_options"),
             local_keep_last=args.get("local_keep_last", 2), save_timeout=args.get("save_timeout", 60.0),
         )
+        for key, (op, where) in SLOW_AT.items():
+            if args.get(key) is not None and rank == args.get("slow_rank", 1):
+                slow_local(mgr, float(args[key]), out, rank, op, where)
+        started = time.monotonic()
         if args["mode"] == "save":
             persist = args.get("persist", {})
             for step in args["steps"]:
@@ -108,14 +115,11 @@ def main() -> None:
                 h.wait()
                 with open(os.path.join(out, f"committed-{rank}.txt"), "a") as log:  # chaos: saves seen committed
                     log.write(f"{step}\n")
+            result["elapsed"] = time.monotonic() - started
             mgr.close(drain=args.get("drain", True))
             result["steps"] = [[i.step, i.status, i.tiers] for i in mgr.steps()]
         else:
             st = state(world, rank, None)
-            for key, (op, where) in SLOW_AT.items():
-                if args.get(key) is not None and rank == args.get("slow_rank", 1):
-                    slow_local(mgr, float(args[key]), out, rank, op, where)
-            started = time.monotonic()
             got = mgr.restore(st)
             result["elapsed"] = time.monotonic() - started
             result["restored"] = got
