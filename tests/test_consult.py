@@ -44,6 +44,9 @@ def _ranks(world: int, call: Any, skip: Collection[int] = ()) -> dict[Any, Any]:
         t.start()
     for t in threads:
         t.join(LONG + 30)
+    for t in threading.enumerate():  # store waits left on daemon threads (at most DEAD_AFTER): a
+        if t.name in ("ckptlib-store-wake", "ckptlib-store-call"):  # thread blocked in the store
+            t.join(LONG)  # at interpreter exit aborts the process
     out["keys"] = {name: store.check([f"ckptlib/t/x1/{name}"]) for name in ("all", "to/0", "to/1", "to/2")}
     return out
 
@@ -116,3 +119,34 @@ def test_a_rank_at_another_kind_of_meeting_fails_every_rank() -> None:
     for r in range(3):
         assert type(out[r]) is CommitError and set(out[r].failures) == {1}, out[r]
         assert "another meeting" in out[r].failures[1], out[r].failures
+
+
+def test_gather_and_scatter_over_the_store() -> None:
+    """Inside a session, gather brings every rank's JSON value to the coordinator only, scatter
+    each rank its own part; the two number their meetings like the others."""
+    def flow(s: _Session) -> Any:
+        got = s.gather({"r": s.rank, "t": [1, 2]}, time.monotonic() + LONG)
+        part = s.scatter(None if got is None else [[v["r"], len(got)] for v in got], time.monotonic() + LONG)
+        return got, part, s.exchange(s.rank, time.monotonic() + LONG)
+
+    out = _ranks(3, flow)
+    assert out[0] == ([{"r": r, "t": [1, 2]} for r in range(3)], [0, 3], [0, 1, 2])
+    assert [out[r] for r in (1, 2)] == [(None, [1, 3], [0, 1, 2]), (None, [2, 3], [0, 1, 2])]
+
+
+def test_a_rank_that_left_the_session_is_known_at_once() -> None:
+    """Rank 2 leaves the session (it failed on its own) instead of coming to the gather: the
+    coordinator fails the gather naming it as gone, not by its heartbeat, and rank 1, waiting for
+    the coordinator's next value, learns why from the coordinator's own leaving."""
+    def flow(s: _Session) -> Any:
+        if s.rank == 2:
+            return "left"
+        got = s.gather(s.rank, time.monotonic() + LONG)
+        return s.scatter(got, time.monotonic() + LONG)
+
+    out = _ranks(3, flow)
+    assert out[2] == "left"
+    assert isinstance(out[0], CommitError) and set(out[0].failures) == {2}, out[0]
+    assert "left the save or restore" in out[0].failures[2], out[0].failures
+    assert isinstance(out[1], CommitError), out[1]
+    assert "left the session" in str(out[1]) and "rank 2" in str(out[1]), out[1]

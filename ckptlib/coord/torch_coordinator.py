@@ -1,24 +1,28 @@
-"""Coordination over torch.distributed: a dedicated gloo group for data, the job's store for
-liveness. Used by the save flow on every rank when a default process group is initialized.
+"""Coordination over torch.distributed: the job's store for meetings and liveness, a
+dedicated gloo group for meetings outside a session and for bulk bytes (tier replicas). Used by
+the save and restore flows on every rank when a default process group is initialized.
 
-Gloo collectives carry the data (save id, write plan and results) but cannot tell a slow
-writer from a dead or frozen one, so while ranks write they only talk through the store
-(keys namespaced by save id): each rank bumps ``hb/<rank>`` every ``heartbeat`` seconds and
-posts ``done/<rank>`` (``ok`` or its error) when its files are durable; the coordinator waits
-for every rank, judging one whose heartbeat stalls for ``dead_after`` seconds as failed, and
-posts ``release``; after publishing it posts ``outcome``, which the others await while its
-heartbeat moves, answering ``read/<rank>``. Only when every rank is done do they gather the
-results over gloo (group timeout ``dead_after``). Survivors of a failed save raise
-:class:`CommitError` naming the failed ranks; a rank waking after its save was abandoned reads
-the failed verdict. A rank that gives up on a silent coordinator while awaiting ``outcome``
-says so (``"gave_up": True``); the save flow then fences the save on storage
-(:func:`ckptlib.engine.commit.fence`), so a coordinator frozen mid-publish and woken later
-cannot commit what the others reported failed. The resume loop (:mod:`ckptlib.engine.resume`)
-opens a session too: :meth:`TorchCoordinator.share` (the coordinator's listing) and
-:meth:`TorchCoordinator.exchange` (meetings, verdicts) and :meth:`TorchCoordinator.consult` (a
-tier restore's plans, each rank reading only its own) go over the store, each wait lasting
-while the heartbeat of the rank waited on moves, so a slow listing or load never fails a
-restore; a dead or frozen rank fails the others within ``dead_after``.
+Liveness: from its creation, each rank's coordinator bumps ``ckptlib/<name>/hb/<rank>`` every
+``heartbeat`` seconds (:class:`_Heart`, for the process's life: a rank still training before a
+save is alive). A session (:meth:`TorchCoordinator.begin_session`: a save, a restore, a tier
+save, a drain) needs no meeting to open: every rank counts its sessions, and the n-th one's keys
+are ``ckptlib/<name>/s<n>/...`` on every rank. Inside one, every meeting goes over the store as
+JSON, and every wait on a rank lasts while its heartbeat moves, up to the caller's deadline; a
+rank whose heartbeat stalls for ``dead_after`` is judged dead or frozen, and a rank that left
+the session (``gone/<rank>``, posted by :meth:`_Session.stop`: it failed on its own, or the
+coordinator gave up) is known at once. The meetings: :meth:`TorchCoordinator.agree` /
+``share`` (the coordinator's value to all), ``gather`` (all to the coordinator; the others go
+on), ``scatter`` (each rank its own part), ``exchange`` (all to all) and ``consult`` (all in,
+each its own answer); and the save's handshake: each rank posts ``done/<rank>`` (``ok`` or its
+error) when its files are durable, the coordinator waits for every rank and posts
+``release``; after publishing it posts ``outcome``, which the others await while its heartbeat
+moves, answering ``read/<rank>``. Survivors of a failed save raise :class:`CommitError` naming
+the failed ranks; a rank waking after its save was abandoned reads the failed verdict. A rank
+that gives up on a silent coordinator while awaiting ``outcome`` says so (``"gave_up": True``);
+the save flow then fences the save on storage (:func:`ckptlib.engine.commit.fence`), so a
+coordinator frozen mid-publish and woken later cannot commit what the others reported failed.
+Outside a session, agree/gather/scatter are gloo object collectives (group timeout
+``dead_after``): only adapters' checks before a save use them.
 
 Threads: every method runs on the thread driving the save; the heartbeat thread only bumps
 ``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a throwaway daemon thread; a
@@ -28,9 +32,11 @@ own, so that a polling wait ends as soon as the keys it waits for exist.
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -233,10 +239,21 @@ class _Heart:
 
         self._thread = threading.Thread(target=beat, name="ckptlib-heartbeat", daemon=True)
         self._thread.start()
+        _HEARTS.add(self)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(self.every * 4 + 1)
+
+
+_HEARTS: weakref.WeakSet[_Heart] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_hearts() -> None:
+    """At exit, before the interpreter tears down: no heartbeat left inside a store call."""
+    for heart in list(_HEARTS):
+        heart.stop()
 
 
 class _Session:

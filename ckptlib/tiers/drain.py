@@ -6,7 +6,9 @@ be persisted (``persist_every``, ``persist=True``, preemption saves); every rank
 steps in the same order, so the drain threads of all ranks meet in the same collectives (on a
 coordinator of their own: :func:`drain_coordinator`, never the save's).
 
-:func:`drain_step`, every rank, on the drain thread: :meth:`SaveSession.begin` on the persistent
+:func:`drain_step`, every rank, on the drain thread, in one liveness session (its meetings wait
+on liveness, as a save's do): the coordinator checks whether the step is already there ->
+:meth:`SaveSession.begin` on the persistent
 storage (a fresh save id, that backend's staging) -> each rank checks the checksums of the files
 it wrote in its node's local copy (payloads and, format v2, its piece index file:
 :func:`step_files`) and copies them into the session's payload prefix (throttled

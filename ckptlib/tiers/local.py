@@ -9,7 +9,10 @@ format v2 also writes the rank's piece index file, :meth:`SaveSession.write_inde
 :func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish` (the commit protocol:
 every rank durable, the coordinator's node committed) -> the other node leaders commit the
 same manifest bytes in their folders (:func:`ckptlib.engine.commit.publish`). Every rank
-returns or raises the same :class:`CommitError`. Then each node leader runs
+returns or raises the same :class:`CommitError`. All of it, topology included, runs in one
+liveness session (:func:`ckptlib.coord.coordinator.liveness_session`): every meeting waits on a
+rank while it is alive, a dead or frozen one fails the others within the coordination timeout
+(the replica bytes move over gloo). Then each node leader runs
 :func:`after_local_commit` (debris and local retention).
 
 A step folder on node n holds the manifest (naming every rank's files), the payload (and v2

@@ -45,9 +45,9 @@ class Topology:
     @classmethod
     def discover(cls, coord: Coordinator, node: int, timeout: float) -> Topology:
         """Every rank (collective): learn every rank's node, in one :meth:`Coordinator.exchange`
-        (inside a restore's liveness session a slow-but-alive rank is waited for up to
-        ``timeout``, a dead or frozen one fails the others within the coordination timeout;
-        outside a session, as at a save's start, gather and agree)."""
+        (inside a save's or restore's liveness session a slow-but-alive rank is waited for up
+        to ``timeout``, a dead or frozen one fails the others within the coordination timeout;
+        outside a session, gather and agree)."""
         if coord.world_size <= 1:
             return cls((node,))
         return cls(tuple(int(n) for n in coord.exchange(node, time.monotonic() + timeout)))
