@@ -22,7 +22,8 @@ that gives up on a silent coordinator while awaiting ``outcome`` says so (``"gav
 the save flow then fences the save on storage (:func:`ckptlib.engine.commit.fence`), so a
 coordinator frozen mid-publish and woken later cannot commit what the others reported failed.
 Outside a session, agree/gather/scatter are gloo object collectives (group timeout
-``dead_after``): only adapters' checks before a save use them.
+``dead_after``); ckptlib's own flows (saves, restores, drains, the adapters' checks before a
+save, the auto interval's agree) all run inside one.
 
 Threads: every method runs on the thread driving the save; the heartbeat thread only bumps
 ``hb/<rank>``; :meth:`_Session.bounded` runs one store call on a throwaway daemon thread; a

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptlib.backends import open_storage
-from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.coordinator import Coordinator, liveness_session
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.errors import (
     CheckpointError,
@@ -152,11 +152,12 @@ class EngineMixin:
         except UnsupportedValueError as e:
             error = e
         mine = (bool(pending), None if error is None else str(error))
-        everyone = coord.gather(mine, 60.0)
-        verdict = coord.agree(None if everyone is None else {
-            "any": any(f for f, _ in everyone),
-            "errors": {str(r): msg for r, (_, msg) in enumerate(everyone) if msg},
-        }, 60.0)
+        with liveness_session(coord, "deepspeed check"):  # no save in flight: mgr.save below waits
+            everyone = coord.gather(list(mine), 60.0)
+            verdict = coord.agree(None if everyone is None else {
+                "any": any(f for f, _ in everyone),
+                "errors": {str(r): msg for r, (_, msg) in enumerate(everyone) if msg},
+            }, 60.0)
         if verdict["errors"]:
             if error is not None:
                 raise error

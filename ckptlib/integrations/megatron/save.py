@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.strategies import base as mbase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 from ckptlib.backends import open_storage
-from ckptlib.coord.coordinator import Coordinator, default_coordinator
+from ckptlib.coord.coordinator import Coordinator, default_coordinator, liveness_session
 from ckptlib.engine import save as save_flow
 from ckptlib.errors import CommitError, StateMismatchError, UnsupportedValueError
 from ckptlib.format.dtypes import dtype_name
@@ -151,11 +151,12 @@ class SaveStrategy(mbase.AsyncSaveShardedStrategy):
         if not self._idle.wait(self.options.timeout):
             raise CommitError("the previous async save did not finish within the save timeout")
         coord = default_coordinator()
-        flat, _ = _build(sd, coord, self.options.timeout, copy)
-        meta = coord.agree({"megatron": {
-            "backend": BACKEND, "version": VERSION, "common": common_record(checkpoint_dir),
-            "megatron_core": _megatron_version(),
-        }} if coord.is_coordinator else None, self.options.timeout)
+        with liveness_session(coord, "megatron check"):  # a late rank is waited for while alive
+            flat, _ = _build(sd, coord, self.options.timeout, copy)
+            meta = coord.agree({"megatron": {
+                "backend": BACKEND, "version": VERSION, "common": common_record(checkpoint_dir),
+                "megatron_core": _megatron_version(),
+            }} if coord.is_coordinator else None, self.options.timeout)
         step = iteration_of(checkpoint_dir)
         storage = open_storage(checkpoint_dir)
         options, idle = self.options, self._idle
