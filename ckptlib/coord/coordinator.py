@@ -18,6 +18,7 @@ every meeting waits on liveness, not on a fixed collective timeout.
 from __future__ import annotations
 
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,11 +46,6 @@ class Coordinator(ABC):
         """Every rank gets its entry of the coordinator's ``values``."""
 
     # -- liveness during a save or restore (no-ops for a single process)
-    @property
-    def in_session(self) -> bool:
-        """A session is open (:meth:`begin_session`): the meetings wait on liveness."""
-        return False
-
     def begin_session(self, label: str) -> None:  # noqa: B027 - optional hook
         """Every rank, in the same order (collective, but no meeting): open a liveness session
         for one save or restore (``label``: what it is for). Inside, :meth:`agree`,
@@ -121,14 +117,27 @@ def liveness_session(coord: Coordinator, label: str) -> Iterator[None]:
     opened by the caller's thread. Inside an open one it opens nothing and yields at once, so
     the flows inside (the resume loop, :meth:`ckptlib.engine.save.SaveSession.begin`) use the
     caller's."""
-    if coord.world_size <= 1 or coord.in_session:
+    if coord.world_size <= 1 or coord in _FLOWS:
         yield
         return
     coord.begin_session(label)
+    _FLOWS.add(coord)
     try:
         yield
     finally:
+        _FLOWS.discard(coord)
         coord.end_session()
+
+
+def in_flow(coord: Coordinator) -> bool:
+    """Inside a :func:`liveness_session` (a flow's, which a save inside it uses as is; a session
+    some save left open on a failure path does not count: the next one replaces it)."""
+    return coord in _FLOWS
+
+
+_FLOWS: weakref.WeakSet[Coordinator] = weakref.WeakSet()
+"""Coordinators inside a :func:`liveness_session` (one flow at a time per coordinator: flows are
+collective, driven by one thread)."""
 
 
 class LocalCoordinator(Coordinator):

@@ -143,10 +143,6 @@ class TorchCoordinator(Coordinator):
         return dist.get_global_rank(self.group, group_rank)
 
     # -- liveness channel
-    @property
-    def in_session(self) -> bool:
-        return self._session is not None
-
     def begin_session(self, label: str) -> None:
         """Open the next session (collective, in the same order on every rank: its keys are
         named by the count of sessions, so no meeting is needed to open it)."""

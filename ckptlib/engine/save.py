@@ -24,7 +24,7 @@ import torch
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, deadline_scope
-from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
+from ckptlib.coord.coordinator import Coordinator, LocalCoordinator, in_flow
 from ckptlib.engine import commit, wire
 from ckptlib.engine import options as argcheck
 from ckptlib.engine.gc_pause import paused_gc
@@ -178,7 +178,7 @@ class SaveSession:
         opts = options or SaveOptions()
         coord = coordinator or LocalCoordinator()
         deadline = time.monotonic() + opts.timeout
-        owns = not coord.in_session
+        owns = not in_flow(coord)
         if owns:
             coord.begin_session("save")
         try:
