@@ -150,3 +150,19 @@ def test_a_rank_that_left_the_session_is_known_at_once() -> None:
     assert "left the save or restore" in out[0].failures[2], out[0].failures
     assert isinstance(out[1], CommitError), out[1]
     assert "left the session" in str(out[1]) and "rank 2" in str(out[1]), out[1]
+
+
+def test_a_late_live_rank_is_waited_for_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 reaches the gather 2.5x the liveness timeout late, heartbeat moving: the gather
+    completes, and the coordinator's log says whom it waited for and why (the usual cause when
+    a rank never comes: save called on some ranks only)."""
+    def flow(s: _Session) -> Any:
+        if s.rank == 1:
+            time.sleep(2.5 * DEAD_AFTER)
+        return s.gather(s.rank, time.monotonic() + LONG)
+
+    with caplog.at_level("WARNING", logger="ckptlib"):
+        out = _ranks(2, flow)
+    assert out[0] == [0, 1] and out[1] is None, out
+    said = [r.getMessage() for r in caplog.records if "alive but not at this meeting" in r.getMessage()]
+    assert len(said) == 1 and "ranks [1]" in said[0], said

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import threading
 import time
 import weakref
@@ -49,6 +50,7 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.errors import CommitError, CommitTimeoutError
 
 DEFAULT_DEAD_AFTER = 30.0
+log = logging.getLogger("ckptlib")
 
 
 def _default_store() -> Any:
@@ -357,8 +359,10 @@ class _Session:
         failed: dict[int, str] = {}
         pause = _pauses(min(0.2, self.every))
         wake = _Wake(self, [self.k(f"{name}/{r}") for r in range(self.world)], deadline)
+        patience = _Patience(self, name != "done")  # writing for long is normal; a meeting is not
         while True:
             now = time.monotonic()
+            patience.check(pending, deadline)
             if count is not None and self.store.add(self.k(count), 0) >= self.world:
                 return {}
             for r in sorted(pending):
@@ -462,7 +466,9 @@ class _Session:
         gone) or :class:`_Late` (past ``deadline``, alive)."""
         key = self.k(name)
         watch = _Watch(self)
+        patience = _Patience(self, name.startswith("x"))  # a meeting's answer, not the outcome
         while True:
+            patience.check({0}, deadline)
             try:
                 self.bounded(self.store.wait, [key], timedelta(seconds=self.every))
                 return bytes(self.bounded(self.store.get, key))
@@ -669,6 +675,25 @@ class _Wake:
     def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``, or less if the keys appear meanwhile."""
         self._event.wait(seconds)
+
+
+class _Patience:
+    """Logs once when a meeting has waited ``dead_after`` on ranks that are alive but not there:
+    late (a slow step before the save), or never coming (``save`` called on some ranks only: it
+    then fails at the deadline). Made by the thread waiting."""
+
+    def __init__(self, session: _Session, meeting: bool) -> None:
+        self.session, self.meeting = session, meeting
+        self.start = time.monotonic()
+
+    def check(self, ranks: set[int], deadline: float) -> None:
+        s = self.session
+        if self.meeting and ranks and time.monotonic() - self.start > s.dead_after:
+            self.meeting = False
+            log.warning("ckptlib: rank %d has waited %.0fs for ranks %s, alive but not at this meeting; waiting "
+                        "up to %.0fs more (every rank must call save/restore for the same steps in the same "
+                        "order)", s.rank, time.monotonic() - self.start, sorted(ranks),
+                        max(0.0, deadline - time.monotonic()))
 
 
 class _Unreachable(TimeoutError):
