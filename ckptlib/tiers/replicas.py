@@ -12,6 +12,7 @@ payload is durable and before the local commit) and the restore's fetch of files
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 from ckptlib import crashpoints
@@ -22,6 +23,20 @@ from ckptlib.errors import CheckpointError, CommitError, CommitTimeoutError
 from ckptlib.tiers.node import Topology
 
 REPLICA_DIR = "replicas"
+
+
+TRANSFER_FLOOR = 8 << 20
+"""Bytes per second a peer transfer (a save's replica round, a restore's round) is allowed at the
+slowest (the sender reads the files from its local disk, then gloo moves them)."""
+
+
+def transfer_timeout(coord: Coordinator, nbytes: int, deadline: float) -> float:
+    """The wait of one round of peer transfers moving ``nbytes`` (all ranks together): gloo
+    cannot read heartbeats, so the coordination timeout (``dead_after``) plus ``nbytes`` at
+    :data:`TRANSFER_FLOOR`, never past ``deadline`` (``time.monotonic()``): a dead or frozen
+    peer fails the round within about that time, not at the save's or restore's deadline."""
+    base = float(getattr(coord, "dead_after", 30.0))
+    return max(0.1, min(base + nbytes / TRANSFER_FLOOR, deadline - time.monotonic()))
 
 
 def transfer(coord: Coordinator, sends: list[tuple[int, bytes]], recvs: list[tuple[int, int]],
@@ -89,6 +104,7 @@ def replicate(storage: Storage, coord: Coordinator, topo: Topology, *, work: str
     pairs = topo.pairs(replicas, jump)
     if not pairs:
         return 0
+    deadline = time.monotonic() + timeout
     rel = [(p[len(work) + 1:] if p.startswith(work + "/") else p, n) for p, n in mine]
     listing = coord.agree(coord.gather(rel, timeout), timeout) if coord.world_size > 1 else [rel]
     streams = [pieces([(str(p), int(n)) for p, n in files], piece) for files in listing]
@@ -107,7 +123,9 @@ def replicate(storage: Storage, coord: Coordinator, topo: Topology, *, work: str
                     data = h.read(start, length)
                 sends = [(dst, data) for dst in peers]
             want = [(src, streams[src][k]) for src in sources if k < len(streams[src])]
-            got = transfer(coord, sends, [(src, length) for src, (_, _, length) in want], timeout)
+            moved = sum(st[k][2] for st in streams if k < len(st)) * replicas  # this round, all ranks
+            got = transfer(coord, sends, [(src, length) for src, (_, _, length) in want],
+                           transfer_timeout(coord, moved, deadline))
             for (src, (path, start, length)), data in zip(want, got, strict=True):
                 w = writers.get((src, path))
                 if w is None:

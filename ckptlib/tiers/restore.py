@@ -78,7 +78,7 @@ from ckptlib.tiers.inventory import (
 )
 from ckptlib.tiers.local import LocalTier
 from ckptlib.tiers.node import Topology
-from ckptlib.tiers.replicas import REPLICA_DIR, transfer
+from ckptlib.tiers.replicas import REPLICA_DIR, transfer, transfer_timeout
 
 log = logging.getLogger("ckptlib")
 
@@ -353,11 +353,6 @@ def _exchange(coord: Coordinator, plan: dict[str, Any], local: Storage, have: di
     return {name: data for (_src, name, _size), data in zip(plan["recv"], got, strict=True)}
 
 
-TRANSFER_FLOOR = 8 << 20
-"""Bytes per second a peer transfer of the restore is allowed at the slowest (the sender reads
-the files from its local disk, then gloo moves them): its timeout grows by size / this."""
-
-
 def _answers(plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Coordinator: one round's plans as the ranks' answers (:meth:`Coordinator.consult`): each
     rank's plan with ``bytes``, the round's bytes all ranks together (:func:`_transfer_timeout`)."""
@@ -367,14 +362,10 @@ def _answers(plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _transfer_timeout(coord: Coordinator, plan: dict[str, Any], deadline: float) -> float:
     """The wait of one round of peer transfers (gloo: the one wait of a tier restore not judged
-    by heartbeats): the coordination timeout (``dead_after``) plus the round's bytes, all ranks
-    together, at :data:`TRANSFER_FLOOR`, and never past ``deadline`` (``time.monotonic()``). The
-    ranks enter it together, right after the :meth:`Coordinator.consult` of the plans, so a dead
-    or frozen peer fails it within about that time, not a fixed timeout. ``plan``: this rank's
-    (:func:`_answers`)."""
-    total = int(plan.get("bytes", 0))
-    base = float(getattr(coord, "dead_after", 30.0))
-    return max(0.1, min(base + total / TRANSFER_FLOOR, deadline - time.monotonic()))
+    by heartbeats): :func:`.replicas.transfer_timeout` of the round's bytes, all ranks together.
+    The ranks enter it together, right after the :meth:`Coordinator.consult` of the plans, so a
+    dead or frozen peer fails it within about that time. ``plan``: this rank's (:func:`_answers`)."""
+    return transfer_timeout(coord, int(plan.get("bytes", 0)), deadline)
 
 
 def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None = None,
