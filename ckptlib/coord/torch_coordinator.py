@@ -99,6 +99,7 @@ class TorchCoordinator(Coordinator):
         # One heartbeat for the coordinator's life, not one per session: a rank that has not
         # reached a save yet (training) is alive, and is waited for as long as the save allows.
         self._heart = _Heart(self.store, f"ckptlib/{self.name}/hb/{self.rank}", heartbeat)
+        weakref.finalize(self, self._heart.halt)  # a manager's drain coordinator, once dropped
 
     # -- gloo data channel
     def _wrap(self, what: str, fn: Any) -> Any:
@@ -221,24 +222,35 @@ class TorchCoordinator(Coordinator):
 
 
 class _Heart:
-    """A daemon thread adding 1 to ``key`` every ``every`` seconds until :meth:`stop` (or the
-    store is gone): the rank's heartbeat, which the others read to tell slow from dead."""
+    """A daemon thread adding 1 to ``key`` every ``every`` seconds until :meth:`stop`: the rank's
+    heartbeat, which the others read to tell slow from dead. On a store connection of its own
+    (``Store.clone``, where the store can), so that a beat never queues behind another thread's
+    long store call; a failed beat (a busy or restarting store) is retried at the next one, never
+    the end of the heartbeat (the others would judge this live rank dead for the rest of the job)."""
 
     def __init__(self, store: Any, key: str, every: float) -> None:
         self._stop = threading.Event()
         self.every = every
 
         def beat() -> None:
+            try:
+                own = store.clone()
+            except Exception:  # older torch, or a store that cannot clone: share the caller's
+                own = store
             while not self._stop.is_set():
                 try:
-                    store.add(key, 1)
-                except Exception:  # the store host died: the waits on it will notice
-                    return
+                    own.add(key, 1)
+                except Exception:  # the others judge by what they see; try again next beat
+                    pass
                 self._stop.wait(every)
 
         self._thread = threading.Thread(target=beat, name="ckptlib-heartbeat", daemon=True)
         self._thread.start()
         _HEARTS.add(self)
+
+    def halt(self) -> None:
+        """Stop beating, without waiting for the thread (a finalizer's call)."""
+        self._stop.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -371,7 +383,10 @@ class _Session:
                     continue
                 left = self.gone(r)
                 if left is not None:
-                    failed.update(left)
+                    if self.store.check([self.k(f"{name}/{r}")]):  # it posted, then left, meanwhile
+                        pending.discard(r)
+                    else:
+                        failed.update(left)
                     continue
                 beat = self.store.add(self.hb(r), 0)
                 last = seen.get(r)
@@ -429,7 +444,8 @@ class _Session:
                 return verdict
             silent = watch.silent()
             if silent:
-                return {0: silent}
+                verdict = self.read_release(0.0)  # posted, then left, since the read above
+                return verdict if verdict is not None else {0: silent}
             if time.monotonic() > deadline:
                 raise CommitTimeoutError("the coordinator did not finish the save before the deadline")
             wake.sleep(next(pause))
@@ -478,6 +494,11 @@ class _Session:
                 pass
             silent = watch.silent()
             if silent:
+                try:  # it may have posted, then left, since the wait above looked
+                    if self.bounded(self.store.check, [key]):
+                        return bytes(self.bounded(self.store.get, key))
+                except Exception:  # unreachable: silent it is
+                    pass
                 raise _Silent(silent)
             if time.monotonic() > deadline:
                 raise _Late(name)
