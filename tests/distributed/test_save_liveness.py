@@ -5,17 +5,21 @@ still commits, and the step restores byte for byte; a rank frozen (SIGSTOP) at t
 the save, or the coordinator frozen in its staging creation, fails the others within about the
 timeout although the save's own timeout is long, and nothing is committed. A tier save in
 which the other node's leader creates its local staging folder 3x the timeout slow commits on
-both nodes.
+both nodes; one in which the other node's rank freezes half-way through the replica transfer
+fails the first within about the timeout, nothing committed (each replica round waits the
+timeout plus its bytes, tiers/replicas.py ``transfer_timeout``, not the save's deadline).
 
 Real 2-rank gloo jobs (tests/workers/savewait_worker.py ``savewait``) on the shared launcher,
 the helpers test_fence.py's; the tier save: 2 simulated nodes x 1 rank
-(tests/workers/tiers_worker.py ``slow_stage``), test_tiers.py's helpers.
+(tests/workers/tiers_worker.py ``slow_stage``, or the ``replica_transfer`` crash point with
+SIGSTOP), test_tiers.py's helpers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -141,3 +145,35 @@ def test_slow_local_staging_of_live_node_leader_commits(tmp_path: Path) -> None:
     assert committed_steps(tmp_path / "node0") == [1] and committed_steps(tmp_path / "node1") == [1]
     back = run_job(tmp_path, [0, 1], {**args, "mode": "resume"})
     assert [(r["restored"], r["bitwise"]) for r in back] == [(1, True), (1, True)], back
+
+
+def test_frozen_peer_in_replica_transfer_fails_the_tier_save_in_time(tmp_path: Path) -> None:
+    """Tier save, 2 nodes x 1 rank, replicas=1, replica pieces of 1 byte (hundreds of rounds):
+    rank 1 SIGSTOPs once it has written part of rank 0's replica (crash point
+    ``replica_transfer``, after the first round). Rank 0, waiting on the next round, raises a
+    CommitError naming rank 1 within about 2x the coordination timeout of the freeze (the
+    round's wait, then the failed save's meeting; before each round waited the coordination
+    timeout plus its bytes, it waited the save's 120 s), while rank 1 is still frozen; no step
+    is committed on either node's local tier nor persisted (persist_every=1)."""
+    kills = tmp_path / "kills.jsonl"
+    args = {"url": str(tmp_path / "persist"), "local": str(tmp_path / "node{node}"), "persist_every": 1,
+            "replicas": 1, "mode": "save", "steps": [1], "save_timeout": LONG}
+    procs, res = start_job(tmp_path, [0, 1], args, env={**ENV, "CKPTLIB_REPLICA_PIECE": "1"},
+                           rank_env={1: {"CKPTLIB_TEST_KILL_AT": "replica_transfer:1:STOP",
+                                         "CKPTLIB_TEST_KILL_LOG": str(kills)}})
+    try:
+        r0 = finish_job(procs[:1], res, timeout=LONG + 30)[0].result
+        assert r0 is not None and r0.get("error") in ("CommitError", "CommitTimeoutError"), r0
+        (stop,) = [json.loads(line) for line in kills.read_text().splitlines()]
+        assert stop["phase"] == "replica_transfer" and stop["rank"] == 1, stop
+        assert T - 1 < r0["time"] - stop["time"] < 3 * T + 15, (r0, stop)  # loose on purpose
+        assert "rank 1" in r0["message"], r0
+        assert procs[1].poll() is None  # still frozen: rank 0 did not wait for it to die
+        # Frozen mid-stream (rank 0 sends its payload, then its index file): part of the payload's
+        # replica on node 1, no index yet. Read while rank 1 is stopped (woken, it deletes them).
+        held = {p.name: p.stat().st_size for p in (tmp_path / "node1").glob("step-*.tmp-*/replicas/*/*.bin")}
+        assert len(held) == 1 and re.fullmatch(r"r00000-\d+\.bin", next(iter(held))) and min(held.values()) > 0, held
+    finally:
+        _kill(procs[1:])  # rank 0's output was read by finish_job
+    assert committed_steps(tmp_path / "node0") == committed_steps(tmp_path / "node1") == []
+    assert committed_steps(tmp_path / "persist") == []  # the persistent root: none (or not even created)
