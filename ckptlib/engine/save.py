@@ -1,8 +1,9 @@
 """The save flow: :class:`SaveSession`, the one implementation of a save, and its users.
 
 Users: :func:`persist` (``CheckpointManager``, ``ckptlib.save``) and the DCP writer. Every rank
-calls, in order, on one thread: :meth:`~SaveSession.begin` (collective: save id agreed,
-liveness started, staging opened by :func:`ckptlib.engine.commit.begin`) -> :meth:`~SaveSession.write`
+calls, in order, on one thread: :meth:`~SaveSession.begin` (collective: liveness session
+opened, unless the caller's flow has one; save id agreed; staging opened by
+:func:`ckptlib.engine.commit.begin`) -> :meth:`~SaveSession.write`
 (local, any number of times) -> :meth:`~SaveSession.finish` (collective: :meth:`~SaveSession.collect`,
 :meth:`~SaveSession.publish` on the coordinator, outcome shared). Every rank returns a
 :class:`SaveResult` or raises the same :class:`CommitError`. DCP, which carries the outcome
