@@ -25,7 +25,6 @@ reported as saved.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,9 +79,7 @@ def _errors(coord: Coordinator, error: BaseException | None, timeout: float) -> 
     msg = None if error is None else f"{type(error).__name__}: {error}"
     if coord.world_size <= 1:
         return {0: msg} if msg else {}
-    # An exchange: the coordinator waits for the others' read receipts, so that when this is a
-    # save's last meeting, its process returning and exiting cannot take the answer with it.
-    every = coord.exchange(msg, time.monotonic() + timeout)
+    every = coord.agree(coord.gather(msg, timeout), timeout)
     return {r: m for r, m in enumerate(every) if m}
 
 
