@@ -300,12 +300,9 @@ class _Session:
 
     def stop(self) -> None:
         """This rank leaves the session: ``gone/<rank>`` (the failures it knows, JSON) tells
-        whoever still waits for it here to stop waiting (:meth:`gone`). The coordinator then
-        waits, at most ``dead_after``, until every other rank not known failed has left too:
-        the store lives in its process, and a rank may still be reading the last value it
-        posted (a share has no read receipts) when the process returns and exits. Elsewhere the
-        post runs on a daemon thread, waited for at most a second (a frozen coordinator's store
-        would hold it for ``dead_after``)."""
+        whoever still waits for it here to stop waiting (:meth:`gone`). Never blocks on the
+        store: elsewhere than on the coordinator the post runs on a daemon thread, not waited
+        for (a frozen coordinator's store would hold it for ``dead_after``)."""
         text = json.dumps({str(r): m for r, m in self._failed.items()})
 
         def post() -> None:
@@ -316,11 +313,8 @@ class _Session:
 
         if self.rank == 0:
             post()
-            self._await_readers([self.k(f"gone/{r}") for r in range(1, self.world) if r not in self._failed])
         else:
-            t = threading.Thread(target=post, name="ckptlib-store-call", daemon=True)
-            t.start()
-            t.join(min(1.0, self.dead_after))
+            threading.Thread(target=post, name="ckptlib-store-call", daemon=True).start()
         if self._heart is not None:
             self._heart.stop()
 
@@ -615,7 +609,6 @@ class _Session:
                 fail({0: str(e)})
                 raise
             if dead:
-                self._failed.update(dead)
                 fail(dead)
             else:
                 got = [json.loads(v.decode()) for v in
