@@ -102,56 +102,62 @@ def drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: i
     """Every rank (collective), drain thread: copy ``step`` from the local tier and commit it on
     ``persistent`` (module docstring). False when it was already there (nothing done)."""
     with liveness_session(coord, "drain"):
-        final = layout.step_dir(step)
-        m: Manifest | None = None
-        error: BaseException | None = None
+        return _drain_step(tier, persistent, coord, step, timeout=timeout, rate=rate)
+
+
+def _drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: int, *, timeout: float,
+                rate: float | None = None) -> bool:
+    """:func:`drain_step`, inside its liveness session."""
+    final = layout.step_dir(step)
+    m: Manifest | None = None
+    error: BaseException | None = None
+    try:
+        m = read_manifest(tier.storage, final, pieces=False)  # v2: only this rank's index files are read
+        if m.world_size != coord.world_size:
+            raise CheckpointError(f"step {step} was saved by {m.world_size} ranks, draining on {coord.world_size}")
+    except CheckpointError as e:
+        error = e
+    done = None
+    if coord.is_coordinator and m is not None:
         try:
-            m = read_manifest(tier.storage, final, pieces=False)  # v2: only this rank's index files are read
-            if m.world_size != coord.world_size:
-                raise CheckpointError(f"step {step} was saved by {m.world_size} ranks, draining on {coord.world_size}")
-        except CheckpointError as e:
-            error = e
-        done = None
-        if coord.is_coordinator and m is not None:
+            there = check_step(persistent, final, step)
+            done = there.status == "committed" and there.manifest is not None and (
+                local_save_id(there.manifest) == m.save_id)
+        except (CheckpointError, OSError):
+            done = False
+    if coord.world_size > 1:
+        done = coord.agree(done, timeout)
+    if done:
+        return False
+    session = SaveSession.begin(persistent, final, step=step, options=SaveOptions(timeout=timeout),
+                                coordinator=coord)
+    try:
+        if m is not None and error is None:
             try:
-                there = check_step(persistent, final, step)
-                done = there.status == "committed" and there.manifest is not None and (
-                    local_save_id(there.manifest) == m.save_id)
-            except (CheckpointError, OSError):
-                done = False
-        if coord.world_size > 1:
-            done = coord.agree(done, timeout)
-        if done:
-            return False
-        session = SaveSession.begin(persistent, final, step=step, options=SaveOptions(timeout=timeout),
-                                    coordinator=coord)
-        try:
-            if m is not None and error is None:
-                try:
-                    mine = [f for f in step_files(m) if f.rank == coord.rank]
-                    verify_files(tier.storage, final, m, mine)  # never spread a bad copy
-                    first = True
-                    with session.bounded():
-                        for f in mine:
-                            _copy(tier.storage, join(final, f.path), persistent, join(session.prefix, f.name),
-                                  rate, coord.rank, first)
-                            first = False
-                except Exception as e:
-                    error = e
-            data = None
-            if coord.is_coordinator and m is not None and error is None:
-                try:
-                    data = persisted_manifest(tier.storage.read(join(final, MANIFEST_NAME)), m, session.save_id,
-                                              commit.commit_mode(persistent))
-                except (CheckpointError, OSError) as e:
-                    error = e
-                crashpoints.point("drain_commit", coord.rank)
-            if coord.is_coordinator and data is None and error is None:
-                error = CommitError("no local manifest to drain")
-            session.finish(error=error, manifest=data)
-            return True
-        finally:
-            session.abort()
+                mine = [f for f in step_files(m) if f.rank == coord.rank]
+                verify_files(tier.storage, final, m, mine)  # never spread a bad copy
+                first = True
+                with session.bounded():
+                    for f in mine:
+                        _copy(tier.storage, join(final, f.path), persistent, join(session.prefix, f.name),
+                              rate, coord.rank, first)
+                        first = False
+            except Exception as e:
+                error = e
+        data = None
+        if coord.is_coordinator and m is not None and error is None:
+            try:
+                data = persisted_manifest(tier.storage.read(join(final, MANIFEST_NAME)), m, session.save_id,
+                                          commit.commit_mode(persistent))
+            except (CheckpointError, OSError) as e:
+                error = e
+            crashpoints.point("drain_commit", coord.rank)
+        if coord.is_coordinator and data is None and error is None:
+            error = CommitError("no local manifest to drain")
+        session.finish(error=error, manifest=data)
+        return True
+    finally:
+        session.abort()
 
 
 class DrainTicket:

@@ -106,87 +106,106 @@ def save_local(
     """Save ``flat`` as ``final`` on the local tier (module docstring). Every rank.
     ``metrics``: recorded in the manifest (``keep_best``)."""
     with liveness_session(coordinator, "tier save"):
-        coord, local = coordinator, tier.storage
-        topo = tier.topo(coord, options.timeout)
-        meta_tree = encode_metadata(metadata)
-        # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
-        # every file of the step, piece index files included (tiers/drain.py step_files).
-        opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout, overwrite=True,
-                           format_version=options.format_version)
-        session = SaveSession.begin(local, final, step=step, options=opts, coordinator=coord, save_id=save_id,
-                                    created=created)
-        leader = topo.is_leader(coord.rank) and not coord.is_coordinator
-        node_staging: commit.Staging | None = None
-        try:
-            error: BaseException | None = None
-            if leader:
+        return _save_local(tier, final, flat, step=step, metadata=metadata, options=options, coordinator=coordinator,
+                           save_id=save_id, created=created, rounds=rounds, metrics=metrics)
+
+
+def _save_local(
+    tier: LocalTier,
+    final: str,
+    flat: FlatState,
+    *,
+    step: int | None,
+    metadata: Any,
+    options: SaveOptions,
+    coordinator: Coordinator,
+    save_id: str,
+    created: float,
+    rounds: Iterable[list[TensorItem]] | None = None,
+    metrics: dict[str, float] | None = None,
+) -> SaveResult:
+    """:func:`save_local`, inside its liveness session."""
+    coord, local = coordinator, tier.storage
+    topo = tier.topo(coord, options.timeout)
+    meta_tree = encode_metadata(metadata)
+    # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
+    # every file of the step, piece index files included (tiers/drain.py step_files).
+    opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout, overwrite=True,
+                       format_version=options.format_version)
+    session = SaveSession.begin(local, final, step=step, options=opts, coordinator=coord, save_id=save_id,
+                                created=created)
+    leader = topo.is_leader(coord.rank) and not coord.is_coordinator
+    node_staging: commit.Staging | None = None
+    try:
+        error: BaseException | None = None
+        if leader:
+            try:
+                with session.bounded():
+                    local.makedirs("")
+                    node_staging = commit.begin(local, final, session.save_id)
+            except FileExistsError:
+                error = CommitError(f"node {tier.node}'s local folder {local.url} already holds this save's "
+                                    "staging folder: is it shared with another node? Put '{node}' in local= "
+                                    "or use node-local disks")
+            except (CheckpointError, OSError) as e:
+                error = e
+        failures = _errors(coord, error, session.left())
+        if failures:
+            session.abort()
+            _raise(local, final, failures)
+        error = write_state(session, flat, rounds)
+        mine = session.files
+        if error is None:
+            try:  # v2: the index file now, so that it is replicated with the payload
+                index = session.write_index()
+                if index is not None:
+                    mine.append((str(index["path"]), int(index["size"])))
+            except Exception as e:
+                error = e
+        if error is None:
+            crashpoints.point("local_write", coord.rank)
+        if tier.replicas and len(set(topo.nodes)) > 1:
+            # Every rank learns whether all wrote, so no rank waits on a peer that never sends.
+            if not _errors(coord, error, session.left()):
                 try:
-                    with session.bounded():
-                        local.makedirs("")
-                        node_staging = commit.begin(local, final, session.save_id)
-                except FileExistsError:
-                    error = CommitError(f"node {tier.node}'s local folder {local.url} already holds this save's "
-                                        "staging folder: is it shared with another node? Put '{node}' in local= "
-                                        "or use node-local disks")
+                    replica_flow.replicate(local, coord, topo, work=layout.tmp_dir(final, session.save_id),
+                                           mine=mine, replicas=tier.replicas, jump=tier.jump,
+                                           timeout=session.left())
+                except Exception as e:
+                    error = e
+            elif error is None:
+                error = CommitError("another rank failed to write its part; no replicas sent")
+        if coord.is_coordinator and error is None:
+            crashpoints.point("local_commit", coord.rank)
+        shapes = {it.name: it.global_shape for it in flat.items}
+        result = session.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
+                                metadata=meta_tree, metrics=metrics)
+        # The coordinator's node is committed; the other nodes commit the same bytes.
+        if coord.world_size > 1 and len(set(topo.nodes)) > 1:
+            text: str | None = None
+            if coord.is_coordinator:
+                try:
+                    text = local.read(join(final, MANIFEST_NAME)).decode("ascii")
+                except (OSError, CheckpointError, UnicodeDecodeError) as e:
+                    text = None
+                    log.warning("ckptlib: cannot read back the local manifest of %s: %s", final, e)
+            text = coord.agree(text, session.left())
+            error = None if text is not None else CommitError("the coordinator's manifest could not be read back")
+            if leader and node_staging is not None and text is not None:
+                try:
+                    crashpoints.point("local_commit", coord.rank)
+                    commit.publish(local, node_staging, text.encode("ascii"), overwrite=True)
+                    node_staging = None
                 except (CheckpointError, OSError) as e:
                     error = e
             failures = _errors(coord, error, session.left())
             if failures:
-                session.abort()
                 _raise(local, final, failures)
-            error = write_state(session, flat, rounds)
-            mine = session.files
-            if error is None:
-                try:  # v2: the index file now, so that it is replicated with the payload
-                    index = session.write_index()
-                    if index is not None:
-                        mine.append((str(index["path"]), int(index["size"])))
-                except Exception as e:
-                    error = e
-            if error is None:
-                crashpoints.point("local_write", coord.rank)
-            if tier.replicas and len(set(topo.nodes)) > 1:
-                # Every rank learns whether all wrote, so no rank waits on a peer that never sends.
-                if not _errors(coord, error, session.left()):
-                    try:
-                        replica_flow.replicate(local, coord, topo, work=layout.tmp_dir(final, session.save_id),
-                                               mine=mine, replicas=tier.replicas, jump=tier.jump,
-                                               timeout=session.left())
-                    except Exception as e:
-                        error = e
-                elif error is None:
-                    error = CommitError("another rank failed to write its part; no replicas sent")
-            if coord.is_coordinator and error is None:
-                crashpoints.point("local_commit", coord.rank)
-            shapes = {it.name: it.global_shape for it in flat.items}
-            result = session.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
-                                    metadata=meta_tree, metrics=metrics)
-            # The coordinator's node is committed; the other nodes commit the same bytes.
-            if coord.world_size > 1 and len(set(topo.nodes)) > 1:
-                text: str | None = None
-                if coord.is_coordinator:
-                    try:
-                        text = local.read(join(final, MANIFEST_NAME)).decode("ascii")
-                    except (OSError, CheckpointError, UnicodeDecodeError) as e:
-                        text = None
-                        log.warning("ckptlib: cannot read back the local manifest of %s: %s", final, e)
-                text = coord.agree(text, session.left())
-                error = None if text is not None else CommitError("the coordinator's manifest could not be read back")
-                if leader and node_staging is not None and text is not None:
-                    try:
-                        crashpoints.point("local_commit", coord.rank)
-                        commit.publish(local, node_staging, text.encode("ascii"), overwrite=True)
-                        node_staging = None
-                    except (CheckpointError, OSError) as e:
-                        error = e
-                failures = _errors(coord, error, session.left())
-                if failures:
-                    _raise(local, final, failures)
-            return result
-        finally:
-            session.abort()  # a no-op after finish
-            if node_staging is not None:
-                commit.abort(local, node_staging)
+        return result
+    finally:
+        session.abort()  # a no-op after finish
+        if node_staging is not None:
+            commit.abort(local, node_staging)
 
 
 def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int], rank: int = 0,
