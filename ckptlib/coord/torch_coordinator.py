@@ -404,13 +404,7 @@ class _Session:
 
     def wait_all_done(self, deadline: float) -> dict[int, str]:
         dead = self.wait_ranks("done", deadline, "did not finish writing before the deadline", count="ndone")
-        if dead:  # and the errors the others posted (a peer's freeze often fails them too)
-            for r in range(self.world):
-                key = self.k(f"done/{r}")
-                if r not in dead and self.store.check([key]):
-                    text = bytes(self.store.get(key)).decode()
-                    if text != "ok":
-                        dead[r] = text[4:]
+        if dead:
             self._failed.update(dead)
             return dict(self._failed)
         failures = {}
