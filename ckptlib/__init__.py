@@ -18,6 +18,7 @@ from ckptlib.errors import (
     CheckpointNotFoundError,
     CommitError,
     CommitTimeoutError,
+    CommitUnknownError,
     CorruptCheckpointError,
     FatalStorageError,
     ManifestVersionError,
@@ -74,7 +75,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointView",
-    "CommitError", "CommitTimeoutError", "CorruptCheckpointError", "FatalStorageError", "LoadResult",
+    "CommitError", "CommitTimeoutError", "CommitUnknownError", "CorruptCheckpointError", "FatalStorageError", "LoadResult",
     "ManifestVersionError", "PerRank", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
     "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TargetNotEmptyError",
     "TensorInfo",

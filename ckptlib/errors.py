@@ -48,6 +48,14 @@ class CommitTimeoutError(CommitError, TimeoutError):
     """A save did not finish within its deadline (a stalled rank or storage)."""
 
 
+class CommitUnknownError(CommitError):
+    """The save's outcome could not be learned: its coordinator's process died after this rank's
+    bytes were durable and before it told this rank, and the commit point is on storage this
+    rank cannot read (a tier save's record, on the coordinator's node). The step may be
+    committed there; the next restore decides. Never raised where the commit point is shared
+    storage: there the rank settles the save itself (``ckptlib.engine.commit.fence``)."""
+
+
 class StepExistsError(CommitError, FileExistsError):
     """A committed, valid checkpoint already exists at the step being saved."""
 

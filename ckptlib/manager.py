@@ -27,7 +27,7 @@ from typing import Any, Literal, overload
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, open_storage
-from ckptlib.coord.coordinator import Coordinator, default_coordinator, liveness_session
+from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import options as argcheck
 from ckptlib.engine import resume, retire
 from ckptlib.engine import save as save_flow
@@ -340,8 +340,9 @@ class CheckpointManager:
             return
         prev = self._last_handle
         proposal = self._schedule.begin_save(None if prev is None else prev._durable_at)
-        with liveness_session(self.coordinator, "interval"):  # a late rank is waited for while alive
-            agreed = self.coordinator.agree({"save_interval_steps": proposal}, self.options.save_timeout)
+        coord = self.coordinator
+        with coord.session("interval", coord.deadline(self.options.save_timeout)) as s:  # a late rank is waited for
+            agreed = s.share({"save_interval_steps": proposal})
         self._agreed_interval = int(agreed["save_interval_steps"])
 
     def _save(self, step: int, state: Any, metadata: Any, metrics: dict[str, float] | None = None) -> SaveHandle:

@@ -426,11 +426,24 @@ def fence(storage: Storage, final: str, save_id: str, rank: int, reason: str) ->
                 storage.put_atomic(path, record)  # best effort: no atomic primitive here
         except FileExistsError:
             pass  # something holds the commit point: see what
+    return COMMITTED if committed_id(storage, final) == save_id else FENCED
+
+
+def committed_id(storage: Storage, final: str) -> str | None:
+    """The save id of the manifest committed at ``final`` (the commit point), or None: its bytes
+    decode, nothing more is checked (the files were durable before it was written; a restore
+    judges them). Raises :class:`CommitError` when storage cannot tell."""
+    path = join(final, MANIFEST_NAME)
     try:
-        info = check_step(storage, final)
+        data = storage.read(path)
+    except FileNotFoundError:
+        return None
     except Exception as e:
-        raise CommitError(f"could not read {storage.url.rstrip('/')}/{final} after giving up: {e}") from e
-    return COMMITTED if info.status == "committed" and info.save_id == save_id else FENCED
+        raise CommitError(f"could not read {storage.url.rstrip('/')}/{path} after giving up: {e}") from e
+    try:
+        return decode(data, f"{storage.url.rstrip('/')}/{path}").save_id
+    except CorruptCheckpointError:
+        return None  # an abort record (a fence), or not ours
 
 
 def _claim_committed(storage: Storage, final: str, save_id: str, record: bytes) -> bool:

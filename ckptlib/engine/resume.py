@@ -1,29 +1,28 @@
 """The resume loop: restore the newest step every rank can load, falling back together.
 
 One loop for the manager and every integration, on the caller's thread, every rank in the
-same order: the coordinator lists the candidates (newest first) and every rank gets the same
-list (:meth:`Coordinator.share`); for each ``committed`` candidate the ranks meet, run
-``attempt(candidate)``, and exchange the outcomes (:meth:`Coordinator.exchange`): if any rank
-found the step damaged, all move on to the next older one; other failures are raised
-everywhere. Several ranks: the loop runs in a liveness session
-(:func:`ckptlib.coord.coordinator.liveness_session`: its own, or the one its caller opened), so
-a wait on another rank lasts while that rank's heartbeat moves (a slow listing of a big root, a
-slow load) up to ``timeout`` per wait; a dead or frozen rank fails the others within the
-coordination timeout. :func:`resume_newest` returns None without candidates and raises
+same order, in one coordination session (the caller's, or its own): the coordinator lists the
+candidates (newest first) and every rank gets the same list (:meth:`Session.share`); for each
+``committed`` candidate the ranks meet, run ``attempt(candidate)``, and exchange the outcomes
+(:meth:`Session.exchange`): if any rank found the step damaged, all move on to the next older
+one; other failures are raised everywhere. A wait on another rank lasts while that rank's
+heartbeat moves (a slow listing of a big root, a slow load) up to ``timeout`` per wait; a dead
+or frozen rank fails the others within the coordination timeout. The session's coordinator
+leaves last, so the last verdict never vanishes with its process. :func:`resume_newest` returns None without candidates and raises
 :class:`CorruptCheckpointError` when none is usable; :func:`restore` is the manager's use.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage
-from ckptlib.coord.coordinator import Coordinator, liveness_session
+from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.errors import (
@@ -66,7 +65,7 @@ def corruption_of(error: BaseException) -> str | None:
 
 
 def resume_newest(
-    coord: Coordinator,
+    coord: Coordinator | Session,
     list_candidates: Callable[[], list[Candidate]],
     attempt: Callable[[Candidate], T],
     *,
@@ -75,68 +74,72 @@ def resume_newest(
     label: str = "step",
     damaged: Callable[[BaseException], str | None] = corruption_of,
 ) -> Resumed[T] | None:
-    """Run the resume loop (module docstring). Collective when ``coord.world_size > 1``.
+    """Run the resume loop (module docstring). Collective when several ranks. ``coord``: a
+    coordinator (the loop opens its own session) or the caller's open session (a tier restore).
 
     ``list_candidates`` runs on the coordinator only; ``attempt`` on every rank, in the same
     order. ``damaged(error)`` says why an exception from ``attempt`` means the step is damaged
     (fall back), or None for a failure every rank must raise (a state that does not match).
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
     """
-    with liveness_session(coord, "restore"):
+    if isinstance(coord, Session):
+        return _loop(coord, list_candidates, attempt, timeout, where, label, damaged)
+    with coord.session("restore", coord.deadline(timeout)) as s:
+        return _loop(s, list_candidates, attempt, timeout, where, label, damaged)
 
-        def deadline() -> float:
-            return time.monotonic() + timeout
 
-        raw = coord.share(
-            [[c.step, c.folder, c.status, c.reason, c.extra] for c in list_candidates()]
-            if coord.is_coordinator
-            else None,
-            deadline(),
-        )
-        skipped: list[str] = []
-        corrupt_seen = False
-        for step, folder, status, reason, extra in raw:
-            cand = Candidate(int(step), folder, status, reason, extra)
-            if status != "committed":
-                log.warning("ckptlib: skipping %s %d (%s): %s", label, cand.step, status, reason)
-                skipped.append(f"{label} {cand.step}: {status}: {reason}")
-                corrupt_seen |= status == "corrupt"
-                continue
-            crashpoints.point("restore", coord.rank)
-            if coord.world_size > 1:
-                coord.exchange(cand.step, deadline())  # everyone alive and here
-            value: Any = None
-            mine: tuple[str, str] = ("ok", "")
-            own_error: BaseException | None = None
-            try:
-                value = attempt(cand)
-            except Exception as e:  # every rank must learn the outcome before anyone raises
-                why = damaged(e)
-                if why is not None:
-                    mine = ("corrupt", why)
-                else:
-                    mine, own_error = (type(e).__name__, str(e)), e
-            verdicts = [mine] if coord.world_size <= 1 else [tuple(v) for v in coord.exchange(list(mine), deadline())]
-            fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt")]
-            if fatal:
-                r, kind, msg = fatal[0]
-                cls = StateMismatchError if kind == "StateMismatchError" else CheckpointError
-                text = f"loading {label} {cand.step}: rank {r}: {msg}" if cls is StateMismatchError else (
-                    f"loading {label} {cand.step}: rank {r}: {kind}: {msg}"
-                )
-                raise cls(text) from own_error
-            bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind == "corrupt"]
-            if bad:
-                detail = "; ".join(bad)
-                log.warning("ckptlib: %s %d is corrupt, trying an older one: %s", label, cand.step, detail)
-                skipped.append(f"{label} {cand.step}: corrupt: {detail}")
-                corrupt_seen = True
-                continue
-            log.info("ckptlib: restored %s %d from %s", label, cand.step, where)
-            return Resumed(cand, value, skipped)
-        if corrupt_seen:
-            raise CorruptCheckpointError(f"no usable checkpoint under {where}: " + "; ".join(skipped))
-        return None
+def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: Callable[[Candidate], T],
+          timeout: float, where: str, label: str, damaged: Callable[[BaseException], str | None],
+          ) -> Resumed[T] | None:
+    def deadline() -> float:
+        return s.now() + timeout
+
+    raw = s.share([[c.step, c.folder, c.status, c.reason, c.extra] for c in list_candidates()]
+                  if s.is_coordinator else None, deadline=deadline(), what="list the checkpoints")
+    skipped: list[str] = []
+    corrupt_seen = False
+    for step, folder, status, reason, extra in raw:
+        cand = Candidate(int(step), folder, status, reason, extra)
+        if status != "committed":
+            log.warning("ckptlib: skipping %s %d (%s): %s", label, cand.step, status, reason)
+            skipped.append(f"{label} {cand.step}: {status}: {reason}")
+            corrupt_seen |= status == "corrupt"
+            continue
+        crashpoints.point("restore", s.rank)
+        if s.world > 1:
+            s.exchange(cand.step, deadline=deadline())  # everyone alive and here
+        value: Any = None
+        mine: tuple[str, str] = ("ok", "")
+        own_error: BaseException | None = None
+        try:
+            value = attempt(cand)
+        except Exception as e:  # every rank must learn the outcome before anyone raises
+            why = damaged(e)
+            if why is not None:
+                mine = ("corrupt", why)
+            else:
+                mine, own_error = (type(e).__name__, str(e)), e
+        verdicts = [mine] if s.world <= 1 else [tuple(v) for v in s.exchange(list(mine), deadline=deadline())]
+        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt")]
+        if fatal:
+            r, kind, msg = fatal[0]
+            cls = StateMismatchError if kind == "StateMismatchError" else CheckpointError
+            text = f"loading {label} {cand.step}: rank {r}: {msg}" if cls is StateMismatchError else (
+                f"loading {label} {cand.step}: rank {r}: {kind}: {msg}"
+            )
+            raise cls(text) from own_error
+        bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind == "corrupt"]
+        if bad:
+            detail = "; ".join(bad)
+            log.warning("ckptlib: %s %d is corrupt, trying an older one: %s", label, cand.step, detail)
+            skipped.append(f"{label} {cand.step}: corrupt: {detail}")
+            corrupt_seen = True
+            continue
+        log.info("ckptlib: restored %s %d from %s", label, cand.step, where)
+        return Resumed(cand, value, skipped)
+    if corrupt_seen:
+        raise CorruptCheckpointError(f"no usable checkpoint under {where}: " + "; ".join(skipped))
+    return None
 
 
 def step_candidates(

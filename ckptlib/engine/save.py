@@ -1,18 +1,29 @@
 """The save flow: :class:`SaveSession`, the one implementation of a save, and its users.
 
-Users: :func:`persist` (``CheckpointManager``, ``ckptlib.save``) and the DCP writer. Every rank
-calls, in order, on one thread: :meth:`~SaveSession.begin` (collective: liveness session
-opened, unless the caller's flow has one; save id agreed; staging opened by
-:func:`ckptlib.engine.commit.begin`) -> :meth:`~SaveSession.write`
-(local, any number of times) -> :meth:`~SaveSession.finish` (collective: :meth:`~SaveSession.collect`,
-:meth:`~SaveSession.publish` on the coordinator, outcome shared). Every rank returns a
-:class:`SaveResult` or raises the same :class:`CommitError`. DCP, which carries the outcome
-itself, calls ``collect``, ``publish`` (coordinator), then ``close``; ``abort`` gives a save up.
+Users: :func:`persist` (``CheckpointManager``, ``ckptlib.save``, the Megatron adapter), the
+tiers' local save and drain (ckptlib/tiers/), and the DCP writer. Every rank calls, in order,
+on one thread, inside one coordination session (the caller's flow's, or the save's own):
+
+1. :meth:`~SaveSession.begin`: a share -- the coordinator picks the save id and opens the
+   staging folder (:func:`ckptlib.engine.commit.begin`); a tier save's other node leaders open
+   their node's copy;
+2. the plan (:func:`write_state`, :func:`_plan`): reports of what each rank holds, the
+   coordinator's assignment answered to each rank (format v2: the grid proposal shared first);
+3. :meth:`~SaveSession.write` (local, any number of times);
+4. :meth:`~SaveSession.finish`: one report ("done" or this rank's error, with its results),
+   :meth:`~SaveSession.publish` on the coordinator (the commit point), the outcome shared with
+   read receipts; the save's own session closes (the coordinator last).
+
+Every rank returns a :class:`SaveResult` or raises the same :class:`CommitError`; a rank that
+lost the coordinator after reporting decides from storage (:meth:`~SaveSession._settle`). DCP,
+which carries the outcome itself, calls ``collect(release=True)``, ``publish`` (coordinator),
+then ``close``; ``abort`` gives a save up. The meetings: docs/distributed.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 import uuid
@@ -25,7 +36,8 @@ import torch
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, deadline_scope
-from ckptlib.coord.coordinator import Coordinator, LocalCoordinator, in_flow
+from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
+from ckptlib.coord.session import Session, detail
 from ckptlib.engine import commit, wire
 from ckptlib.engine import options as argcheck
 from ckptlib.engine.gc_pause import paused_gc
@@ -34,6 +46,7 @@ from ckptlib.errors import (
     CheckpointError,
     CommitError,
     CommitTimeoutError,
+    CommitUnknownError,
     StepExistsError,
     TargetNotEmptyError,
     UnsupportedValueError,
@@ -50,6 +63,7 @@ from ckptlib.plan.trees import join as join_trees
 from ckptlib.plan.trees import merge as merge_trees
 from ckptlib.plan.trees import split as split_tree
 
+log = logging.getLogger("ckptlib")
 DEFAULT_CHUNK_BYTES = 32 << 20
 FENCE_SECONDS = 60.0
 """Storage time a rank that gave up on the coordinator may spend placing the fence, even past
@@ -139,16 +153,20 @@ class SaveSession:
     """One save of the checkpoint folder ``final`` under ``storage`` (module docstring: who
     calls what, in which order). Not thread-safe: one thread per rank drives it."""
 
-    def __init__(self, storage: Storage, final: str, coord: Coordinator, options: SaveOptions, save_id: str,
+    def __init__(self, storage: Storage, final: str, session: Session, options: SaveOptions, save_id: str,
                  step: int | None, created: float, deadline: float, prefix: str, staging: commit.Staging | None,
-                 owns_session: bool = True) -> None:
+                 own: bool, stage_error: str | None = None) -> None:
         """Use :meth:`begin`."""
-        self.storage, self.final, self.coord, self.options = storage, final, coord, options
-        self._owns_session = owns_session  # False: inside the caller's (coord.liveness_session)
+        self.storage, self.final, self.options = storage, final, options
+        self.session = session
+        self.coord = session.coord
+        self._own = own  # the session is this save's (else the caller's flow's: it closes it)
         self.save_id, self.step, self.created, self.deadline = save_id, step, created, deadline
         self.prefix = prefix
         """Where this rank's payload files go (relative to the storage root)."""
-        self._staging = staging  # the coordinator's only
+        self._staging = staging  # the coordinator's, and a tier save's other node leaders' (their copy)
+        self.stage_error = stage_error
+        """A node leader that could not open its node's staging folder (reported with the plan)."""
         self._files: list[tuple[str, int]] = []
         self._chunks: list[Any] = []
         self._writes = 0
@@ -156,7 +174,7 @@ class SaveSession:
         self._sent = False  # this rank's results went to the coordinator: it may commit them
         self.v2 = False
         """Format v2 (set by :func:`persist` on every rank): each rank writes a piece index file
-        and the gather carries per-rank summaries, not chunks."""
+        and the report carries per-rank summaries, not chunks."""
         self.layout: dict[str, dict[str, Any]] | None = None
         """v2, coordinator: every tensor's dtype, shape and sharding (from :func:`_plan`)."""
         self.payload_bytes = 0
@@ -165,45 +183,45 @@ class SaveSession:
 
     @classmethod
     def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
-              coordinator: Coordinator | None = None, save_id: str | None = None, created: float | None = None,
-              ) -> SaveSession:
-        """Every rank (collective): start a save of ``final``. ``save_id`` and ``created`` are
-        proposals; the coordinator's win. One deadline, ``options.timeout``, bounds the whole
-        session. Raises :class:`CommitError` on every rank when the staging area cannot be made.
+              coordinator: Coordinator | None = None, session: Session | None = None, save_id: str | None = None,
+              created: float | None = None, stage_here: bool = False) -> SaveSession:
+        """Every rank (collective): start a save of ``final``, in one meeting (a share): the
+        coordinator picks the save id (``save_id``, ``created``: its proposals) and opens the
+        staging folder, and every rank learns both. One deadline, ``options.timeout`` (capped by
+        the session's), bounds the whole save. Raises :class:`CommitError` on every rank when the
+        staging area cannot be made.
 
-        Several ranks: a liveness session opens first (the caller's, if it opened one around a
-        larger flow: a tier save, a drain), so every meeting of the save, these two agrees
-        included, waits on a rank while it is alive, up to the deadline: a coordinator slow to
-        make the staging folder, or a rank reaching the save long after the others, is waited
-        for; a dead or frozen one fails the others within the coordination timeout."""
+        ``session``: the caller's flow's (a tier save, a drain), else the save opens its own on
+        ``coordinator`` and closes it when it ends. ``stage_here``: this rank also opens a
+        staging folder on ``storage`` (a tier save's node leader: its node's copy of the step,
+        published with the coordinator's manifest, :meth:`finish`); a failure there is reported
+        with the plan and fails the save on every rank before anything is written."""
         opts = options or SaveOptions()
-        coord = coordinator or LocalCoordinator()
-        deadline = time.monotonic() + opts.timeout
-        owns = not in_flow(coord)
-        if owns:
-            coord.begin_session("save")
+        own = session is None
+        coord = session.coord if session is not None else coordinator or LocalCoordinator()
+        s = session if session is not None else coord.session("save", coord.deadline(opts.timeout))
+        deadline = min(s.deadline, s.now() + opts.timeout)
+        staging: commit.Staging | None = None
         try:
-            save_id, created = coord.agree([save_id or new_save_id(), time.time() if created is None else created],
-                                           opts.timeout)
-            staging: commit.Staging | None = None
-            error = None
-            if coord.is_coordinator:
-                try:
-                    with deadline_scope(storage, opts.timeout):
-                        storage.makedirs("")
-                        staging = commit.begin(storage, final, save_id, overwrite=opts.overwrite)
-                except (CheckpointError, OSError) as e:
-                    error = [type(e).__name__, str(e)]
-            prefix, error = coord.agree([staging.payload_prefix if staging else None, error],
-                                        max(0.1, deadline - time.monotonic()))
+            proposal = None
+            if s.is_coordinator:
+                sid, made = save_id or new_save_id(), time.time() if created is None else created
+                staging, error = _open_staging(storage, final, sid, opts)
+                proposal = [sid, made, staging.payload_prefix if staging else None, error]
+            got = s.share(proposal, deadline=deadline, what="open the save")
+            sid, made, prefix, error = str(got[0]), float(got[1]), got[2], got[3]
             if error:  # the same error on every rank, before any payload is written
                 refused = _REFUSED.get(error[0])
                 raise refused(error[1]) if refused else _fail(storage, final, {0: f"{error[0]}: {error[1]}"})
-        except BaseException:
-            if owns:
-                coord.end_session()
+            stage_error = None
+            if stage_here and not s.is_coordinator:
+                staging, err = _open_staging(storage, final, sid, opts, node=True)
+                stage_error = None if err is None else f"{err[0]}: {err[1]}"
+            return cls(storage, final, s, opts, sid, step, made, deadline, prefix, staging, own, stage_error)
+        except BaseException as e:
+            if own:
+                s.close(e)
             raise
-        return cls(storage, final, coord, opts, save_id, step, created, deadline, prefix, staging, owns)
 
     @property
     def files(self) -> list[tuple[str, int]]:
@@ -211,11 +229,11 @@ class SaveSession:
         return list(self._files)
 
     def left(self) -> float:
-        """Seconds left before the session's deadline (at least 0.1)."""
-        return max(0.1, self.deadline - time.monotonic())
+        """Seconds left before the save's deadline (at least 0.1)."""
+        return self.session.left(self.deadline)
 
     def bounded(self) -> AbstractContextManager[Any]:
-        """``with session.bounded():`` storage operations inside end by the session's deadline."""
+        """``with save.bounded():`` storage operations inside end by the save's deadline."""
         return deadline_scope(self.storage, self.left())
 
     def split(self, name: str, tensor: torch.Tensor, offset: tuple[int, ...]) -> list[ChunkJob]:
@@ -231,7 +249,7 @@ class SaveSession:
         self._writes += 1
         with self.bounded():
             files, written = write_files(
-                self.storage, self.prefix, self.coord.rank, jobs, compression=self.options.compression,
+                self.storage, self.prefix, self.session.rank, jobs, compression=self.options.compression,
                 num_files=self.options.num_files, tag=tag, timeout=self.left(),
             )
         self._files += files
@@ -244,15 +262,17 @@ class SaveSession:
         or None (v1, or nothing written). Raises on failure, like :meth:`write`."""
         if self.v2 and self._index is None:
             with self.bounded():
-                self._index = (write_index(self.storage, self.prefix, self.coord.rank, self._files, self._chunks),)
+                self._index = (write_index(self.storage, self.prefix, self.session.rank, self._files, self._chunks),)
         return self._index[0] if self._index is not None else None
 
     def collect(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
-                error: BaseException | None = None) -> list[dict[str, Any]] | None:
-        """Every rank (collective), after its writes: report done (``error``: this rank failed),
-        wait for every rank, gather each rank's files, chunks, ``tree``, ``per_rank`` values and
-        global ``shapes``: the list on the coordinator, None elsewhere. A failed or dead rank
-        raises :class:`CommitError` on every rank (staging removed, session closed)."""
+                error: BaseException | None = None, release: bool = False) -> list[dict[str, Any]] | None:
+        """Every rank (collective), after its writes: one report to the coordinator, "done" (or
+        this rank's ``error``) with this rank's files, chunks, ``tree``, ``per_rank`` values and
+        global ``shapes``. Coordinator: the list (raises :class:`CommitError` naming the ranks that
+        failed, died or froze; staging removed); others: None. ``release`` (the DCP writer, whose
+        ``write_data`` must fail on every rank when one failed): the coordinator then shares the
+        failures, and every rank raises them."""
         index = None
         if self.v2 and error is None:
             try:
@@ -260,49 +280,60 @@ class SaveSession:
             except Exception as e:  # reported like a failed write: the save fails on every rank
                 error = e
         msg = None if error is None else f"{type(error).__name__}: {error}"
+        s = self.session
         if msg is None:
-            crashpoints.point("before_commit", self.coord.rank)
-        coord = self.coord
-        coord.report_done(msg)
-        if coord.is_coordinator:
-            failures = coord.wait_all_done(self.deadline)
-            coord.release(failures)
-        else:
-            failures = coord.wait_release(self.deadline)
-        if failures:
-            self.abort()
-            raise _fail(self.storage, self.final, failures)
-        if self.v2:  # a summary: O(files), a tree digest and the PerRank values; never per piece
+            crashpoints.point("before_commit", s.rank)
+        mine: dict[str, Any] | None = None
+        if msg is None and self.v2:  # a summary: O(files), a tree digest and the PerRank values; never per piece
             skeleton, values = split_tree(tree)
             digest = hashlib.blake2b(jsonio.dumps(skeleton, sort_keys=False).encode(), digest_size=16).hexdigest()
-            mine: dict[str, Any] = {"files": self._files, "index": index, "tree_digest": digest,
-                                    "skeleton": skeleton if coord.is_coordinator else None, "per_rank_values": values}
-        elif coord.world_size > 1:  # records and shapes travel as JSON (engine/wire.py)
+            mine = {"files": self._files, "index": index, "tree_digest": digest,
+                    "skeleton": skeleton if s.is_coordinator else None, "per_rank_values": values}
+        elif msg is None and s.world > 1:  # records and shapes travel as JSON (engine/wire.py)
             mine = {"files": self._files, "chunks": wire.chunks_out(self._chunks), "tree": tree,
                     "per_rank": per_rank, "shapes": wire.shapes_out(shapes or {})}
-        else:
+        elif msg is None:
             mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
                     "shapes": shapes or {}}
-        self._sent = True
-        results = coord.gather(mine, self.left())
-        if results is not None and coord.world_size > 1 and not self.v2:
+        self._sent = mine is not None
+        failures: dict[int, str] = {}
+        results: list[dict[str, Any]] | None = None
+        try:
+            got = s.report([msg, mine], deadline=self.deadline, patient=True)
+        except CommitError as e:
+            if not s.is_coordinator:
+                raise  # the store is unreachable: the results may still arrive (finish settles)
+            failures = e.failures or {0: str(e)}  # ranks died, froze or left
+            got = None
+        if got is not None:
+            failures = {r: m for r, (m, _res) in enumerate(got) if m}
+            results = [res for _m, res in got]
+        if release:
+            verdict = s.share({str(r): m for r, m in failures.items()} if s.is_coordinator else None,
+                              deadline=self.deadline, what="finish the writes")
+            failures = {int(r): m for r, m in verdict.items()}
+        if failures and (s.is_coordinator or release):
+            self._drop_staging()  # the session stays open: the caller shares the outcome, then closes it
+            raise _fail(self.storage, self.final, failures)
+        if results is not None and s.world > 1 and not self.v2:
             for res in results:
                 res["chunks"], res["shapes"] = wire.chunks_in(res["chunks"]), wire.shapes_in(res["shapes"])
         return results
 
     def publish(self, results: list[dict[str, Any]], *, metadata: Any = None, tree: Any = None,
                 extra: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
-                manifest: bytes | None = None) -> None:
-        """Coordinator, with :meth:`collect`'s results: build the manifest and commit it.
-        ``metadata``: from :func:`encode_metadata`; ``tree``: recorded instead of the merged
-        ranks' trees (adapters); ``extra``: the manifest's adapter data (JSON); ``metrics``: the
-        step's metrics (str -> float, for ``keep_best``). On failure the
-        staging area is removed and :class:`CommitError` (or :class:`StepExistsError`) raised.
-        ``manifest``: ready-made manifest bytes committed instead of building one from
-        ``results`` (a tier drain copying a committed step's files, ckptlib/tiers/drain.py)."""
+                manifest: bytes | None = None) -> bytes:
+        """Coordinator, with :meth:`collect`'s results: build the manifest and commit it; returns
+        the manifest bytes committed. ``metadata``: from :func:`encode_metadata`; ``tree``:
+        recorded instead of the merged ranks' trees (adapters); ``extra``: the manifest's adapter
+        data (JSON); ``metrics``: the step's metrics (str -> float, for ``keep_best``). On
+        failure the staging area is removed and :class:`CommitError` (or
+        :class:`StepExistsError`) raised. ``manifest``: ready-made manifest bytes committed
+        instead of building one from ``results`` (a tier drain copying a committed step's
+        files, ckptlib/tiers/drain.py)."""
         staging = self._staging
-        if staging is None:
-            raise CommitError("publish() runs on the coordinator of an open session")
+        if staging is None or not self.session.is_coordinator:
+            raise CommitError("publish() runs on the coordinator of an open save")
         try:
             if manifest is not None:  # never publish what a reader would refuse
                 data = manifest
@@ -333,77 +364,151 @@ class SaveSession:
                         isinstance(e, FileExistsError)) from e
         self._staging = None
         self.payload_bytes = nbytes
+        return data
 
     def finish(self, *, tree: Any = None, per_rank: Any = None, shapes: dict[str, tuple[int, ...]] | None = None,
                error: BaseException | None = None, metadata: Any = None, extra: dict[str, Any] | None = None,
                metrics: dict[str, float] | None = None, manifest: bytes | None = None) -> SaveResult:
         """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
-        outcome shared with every rank; the session is closed. Returns on every rank or raises
-        the same :class:`CommitError` on every rank. A rank that sent its results but gets no
-        verdict from the coordinator (silent, unreachable, past the deadline) settles the save
-        on storage itself (:meth:`_settle`), so what it reports is what storage holds.
-        ``manifest``: see :meth:`publish`."""
+        outcome shared with every rank (with read receipts); a tier save's other node leaders
+        then commit the same manifest in their node's folder (:meth:`_copy`). Returns on every
+        rank or raises the same :class:`CommitError` on every rank. A rank that sent its results
+        but gets no verdict (the coordinator died, froze or its store is gone) decides from
+        storage (:meth:`_settle`), so what it reports is what storage holds.
+        ``manifest``: see :meth:`publish`. Closes the save's own session."""
+        s = self.session
+        raised: BaseException | None = None
         try:
-            try:
-                results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
-                outcome: dict[str, Any] | None = None
-                if self.coord.is_coordinator:
-                    assert results is not None
-                    outcome = {"failures": {}}
-                    try:
-                        self.publish(results, metadata=metadata, extra=extra, metrics=metrics, manifest=manifest)
-                    except CommitError as e:
-                        outcome = {"failures": e.failures or {0: str(e)}, "exists": isinstance(e, StepExistsError)}
-                outcome = self.coord.share_outcome(outcome, self.deadline)
-            except CommitError as e:
-                if self.coord.is_coordinator or not self._sent:
-                    raise
-                return self._settle(e.failures or {0: str(e)}, e)
+            if s.is_coordinator:
+                outcome = self._decide(tree, per_rank, shapes, error, metadata, extra, metrics, manifest)
+                s.share(outcome, deadline=self.deadline, receipts=True)
+            else:
+                try:
+                    self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
+                    outcome = s.share(None, deadline=self.deadline + s.dead_after, receipts=True,
+                                      what="publish the save")
+                except CommitError as e:
+                    if not self._sent:
+                        raise _fail(self.storage, self.final, e.failures or {0: str(e)}) from None
+                    return self._settle(e.failures or {0: str(e)}, e)
             failures = {int(k): v for k, v in outcome["failures"].items()}
-            if outcome.get("gave_up"):
-                return self._settle(failures)
             if failures:
+                self._drop_staging()
                 raise _fail(self.storage, self.final, failures, bool(outcome.get("exists")))
+            if outcome.get("manifest") is not None:
+                self._copy(outcome["manifest"].encode("ascii"))
             return SaveResult(self.save_id, self.payload_bytes)
+        except BaseException as e:
+            raised = e
+            raise
         finally:
-            self.close()
+            self.close(raised)
+
+    def _decide(self, tree: Any, per_rank: Any, shapes: dict[str, tuple[int, ...]] | None,
+                error: BaseException | None, metadata: Any, extra: dict[str, Any] | None,
+                metrics: dict[str, float] | None, manifest: bytes | None) -> dict[str, Any]:
+        """Coordinator, in :meth:`finish`: every rank's results in, the commit, the outcome
+        (JSON) to share: ``failures`` (rank -> why), ``exists`` (the step was already there),
+        ``manifest`` (the committed manifest, for the other node leaders of a tier save)."""
+        try:
+            results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
+            assert results is not None
+            data = self.publish(results, metadata=metadata, extra=extra, metrics=metrics, manifest=manifest)
+        except CommitError as e:
+            return {"failures": {str(r): m for r, m in (e.failures or {0: str(e)}).items()},
+                    "exists": isinstance(e, StepExistsError)}
+        return {"failures": {}, "manifest": data.decode("ascii") if self.copies else None}
+
+    copies = False
+    """Set by a tier save with several nodes: the outcome carries the manifest to the other node
+    leaders (their copy of the step)."""
+    record_elsewhere = False
+    """Set by a tier save on ranks of other nodes than the coordinator's: the step's record (the
+    coordinator's commit) is on storage this rank cannot read."""
+
+    def _copy(self, data: bytes) -> None:
+        """A tier save's node leader (not the coordinator): commit the coordinator's manifest in
+        this node's staging folder. The save is committed already (the coordinator's node holds
+        its record); a failure here leaves this node without its copy (logged, not raised: a
+        restore then reads this node's files from their replicas or the persistent tier)."""
+        if self._staging is None:
+            return
+        try:
+            crashpoints.point("local_commit", self.session.rank)
+            with self.bounded():
+                commit.publish(self.storage, self._staging, data, overwrite=True)
+            self._staging = None
+        except (CheckpointError, OSError) as e:
+            log.warning("ckptlib: step %s is committed, but this node's copy of it could not be committed in %s: %s",
+                        self.final, self.storage.url, e)
+            self._drop_staging()
 
     def _settle(self, failures: dict[int, str], cause: BaseException | None = None) -> SaveResult:
-        """A non-coordinator that gave up on the coordinator after sending it its results (in
-        :meth:`finish`): :func:`ckptlib.engine.commit.fence` makes the coordinator's commit
-        impossible or finds it done. Returns if the save is committed; else raises
-        :class:`CommitError` (the coordinator, if it ever wakes, fails too)."""
-        why = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        """A non-coordinator that got no verdict after sending its results (in :meth:`finish`):
+        decide from storage. Where the coordinator commits into this rank's storage (a save, a
+        drain, a tier save's rank on the coordinator's node), :func:`ckptlib.engine.commit.fence`
+        makes the commit impossible or finds it done: returns if committed, else raises
+        :class:`CommitError` (the coordinator, if it ever wakes, fails too). Elsewhere (a tier
+        save's other nodes) the record is out of reach: :class:`CommitUnknownError`."""
+        why = detail(failures)
+        if self.record_elsewhere:
+            self._drop_staging()
+            raise CommitUnknownError(
+                f"checkpoint {self.final}: the coordinator (rank 0) vanished after every rank's bytes were durable "
+                f"({why}); whether it committed the step on its node cannot be read from here: the next restore "
+                "decides", failures) from cause
         try:
             with deadline_scope(self.storage, max(self.left(), FENCE_SECONDS)):
-                verdict = commit.fence(self.storage, self.final, self.save_id, self.coord.rank, why[:500])
+                verdict = commit.fence(self.storage, self.final, self.save_id, self.session.rank, why[:500])
         except (CheckpointError, OSError) as e:
-            failures = {**failures, self.coord.rank: f"could not fence the save, the coordinator may still commit it: {e}"}
+            failures = {**failures,
+                        self.session.rank: f"could not fence the save, the coordinator may still commit it: {e}"}
             raise _fail(self.storage, self.final, failures) from cause or e
         if verdict == commit.COMMITTED:
             return SaveResult(self.save_id, 0)
-        failures = {**failures, self.coord.rank: "gave up waiting for the coordinator; fenced the save: it cannot commit"}
+        failures = {**failures,
+                    self.session.rank: "gave up waiting for the coordinator; fenced the save: it cannot commit"}
         raise _fail(self.storage, self.final, failures) from cause
 
-    def abort(self) -> None:
-        """Any rank, before the commit: give the save up. The coordinator removes the staging
-        area (best effort); every rank stops liveness. Idempotent."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """Any rank, before the commit: give the save up. Staging removed (best effort); the
+        save's own session closed. Idempotent."""
         self._drop_staging()
-        self.close()
+        self.close(error)
 
     def _drop_staging(self) -> None:
-        """Coordinator: remove the staging area (best effort), once."""
+        """Remove this rank's staging area (best effort), once."""
         if self._staging is not None:
             with self.bounded():
                 commit.abort(self.storage, self._staging)
             self._staging = None
 
-    def close(self) -> None:
-        """End the session on this rank (unless the caller opened it). Idempotent."""
+    def close(self, error: BaseException | None = None) -> None:
+        """End the save on this rank: its own session is closed (the coordinator's close waits
+        until the others left). Idempotent."""
         if self._open:
             self._open = False
-            if self._owns_session:
-                self.coord.end_session()
+            if self._own:
+                self.session.close(error)
+
+
+def _open_staging(storage: Storage, final: str, save_id: str, opts: SaveOptions, node: bool = False,
+                  ) -> tuple[commit.Staging | None, list[str] | None]:
+    """The staging folder of save ``save_id`` (:func:`ckptlib.engine.commit.begin`), or the error
+    (``[type name, message]``). ``node``: a tier save's other node leader (its copy)."""
+    try:
+        with deadline_scope(storage, opts.timeout):
+            storage.makedirs("")
+            return commit.begin(storage, final, save_id, overwrite=opts.overwrite or node), None
+    except CheckpointError as e:
+        return None, [type(e).__name__, str(e)]
+    except FileExistsError as e:
+        if not node:
+            return None, [type(e).__name__, str(e)]
+        return None, ["CommitError", f"the local folder {storage.url} already holds this save's staging folder: is it "
+                                     "shared with another node? Put '{node}' in local= or use node-local disks"]
+    except OSError as e:
+        return None, [type(e).__name__, str(e)]
 
 
 def persist(
@@ -415,25 +520,28 @@ def persist(
     metadata: Any = None,
     options: SaveOptions | None = None,
     coordinator: Coordinator | None = None,
+    session: Session | None = None,
     save_id: str | None = None,
     created: float | None = None,
     rounds: Iterable[list[TensorItem]] | None = None,
     metrics: dict[str, float] | None = None,
 ) -> SaveResult:
     """Save ``flat`` through a :class:`SaveSession` (every rank): begin, plan who writes what,
-    write, finish. ``rounds`` (streamed async saves, engine/snapshot.py): the tensors to write,
-    one round at a time, each written before the next is requested (``flat.items`` then only
-    supplies names and shapes); a round that raises fails this rank's part of the save."""
+    write, finish. ``session``: the caller's flow's (else the save opens its own on
+    ``coordinator``). ``rounds`` (streamed async saves, engine/snapshot.py): the tensors to
+    write, one round at a time, each written before the next is requested (``flat.items`` then
+    only supplies names and shapes); a round that raises fails this rank's part of the save."""
     meta_tree = encode_metadata(metadata)
-    session = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator,
-                                save_id=save_id, created=created)
+    save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
+                             save_id=save_id, created=created)
     try:
-        error = write_state(session, flat, rounds)
+        error = write_state(save, flat, rounds)
         shapes = {it.name: it.global_shape for it in flat.items}
-        return session.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
-                              metadata=meta_tree, metrics=metrics)
-    finally:
-        session.abort()  # a no-op after finish
+        return save.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
+                           metadata=meta_tree, metrics=metrics)
+    except BaseException as e:
+        save.abort(e)  # a no-op after finish
+        raise
 
 
 def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[TensorItem]] | None = None,
@@ -441,7 +549,7 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
     """Every rank (collective: the plan), between ``begin`` and ``finish``: plan who writes
     what and write this rank's part (``rounds``: see :func:`persist`). Returns this rank's
     write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save."""
-    session.v2 = session.options.writes_v2(session.coord.world_size)
+    session.v2 = session.options.writes_v2(session.session.world)
     items = _plan(session, flat.items)
     mine = {it.name for it in items}
     try:
@@ -480,78 +588,87 @@ class _Offer:
     """v2: the agreed grid proposal (:mod:`ckptlib.plan.grid`)."""
     union: frozenset[str] = frozenset()
     """v2: the sharded tensors that are not a grid (their pieces are ``explicit``)."""
+    staged: dict[int, str] | None = None
+    """Coordinator: node leaders that could not open their staging folder (rank -> why)."""
 
 
-def _offer_v1(session: SaveSession, rep_desc: list[PieceDesc], shd_desc: list[PieceDesc]) -> _Offer:
-    """Format v1: every sharded piece is gathered (one collective)."""
-    coord = session.coord
-    sent = coord.gather([digest(rep_desc), wire.pieces_out(rep_desc) if coord.is_coordinator else None,
-                         wire.pieces_out(shd_desc)], session.left())
-    everyone = None if sent is None else [[d, wire.pieces_in(r or []), wire.pieces_in(s)] for d, r, s in sent]
-    return _Offer(everyone, [e[2] for e in everyone] if everyone is not None else None, list(range(len(shd_desc))), [])
+def _offer_v1(save: SaveSession, rep_desc: list[PieceDesc], shd_desc: list[PieceDesc]) -> _Offer:
+    """Format v1: every sharded piece is reported (one report)."""
+    s = save.session
+    sent = s.report([digest(rep_desc), wire.pieces_out(rep_desc) if s.is_coordinator else None,
+                     wire.pieces_out(shd_desc), save.stage_error], deadline=save.deadline)
+    everyone = None if sent is None else [[d, wire.pieces_in(r or []), wire.pieces_in(x)] for d, r, x, _e in sent]
+    staged = None if sent is None else {r: e for r, (_d, _r, _x, e) in enumerate(sent) if e}
+    return _Offer(everyone, [e[2] for e in everyone] if everyone is not None else None, list(range(len(shd_desc))), [],
+                  staged=staged)
 
 
-def _offer_v2(session: SaveSession, shd: list[TensorItem], rep_desc: list[PieceDesc],
+def _offer_v2(save: SaveSession, shd: list[TensorItem], rep_desc: list[PieceDesc],
               shd_desc: list[PieceDesc]) -> _Offer:
     """Format v2: sharded tensors that form a grid with cell ``k`` on rank ``k`` are agreed on
-    with :mod:`ckptlib.plan.grid` (a proposal out, a list of exceptions back); only the pieces
-    of the other tensors are gathered."""
-    coord = session.coord
-    proposal = wire.proposal_in(coord.agree(wire.proposal_out(propose(shd_desc)) if coord.is_coordinator else None,
-                                            session.left()))
-    odd = conform(proposal, shd_desc, coord.rank)
+    with :mod:`ckptlib.plan.grid` (a proposal shared, a list of exceptions reported, their
+    union shared); only the pieces of the other tensors are reported."""
+    s = save.session
+    proposal = wire.proposal_in(s.share(wire.proposal_out(propose(shd_desc)) if s.is_coordinator else None,
+                                        deadline=save.deadline))
+    odd = conform(proposal, shd_desc, s.rank)
     odd_set = set(odd)
     grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
-    sent = coord.gather([digest(rep_desc), wire.pieces_out(rep_desc) if coord.is_coordinator else None, odd,
-                         grid_bytes], session.left())
-    everyone = None if sent is None else [[d, wire.pieces_in(r or []), o, g] for d, r, o, g in sent]
+    sent = s.report([digest(rep_desc), wire.pieces_out(rep_desc) if s.is_coordinator else None, odd, grid_bytes,
+                     save.stage_error], deadline=save.deadline)
+    everyone = None if sent is None else [[d, wire.pieces_in(r or []), o, g] for d, r, o, g, _e in sent]
+    staged = None if sent is None else {r: e for r, (*_x, e) in enumerate(sent) if e}
     proposed_odd = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
-    union: set[str] = set(coord.agree(proposed_odd, session.left()))
+    union: set[str] = set(s.share(proposed_odd, deadline=save.deadline))
     mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
-    explicit: list[list[PieceDesc]] | None = [[]] * coord.world_size
+    explicit: list[list[PieceDesc]] | None = [[]] * s.world
     if union:
-        got = coord.gather(wire.pieces_out(shd_desc[i] for i in mine_odd), session.left())
+        got = s.report(wire.pieces_out(shd_desc[i] for i in mine_odd), deadline=save.deadline)
         explicit = None if got is None else [wire.pieces_in(x) for x in got]
     grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
     return _Offer(everyone, explicit, mine_odd, grid, [e[3] for e in everyone] if everyone is not None else None,
-                  proposal, frozenset(union))
+                  proposal, frozenset(union), staged)
 
 
-def _plan(session: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
+def _plan(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
-    (the coordinator plans) -- and, format v2 (``session.v2``), on the coordinator
-    ``session.layout`` (every tensor's sharding for the v2 manifest). What is put up for
+    (the coordinator plans) -- and, format v2 (``save.v2``), on the coordinator
+    ``save.layout`` (every tensor's sharding for the v2 manifest). What is put up for
     assignment differs by format (:func:`_offer_v1`, :func:`_offer_v2`); the assignment and
-    its distribution are one. Raises :class:`CommitError` on every rank when planning fails."""
-    coord = session.coord
-    if coord.world_size <= 1:
-        if session.v2:
-            session.layout = describe([], set(), [], [], [(0, _describe(it)) for it in items])
+    its distribution (one :meth:`Session.answer_each`) are one. Raises :class:`CommitError` on
+    every rank when planning fails or a node leader could not open its staging folder."""
+    s = save.session
+    if s.world <= 1:
+        if save.v2:
+            save.layout = describe([], set(), [], [], [(0, _describe(it)) for it in items])
         return items
     rep = [it for it in items if it.replicated]
     shd = [it for it in items if not it.replicated]
     rep_desc = [_describe(it) for it in rep]
     shd_desc = [_describe(it) for it in shd]
-    offer = _offer_v2(session, shd, rep_desc, shd_desc) if session.v2 else _offer_v1(session, rep_desc, shd_desc)
+    offer = _offer_v2(save, shd, rep_desc, shd_desc) if save.v2 else _offer_v1(save, rep_desc, shd_desc)
     plans: list[Any] | None = None
-    if coord.is_coordinator:
+    if s.is_coordinator:
         everyone, explicit = offer.everyone, offer.explicit
         assert everyone is not None and explicit is not None
         try:
+            if offer.staged:
+                raise PlanError(detail(offer.staged))
             got = assign(everyone[0][1], [e[0] for e in everyone], explicit, offer.base_load)
-            if session.v2:
+            if save.v2:
                 writer = [0] * len(rep_desc)
                 for r, p in enumerate(got):
                     for i in p.replicated:
                         writer[i] = r
                 chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
-                session.layout = describe(offer.proposal, set(offer.union), everyone[0][1], writer, chosen)
+                save.layout = describe(offer.proposal, set(offer.union), everyone[0][1], writer, chosen)
             plans = [["ok", wire.plan_out(p)] for p in got]
         except PlanError as e:
-            plans = [["error", str(e)]] * coord.world_size
-    status, sent = coord.scatter(plans, session.left())
+            failures = offer.staged or {0: str(e)}
+            plans = [["error", {str(r): m for r, m in failures.items()}]] * s.world
+    status, sent = s.answer_each(plans, deadline=save.deadline)
     if status == "error":
-        session.abort()
-        raise _fail(session.storage, session.final, {0: sent})
+        save._drop_staging()
+        raise _fail(save.storage, save.final, {int(r): m for r, m in sent.items()})
     plan = wire.plan_in(sent)
     return [rep[i] for i in plan.replicated] + offer.grid + [shd[offer.mine[i]] for i in plan.sharded]

@@ -6,9 +6,9 @@ be persisted (``persist_every``, ``persist=True``, preemption saves); every rank
 steps in the same order, so the drain threads of all ranks meet in the same collectives (on a
 coordinator of their own: :func:`drain_coordinator`, never the save's).
 
-:func:`drain_step`, every rank, on the drain thread, in one liveness session (its meetings wait
-on liveness, as a save's do): the coordinator checks whether the step is already there ->
-:meth:`SaveSession.begin` on the persistent
+:func:`drain_step`, every rank, on the drain thread, in one coordination session (``"drain"``;
+its meetings wait on liveness, as a save's do): the coordinator checks whether the step is
+already there and shares the answer -> :meth:`SaveSession.begin` on the persistent
 storage (a fresh save id, that backend's staging) -> each rank checks the checksums of the files
 it wrote in its node's local copy (payloads and, format v2, its piece index file:
 :func:`step_files`) and copies them into the session's payload prefix (throttled
@@ -16,6 +16,8 @@ to ``rate`` bytes/s) -> :meth:`SaveSession.finish` with the local manifest rewri
 save id (``extra["tiers"]["local_save_id"]`` links the two): that backend's commit (rename on
 POSIX, conditional put on S3), so a drain is never half-visible. A failure fails the drain on
 every rank; the ticket carries it to the training thread (raised once) and the step stays local.
+The session's coordinator leaves last, so a drain that ends at its first meeting (the step was
+there) never loses its answer with the coordinator's process.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from collections.abc import Callable
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
-from ckptlib.coord.coordinator import Coordinator, LocalCoordinator, liveness_session
+from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
+from ckptlib.coord.session import Session
 from ckptlib.engine import commit
 from ckptlib.engine.save import SaveOptions, SaveSession
 from ckptlib.engine.scan import check_step, read_manifest
@@ -52,13 +55,14 @@ COPY_PIECE = 8 << 20
 
 
 def drain_coordinator(coord: Coordinator) -> Coordinator:
-    """A coordinator for the drain thread, with its own group (every rank, training thread,
-    when the manager is made: creating one is collective)."""
+    """A coordinator for the drain thread, with sessions of its own and no group (drains move
+    no bytes between ranks): every rank, training thread, when the manager is made (creating
+    one is collective)."""
     if coord.world_size <= 1:
         return LocalCoordinator()
     from ckptlib.coord.torch_coordinator import TorchCoordinator
 
-    return TorchCoordinator(getattr(coord, "dead_after", 30.0))
+    return TorchCoordinator(coord.dead_after, bulk=False)
 
 
 def writer_of(path: str) -> int | None:
@@ -101,63 +105,61 @@ def drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: i
                rate: float | None = None) -> bool:
     """Every rank (collective), drain thread: copy ``step`` from the local tier and commit it on
     ``persistent`` (module docstring). False when it was already there (nothing done)."""
-    with liveness_session(coord, "drain"):
-        return _drain_step(tier, persistent, coord, step, timeout=timeout, rate=rate)
+    with coord.session("drain", coord.deadline(timeout)) as s:
+        return _drain_step(tier, persistent, s, step, timeout=timeout, rate=rate)
 
 
-def _drain_step(tier: LocalTier, persistent: Storage, coord: Coordinator, step: int, *, timeout: float,
+def _drain_step(tier: LocalTier, persistent: Storage, s: Session, step: int, *, timeout: float,
                 rate: float | None = None) -> bool:
-    """:func:`drain_step`, inside its liveness session."""
+    """:func:`drain_step`, inside its session."""
     final = layout.step_dir(step)
     m: Manifest | None = None
     error: BaseException | None = None
     try:
         m = read_manifest(tier.storage, final, pieces=False)  # v2: only this rank's index files are read
-        if m.world_size != coord.world_size:
-            raise CheckpointError(f"step {step} was saved by {m.world_size} ranks, draining on {coord.world_size}")
+        if m.world_size != s.world:
+            raise CheckpointError(f"step {step} was saved by {m.world_size} ranks, draining on {s.world}")
     except CheckpointError as e:
         error = e
     done = None
-    if coord.is_coordinator and m is not None:
+    if s.is_coordinator and m is not None:
         try:
             there = check_step(persistent, final, step)
             done = there.status == "committed" and there.manifest is not None and (
                 local_save_id(there.manifest) == m.save_id)
         except (CheckpointError, OSError):
             done = False
-    if coord.world_size > 1:
-        done = coord.agree(done, timeout)
-    if done:
+    if s.share(done, what="check the persistent tier"):
         return False
-    session = SaveSession.begin(persistent, final, step=step, options=SaveOptions(timeout=timeout),
-                                coordinator=coord)
+    session = SaveSession.begin(persistent, final, step=step, options=SaveOptions(timeout=timeout), session=s)
     try:
         if m is not None and error is None:
             try:
-                mine = [f for f in step_files(m) if f.rank == coord.rank]
+                mine = [f for f in step_files(m) if f.rank == s.rank]
                 verify_files(tier.storage, final, m, mine)  # never spread a bad copy
                 first = True
                 with session.bounded():
                     for f in mine:
                         _copy(tier.storage, join(final, f.path), persistent, join(session.prefix, f.name),
-                              rate, coord.rank, first)
+                              rate, s.rank, first)
                         first = False
             except Exception as e:
                 error = e
         data = None
-        if coord.is_coordinator and m is not None and error is None:
+        if s.is_coordinator and m is not None and error is None:
             try:
                 data = persisted_manifest(tier.storage.read(join(final, MANIFEST_NAME)), m, session.save_id,
                                           commit.commit_mode(persistent))
             except (CheckpointError, OSError) as e:
                 error = e
-            crashpoints.point("drain_commit", coord.rank)
-        if coord.is_coordinator and data is None and error is None:
+            crashpoints.point("drain_commit", s.rank)
+        if s.is_coordinator and data is None and error is None:
             error = CommitError("no local manifest to drain")
         session.finish(error=error, manifest=data)
         return True
-    finally:
-        session.abort()
+    except BaseException as e:
+        session.abort(e)  # a no-op after finish
+        raise
 
 
 class DrainTicket:

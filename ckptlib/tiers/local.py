@@ -1,25 +1,26 @@
 """The local tier: every save commits in each node's local folder, replicas durable first.
 
-Called by the manager's persist thread (one save at a time), every rank, in order:
-:func:`save_local` = :meth:`SaveSession.begin` against this node's local storage (the
-coordinator opens its node's staging folder) -> the other nodes' leaders open theirs with
-:func:`ckptlib.engine.commit.begin` (same save id, so the same payload prefix) and every rank
-learns whether they could -> :func:`ckptlib.engine.save.write_state` (the one writer pipeline;
-format v2 also writes the rank's piece index file, :meth:`SaveSession.write_index`) ->
-:func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish` (the commit protocol:
-every rank durable, the coordinator's node committed) -> the other node leaders commit the
-same manifest bytes in their folders (:func:`ckptlib.engine.commit.publish`). Every rank
-returns or raises the same :class:`CommitError`. All of it, topology included, runs in one
-liveness session (:func:`ckptlib.coord.coordinator.liveness_session`): every meeting waits on a
-rank while it is alive, a dead or frozen one fails the others within the coordination timeout
-(the replica bytes move over gloo). Then each node leader runs
+Called by the manager's persist thread (one save at a time), every rank, in order, all in one
+coordination session (``"tier save"``): the topology (the first time: one exchange) ->
+:meth:`SaveSession.begin` against this node's local storage (the coordinator opens its node's
+staging folder; the other nodes' leaders open theirs, ``stage_here``) ->
+:func:`ckptlib.engine.save.write_state` (the one writer pipeline; format v2 also writes the
+rank's piece index file, :meth:`SaveSession.write_index`) -> an exchange (did every rank
+write?) and :func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish`: the one
+commit (every rank durable, replicas included; the coordinator's node commits the manifest,
+the step's record; the outcome, with the manifest, is shared with read receipts; the other node
+leaders then commit the same bytes in their folders). Every rank returns or raises the same
+:class:`CommitError`; a rank of another node that loses the coordinator after reporting raises
+:class:`CommitUnknownError` (the record is on a disk it cannot read). Every meeting waits on a
+rank while it is alive; a dead or frozen one fails the others within the coordination timeout
+(the replica bytes move over gloo, :meth:`Coordinator.transfer`). Then each node leader runs
 :func:`after_local_commit` (debris and local retention).
 
 A step folder on node n holds the manifest (naming every rank's files), the payload (and v2
-index) files of n's ranks and, under ``replicas/``, copies of its source ranks' files. A save
-that fails after the coordinator's node committed leaves that node's folder visible: its bytes
-and replicas were all durable (the commit protocol checked), so it is a usable step, only not
-reported as saved.
+index) files of n's ranks and, under ``replicas/``, copies of its source ranks' files. A node
+leader that cannot commit its copy logs it; the step stays committed (its record is on the
+coordinator's node) and a restore reads that node's files from their replicas or the
+persistent tier.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptlib import crashpoints
-from ckptlib.backends import Storage, join
-from ckptlib.coord.coordinator import Coordinator, liveness_session
-from ckptlib.engine import commit, retire
+from ckptlib.backends import Storage
+from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.session import Session
+from ckptlib.engine import retire
 from ckptlib.engine.save import SaveOptions, SaveResult, SaveSession, encode_metadata, write_state
-from ckptlib.errors import CheckpointError, CommitError
+from ckptlib.errors import CommitError
 from ckptlib.format import layout
-from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.plan.flatten import FlatState, TensorItem
 from ckptlib.tiers import replicas as replica_flow
 from ckptlib.tiers.inventory import local_steps, retired_by_local_retention, write_back_debris
@@ -67,26 +68,11 @@ class LocalTier:
         if self.keep_last < 1:
             raise ValueError("local_keep_last must be >= 1")
 
-    def topo(self, coord: Coordinator, timeout: float) -> Topology:
-        """The nodes of every rank (collective the first time)."""
-        if self.topology is None or len(self.topology.nodes) != coord.world_size:
-            self.topology = Topology.discover(coord, self.node, timeout)
+    def topo(self, s: Session, timeout: float) -> Topology:
+        """The nodes of every rank (collective the first time: one exchange in ``s``)."""
+        if self.topology is None or len(self.topology.nodes) != s.world:
+            self.topology = Topology.discover(s, self.node, timeout)
         return self.topology
-
-
-def _errors(coord: Coordinator, error: BaseException | None, timeout: float) -> dict[int, str]:
-    """Every rank (collective): each rank's failure (rank -> message), the same on every rank."""
-    msg = None if error is None else f"{type(error).__name__}: {error}"
-    if coord.world_size <= 1:
-        return {0: msg} if msg else {}
-    every = coord.agree(coord.gather(msg, timeout), timeout)
-    return {r: m for r, m in enumerate(every) if m}
-
-
-def _raise(storage: Storage, final: str, failures: dict[int, str]) -> None:
-    detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-    raise CommitError(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed on the local tier: {detail}",
-                      failures)
 
 
 def save_local(
@@ -105,107 +91,49 @@ def save_local(
 ) -> SaveResult:
     """Save ``flat`` as ``final`` on the local tier (module docstring). Every rank.
     ``metrics``: recorded in the manifest (``keep_best``)."""
-    with liveness_session(coordinator, "tier save"):
-        return _save_local(tier, final, flat, step=step, metadata=metadata, options=options, coordinator=coordinator,
-                           save_id=save_id, created=created, rounds=rounds, metrics=metrics)
-
-
-def _save_local(
-    tier: LocalTier,
-    final: str,
-    flat: FlatState,
-    *,
-    step: int | None,
-    metadata: Any,
-    options: SaveOptions,
-    coordinator: Coordinator,
-    save_id: str,
-    created: float,
-    rounds: Iterable[list[TensorItem]] | None = None,
-    metrics: dict[str, float] | None = None,
-) -> SaveResult:
-    """:func:`save_local`, inside its liveness session."""
     coord, local = coordinator, tier.storage
-    topo = tier.topo(coord, options.timeout)
-    meta_tree = encode_metadata(metadata)
-    # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
-    # every file of the step, piece index files included (tiers/drain.py step_files).
-    opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout, overwrite=True,
-                       format_version=options.format_version)
-    session = SaveSession.begin(local, final, step=step, options=opts, coordinator=coord, save_id=save_id,
-                                created=created)
-    leader = topo.is_leader(coord.rank) and not coord.is_coordinator
-    node_staging: commit.Staging | None = None
-    try:
-        error: BaseException | None = None
-        if leader:
-            try:
-                with session.bounded():
-                    local.makedirs("")
-                    node_staging = commit.begin(local, final, session.save_id)
-            except FileExistsError:
-                error = CommitError(f"node {tier.node}'s local folder {local.url} already holds this save's "
-                                    "staging folder: is it shared with another node? Put '{node}' in local= "
-                                    "or use node-local disks")
-            except (CheckpointError, OSError) as e:
-                error = e
-        failures = _errors(coord, error, session.left())
-        if failures:
-            session.abort()
-            _raise(local, final, failures)
-        error = write_state(session, flat, rounds)
-        mine = session.files
-        if error is None:
-            try:  # v2: the index file now, so that it is replicated with the payload
-                index = session.write_index()
-                if index is not None:
-                    mine.append((str(index["path"]), int(index["size"])))
-            except Exception as e:
-                error = e
-        if error is None:
-            crashpoints.point("local_write", coord.rank)
-        if tier.replicas and len(set(topo.nodes)) > 1:
-            # Every rank learns whether all wrote, so no rank waits on a peer that never sends.
-            if not _errors(coord, error, session.left()):
-                try:
-                    replica_flow.replicate(local, coord, topo, work=layout.tmp_dir(final, session.save_id),
-                                           mine=mine, replicas=tier.replicas, jump=tier.jump,
-                                           timeout=session.left())
+    with coord.session("tier save", coord.deadline(options.timeout)) as s:
+        topo = tier.topo(s, options.timeout)
+        meta_tree = encode_metadata(metadata)
+        several = s.world > 1 and len(set(topo.nodes)) > 1
+        # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
+        # every file of the step, piece index files included (tiers/drain.py step_files).
+        opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout,
+                           overwrite=True, format_version=options.format_version)
+        save = SaveSession.begin(local, final, step=step, options=opts, session=s, save_id=save_id, created=created,
+                                 stage_here=topo.is_leader(s.rank))
+        save.copies = several
+        save.record_elsewhere = topo.nodes[s.rank] != topo.nodes[0]
+        try:
+            error = write_state(save, flat, rounds)
+            mine = save.files
+            if error is None:
+                try:  # v2: the index file now, so that it is replicated with the payload
+                    index = save.write_index()
+                    if index is not None:
+                        mine.append((str(index["path"]), int(index["size"])))
                 except Exception as e:
                     error = e
-            elif error is None:
-                error = CommitError("another rank failed to write its part; no replicas sent")
-        if coord.is_coordinator and error is None:
-            crashpoints.point("local_commit", coord.rank)
-        shapes = {it.name: it.global_shape for it in flat.items}
-        result = session.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
-                                metadata=meta_tree, metrics=metrics)
-        # The coordinator's node is committed; the other nodes commit the same bytes.
-        if coord.world_size > 1 and len(set(topo.nodes)) > 1:
-            text: str | None = None
-            if coord.is_coordinator:
-                try:
-                    text = local.read(join(final, MANIFEST_NAME)).decode("ascii")
-                except (OSError, CheckpointError, UnicodeDecodeError) as e:
-                    text = None
-                    log.warning("ckptlib: cannot read back the local manifest of %s: %s", final, e)
-            text = coord.agree(text, session.left())
-            error = None if text is not None else CommitError("the coordinator's manifest could not be read back")
-            if leader and node_staging is not None and text is not None:
-                try:
-                    crashpoints.point("local_commit", coord.rank)
-                    commit.publish(local, node_staging, text.encode("ascii"), overwrite=True)
-                    node_staging = None
-                except (CheckpointError, OSError) as e:
-                    error = e
-            failures = _errors(coord, error, session.left())
-            if failures:
-                _raise(local, final, failures)
-        return result
-    finally:
-        session.abort()  # a no-op after finish
-        if node_staging is not None:
-            commit.abort(local, node_staging)
+            if error is None:
+                crashpoints.point("local_write", s.rank)
+            if tier.replicas and several:
+                # Every rank learns whether all wrote, so no rank waits on a peer that never sends.
+                if all(s.exchange(error is None, deadline=save.deadline)):
+                    try:
+                        replica_flow.replicate(local, s, topo, work=layout.tmp_dir(final, save.save_id), mine=mine,
+                                               replicas=tier.replicas, jump=tier.jump, deadline=save.deadline)
+                    except Exception as e:
+                        error = e
+                elif error is None:
+                    error = CommitError("another rank failed to write its part; no replicas sent")
+            if s.is_coordinator and error is None:
+                crashpoints.point("local_commit", s.rank)
+            shapes = {it.name: it.global_shape for it in flat.items}
+            return save.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
+                               metadata=meta_tree, metrics=metrics)
+        except BaseException as e:
+            save.abort(e)  # a no-op after finish
+            raise
 
 
 def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int], rank: int = 0,

@@ -2,18 +2,17 @@
 
 :func:`node_index` runs on the training thread when the manager is made; :class:`Topology` is
 built once per manager by :meth:`Topology.discover` (collective, on the thread of the first save
-or restore; a restore discovers it inside its liveness session) and then answered locally on any
+or restore, inside its session) and then answered locally on any
 thread.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.session import Session
 
 
 def node_index(env: Mapping[str, str] = os.environ) -> int:
@@ -43,14 +42,13 @@ class Topology:
     nodes: tuple[int, ...]
 
     @classmethod
-    def discover(cls, coord: Coordinator, node: int, timeout: float) -> Topology:
-        """Every rank (collective): learn every rank's node, in one :meth:`Coordinator.exchange`
-        (inside a save's or restore's liveness session a slow-but-alive rank is waited for up
-        to ``timeout``, a dead or frozen one fails the others within the coordination timeout;
-        outside a session, gather and agree)."""
-        if coord.world_size <= 1:
+    def discover(cls, s: Session, node: int, timeout: float) -> Topology:
+        """Every rank (collective): learn every rank's node, in one :meth:`Session.exchange` of
+        the caller's session (a slow-but-alive rank is waited for up to ``timeout``, a dead or
+        frozen one fails the others within the coordination timeout)."""
+        if s.world <= 1:
             return cls((node,))
-        return cls(tuple(int(n) for n in coord.exchange(node, time.monotonic() + timeout)))
+        return cls(tuple(int(n) for n in s.exchange(node, deadline=s.now() + timeout)))
 
     def ranks_on(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.nodes) if n == node]

@@ -17,17 +17,16 @@ is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two t
   read-only :class:`SourceView` (own local > peer copy > persistent) with the reader's checksum
   checks; a copy that fails them sends the rank to the persistent copy before the step is given up.
 
-Waits: :func:`restore` opens one liveness session
-(:func:`ckptlib.coord.coordinator.liveness_session`; opening it needs no meeting) around
-everything else: the topology (:meth:`Topology.discover`), the collection
+Waits: :func:`restore` opens one coordination session (``coord.session("tier restore", ...)``;
+opening it needs no meeting) around everything else: the topology (:meth:`Topology.discover`), the collection
 of every rank's local steps, the resume loop (which runs in it) and :func:`write_back`. Every
-meeting in it is a :meth:`Coordinator.exchange`, :meth:`Coordinator.share` or
-:meth:`Coordinator.consult` (the local steps and the planning rounds: the coordinator gets every
+meeting in it is a :meth:`Session.exchange`, :meth:`Session.share` or
+:meth:`Session.consult` (the local steps and the planning rounds: the coordinator gets every
 rank's report and answers each rank its own plan; no rank reads every report, each of which
 lists the step's files), so a rank that is slow but alive (a slow local listing, a slow disk
 verifying checksums) is waited for up to the restore's ``timeout`` per wait, while a dead or
 frozen one fails the others within the coordination timeout. The bulk bytes stay on gloo
-(:func:`.replicas.transfer`); that wait is :func:`_transfer_timeout` (coordination timeout plus
+(:meth:`Coordinator.transfer`); that wait is :func:`_transfer_timeout` (coordination timeout plus
 the round's bytes at a floor bandwidth, capped by the deadline). :func:`write_back` writes each
 file under a temporary name carrying its id and start time; a crash leaves it for the next local
 commit's cleanup (module :mod:`.inventory`, :func:`write_back_debris`).
@@ -49,7 +48,8 @@ from typing import Any
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.backends.base import Entry, ReadHandle, WriteStream
-from ckptlib.coord.coordinator import Coordinator, liveness_session
+from ckptlib.coord.coordinator import Coordinator
+from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.resume import Candidate, resume_newest
@@ -78,7 +78,7 @@ from ckptlib.tiers.inventory import (
 )
 from ckptlib.tiers.local import LocalTier
 from ckptlib.tiers.node import Topology
-from ckptlib.tiers.replicas import REPLICA_DIR, transfer, transfer_timeout
+from ckptlib.tiers.replicas import REPLICA_DIR, transfer_timeout
 
 log = logging.getLogger("ckptlib")
 
@@ -308,7 +308,7 @@ def needed_files(m: Manifest, boxes: list[tuple[str, tuple[int, ...], tuple[int,
     return out
 
 
-def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, where: str, local: Storage,
+def _needs(mdata: bytes | None, state: Any, s: Session, per_rank: str, where: str, local: Storage,
            final: str, have: dict[str, str]) -> set[str] | None:
     """The files this rank's load reads (None: unknown, take them all). Format v2: the index
     files of the ranks holding the boxes it reads (their sharding says which), and the payload
@@ -319,7 +319,7 @@ def _needs(mdata: bytes | None, state: Any, coord: Coordinator, per_rank: str, w
         return None
     try:
         m = decode(mdata, where)
-        plan = load_flow.Merge(m, coord.rank, coord.world_size, per_rank, where=where)
+        plan = load_flow.Merge(m, s.rank, s.world, per_rank, where=where)
         plan.merge(state, tree_codec.decode(m.tree, m.tensors, where), "")
         boxes = [(q.name, tuple(q.offset), tuple(q.shape)) for q in plan.requests]
         if m.version < 2:
@@ -344,28 +344,32 @@ def _all_files(mdata: bytes | None, where: str) -> dict[str, int]:
         return {}  # the load reports the bad manifest
 
 
-def _exchange(coord: Coordinator, plan: dict[str, Any], local: Storage, have: dict[str, str],
+def _exchange(s: Session, plan: dict[str, Any], local: Storage, have: dict[str, str],
               mdata: bytes | None, timeout: float) -> dict[str, bytes]:
     """Every rank: run one round of a plan (send what it lists, receive what it lists)."""
     sends = [(int(dst), (mdata if name == MANIFEST_NAME else local.read(have[name])) or b"")
              for dst, name in plan["send"]]
-    got = transfer(coord, sends, [(int(src), int(size)) for src, _, size in plan["recv"]], timeout)
+    got = s.coord.transfer(sends, [(int(src), int(size)) for src, _, size in plan["recv"]], timeout)
     return {name: data for (_src, name, _size), data in zip(plan["recv"], got, strict=True)}
 
 
 def _answers(plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Coordinator: one round's plans as the ranks' answers (:meth:`Coordinator.consult`): each
-    rank's plan with ``bytes``, the round's bytes all ranks together (:func:`_transfer_timeout`)."""
-    total = sum(int(size) for p in plans for _src, _name, size in p.get("recv", []))
-    return [{**p, "bytes": total} for p in plans]
+    """Coordinator: one round's plans as the ranks' answers (:meth:`Session.consult`): each
+    rank's plan with ``bytes``, the bytes it sends and receives in the round (:func:`_transfer_timeout`)."""
+    sent: dict[int, int] = {}
+    for p in plans:
+        for src, _name, size in p.get("recv", []):
+            sent[int(src)] = sent.get(int(src), 0) + int(size)
+    return [{**p, "bytes": sent.get(r, 0) + sum(int(size) for _s, _n, size in p.get("recv", []))}
+            for r, p in enumerate(plans)]
 
 
-def _transfer_timeout(coord: Coordinator, plan: dict[str, Any], deadline: float) -> float:
+def _transfer_timeout(s: Session, plan: dict[str, Any], deadline: float) -> float:
     """The wait of one round of peer transfers (gloo: the one wait of a tier restore not judged
-    by heartbeats): :func:`.replicas.transfer_timeout` of the round's bytes, all ranks together.
-    The ranks enter it together, right after the :meth:`Coordinator.consult` of the plans, so a
+    by heartbeats): :func:`.replicas.transfer_timeout` of this rank's bytes in the round.
+    The ranks enter it together, right after the :meth:`Session.consult` of the plans, so a
     dead or frozen peer fails it within about that time. ``plan``: this rank's (:func:`_answers`)."""
-    return transfer_timeout(coord, int(plan.get("bytes", 0)), deadline)
+    return transfer_timeout(s, int(plan.get("bytes", 0)), deadline)
 
 
 def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None = None,
@@ -373,30 +377,30 @@ def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator
             keys: dict[str, list[str]] | None = None) -> int | None:
     """``CheckpointManager.restore`` with a local tier (module docstring). Every rank.
     ``strict``/``keys``: as :func:`ckptlib.engine.resume.restore`."""
-    with liveness_session(coord, "tier restore"):  # every meeting below, write-back included
-        return _restore(tier, persistent, state, coord, step=step, verify=verify, per_rank=per_rank,
+    with coord.session("tier restore", coord.deadline(timeout)) as s:  # every meeting below, write-back included
+        return _restore(tier, persistent, state, s, step=step, verify=verify, per_rank=per_rank,
                         timeout=timeout, strict=strict, keys=keys)
 
 
-def _restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None,
+def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, step: int | None,
              verify: bool, per_rank: str, timeout: float, strict: bool, keys: dict[str, list[str]] | None,
              ) -> int | None:
-    topo = tier.topo(coord, timeout)
-    mine = {str(s): sid for s, sid in local_steps(tier.storage).items()}
+    topo = tier.topo(s, timeout)
+    mine = {str(n): sid for n, sid in local_steps(tier.storage).items()}
     held: list[dict[str, str]] = []
 
     def keep(steps: list[dict[str, str]]) -> list[None]:  # coordinator: for listing()
         held[:] = steps
         return [None] * len(steps)
 
-    coord.consult(mine, keep, time.monotonic() + timeout)
+    s.consult(mine, keep, deadline=s.now() + timeout)
 
     def listing() -> list[Candidate]:
-        cands = candidates(tier, persistent, [{int(s): sid for s, sid in h.items()} for h in held])
+        cands = candidates(tier, persistent, [{int(n): sid for n, sid in h.items()} for h in held])
         return cands if step is None else [c for c in cands if c.step == step]
 
     def deadline() -> float:
-        return time.monotonic() + timeout
+        return s.now() + timeout
 
     def attempt(c: Candidate) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
@@ -413,10 +417,10 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinato
             kept["reports"] = reports
             return _answers(_plan_manifests(reports, pers_id is not None))
 
-        plan = coord.consult(report, manifests, deadline())
+        plan = s.consult(report, manifests, deadline=deadline())
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
-        mdata = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plan, deadline())
+        mdata = _exchange(s, plan, tier.storage, have, mdata, _transfer_timeout(s, plan, deadline())
                           ).get(MANIFEST_NAME, mdata)
         if mdata is None and pers_id is not None:  # only the persistent copy has a manifest
             try:
@@ -424,16 +428,16 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinato
             except (CheckpointError, OSError) as e:
                 log.warning("ckptlib: cannot read the persistent manifest of step %d: %s", c.step, e)
         # Round 2: the files this rank reads and its node lacks, from peers (else persistent).
-        need = _needs(mdata, state, coord, per_rank, where, tier.storage, c.folder, have)
+        need = _needs(mdata, state, s, per_rank, where, tier.storage, c.folder, have)
         sizes = _all_files(mdata, where)
         if need is None:  # unknown: every file the manifest names
             need = set(sizes)
         mine = sorted(need - set(have))
-        plan = coord.consult(mine, lambda needs: _answers(_plan_files(kept["reports"], needs, topo.nodes,
-                                                                      pers_id is not None)), deadline())
+        plan = s.consult(mine, lambda needs: _answers(_plan_files(kept["reports"], needs, topo.nodes,
+                                                                  pers_id is not None)), deadline=deadline())
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
-        fetched = _exchange(coord, plan, tier.storage, have, mdata, _transfer_timeout(coord, plan, deadline()))
+        fetched = _exchange(s, plan, tier.storage, have, mdata, _transfer_timeout(s, plan, deadline()))
         if mdata is None:
             raise CorruptCheckpointError(f"step {c.step}: no readable manifest on any tier")
         view_args: dict[str, Any] = {}
@@ -444,24 +448,24 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinato
         view = SourceView(c.folder, manifest=mdata, local=tier.storage, local_paths=have, fetched=fetched,
                           sizes=sizes, **view_args)
         try:
-            load_flow.load_checkpoint(view, c.folder, state, verify=verify, rank=coord.rank,
-                                      world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found)
+            load_flow.load_checkpoint(view, c.folder, state, verify=verify, rank=s.rank,
+                                      world_size=s.world, per_rank=per_rank, strict=strict, keys=found)
         except CorruptCheckpointError as e:
             if pers_id is None or (not have and not fetched):
                 raise
             log.warning("ckptlib: a local or peer copy of step %d is bad (%s); reading the persistent copy", c.step, e)
-            load_flow.load_checkpoint(persistent, c.folder, state, verify=verify, rank=coord.rank,
-                                      world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found)
+            load_flow.load_checkpoint(persistent, c.folder, state, verify=verify, rank=s.rank,
+                                      world_size=s.world, per_rank=per_rank, strict=strict, keys=found)
         last.update(step=c.step, folder=c.folder, manifest=mdata, have=have, fetched=fetched, reports=kept.get("reports"),
                     node_had=files is not None, persistent=pers_id)
         return found
 
     last: dict[str, Any] = {}
-    got = resume_newest(coord, listing, attempt, timeout=timeout, where=f"{tier.storage.url} and {persistent.url}")
+    got = resume_newest(s, listing, attempt, timeout=timeout, where=f"{tier.storage.url} and {persistent.url}")
     if got is not None and keys is not None:
         keys.update(got.value)
     if got is not None and last.get("step") == got.candidate.step:
-        write_back(tier, persistent, coord, topo, last, timeout=timeout)
+        write_back(tier, persistent, s, topo, last, timeout=timeout)
     if got is None and step is not None:
         raise CheckpointNotFoundError(f"no step {step} under {tier.storage.url} or {persistent.url}")
     return got.candidate.step if got else None
@@ -521,7 +525,7 @@ the node leader's post-commit cleanup, :func:`ckptlib.tiers.local.after_local_co
 their temporary files alone)."""
 
 
-def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: Topology, last: dict[str, Any], *,
+def write_back(tier: LocalTier, persistent: Storage, s: Session, topo: Topology, last: dict[str, Any], *,
                timeout: float) -> list[str]:
     """Every rank (collective), right after a restore that every rank finished: make this
     node's folder hold again what the save left there (:func:`duties`), from the copies the
@@ -540,17 +544,17 @@ def write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: T
     wid = new_write_back_id()
     ACTIVE_WRITE_BACKS.add(wid)
     try:
-        return _write_back(tier, persistent, coord, topo, last, timeout=timeout, wid=wid)
+        return _write_back(tier, persistent, s, topo, last, timeout=timeout, wid=wid)
     finally:
         ACTIVE_WRITE_BACKS.discard(wid)
 
 
-def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: Topology, last: dict[str, Any], *,
+def _write_back(tier: LocalTier, persistent: Storage, s: Session, topo: Topology, last: dict[str, Any], *,
                 timeout: float, wid: str) -> list[str]:
-    deadline = time.monotonic() + timeout
+    deadline = s.now() + timeout
 
     def left() -> float:
-        return max(0.1, deadline - time.monotonic())
+        return s.left(deadline)
 
     local, final, mdata = tier.storage, str(last["folder"]), last["manifest"]
     have: dict[str, str] = last["have"]
@@ -562,8 +566,8 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
     ok = True
     try:
         m = decode(mdata, where)
-        if m.world_size == coord.world_size and (last["node_had"] or local.size(join(final, MANIFEST_NAME)) is None):
-            todo = {n: d for n, d in duties(m, final, topo, coord.rank, tier.replicas, tier.jump).items()
+        if m.world_size == s.world and (last["node_had"] or local.size(join(final, MANIFEST_NAME)) is None):
+            todo = {n: d for n, d in duties(m, final, topo, s.rank, tier.replicas, tier.jump).items()
                     if n not in have}
     except (CheckpointError, OSError) as e:
         ok = False
@@ -575,12 +579,12 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
         # from the attempt's reports, as in its round 2).
         lacking = sorted(n for n in todo if n not in fetched)
         try:
-            plan = coord.consult(lacking, lambda needs: _answers(_plan_files(last["reports"], needs, topo.nodes,
-                                                                             True)), deadline)
+            plan = s.consult(lacking, lambda needs: _answers(_plan_files(last["reports"], needs, topo.nodes,
+                                                                         True)), deadline=deadline)
         except CommitError as e:
             apart = e
             raise
-        fetched.update(_exchange(coord, plan, local, have, mdata, _transfer_timeout(coord, plan, deadline)))
+        fetched.update(_exchange(s, plan, local, have, mdata, _transfer_timeout(s, plan, deadline)))
         if m is not None and todo:
             view = SourceView(final, manifest=mdata, local=local, local_paths=have, fetched=fetched,
                               persistent=persistent if pers_id is not None else None, persistent_prefix=pers_id or "")
@@ -596,7 +600,7 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
                     try:
                         load_indexes(view, final, m, [index_of[f.rank]] if f.rank in index_of else [])
                         with view.open_read(join(final, name)) as h:
-                            _put_verified(local, final, mdata, m, path, f, h, wid, coord.rank)
+                            _put_verified(local, final, mdata, m, path, f, h, wid, s.rank)
                         written.append(path)
                     except (CheckpointError, OSError) as e:
                         ok = False
@@ -607,12 +611,12 @@ def _write_back(tier: LocalTier, persistent: Storage, coord: Coordinator, topo: 
     oks: list[Any] = []
     if apart is None:
         try:  # every rank reaches the end together (a dead or frozen one fails the others in time)
-            oks = coord.exchange(ok, deadline) if coord.world_size > 1 else [ok]
+            oks = s.exchange(ok, deadline=deadline) if s.world > 1 else [ok]
         except CommitError as e:
             log.warning("ckptlib: write-back to %s: the ranks did not finish together: %s", where, e)
     try:
-        node_ok = bool(oks) and all(o for r, o in enumerate(oks) if topo.nodes[r] == topo.nodes[coord.rank])
-        if (topo.is_leader(coord.rank) and node_ok and m is not None and m.world_size == coord.world_size
+        node_ok = bool(oks) and all(o for r, o in enumerate(oks) if topo.nodes[r] == topo.nodes[s.rank])
+        if (topo.is_leader(s.rank) and node_ok and m is not None and m.world_size == s.world
                 and not last["node_had"] and local.size(join(final, MANIFEST_NAME)) is None):
             with local.deadline(left()):
                 local.put_atomic(join(final, MANIFEST_NAME), mdata)

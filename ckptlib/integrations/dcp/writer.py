@@ -145,8 +145,9 @@ class CkptlibWriter(Located, StorageWriter):
         except Exception as e:  # every rank must reach collect(), which fails the save everywhere
             error = e
         try:
-            self._results = session.collect(shapes=shapes, error=error)
-        except CommitError:
+            self._results = session.collect(shapes=shapes, error=error, release=True)
+        except CommitError as e:
+            session.abort(e)
             self._session = None
             if error is not None:
                 raise error from None  # this rank's own error says more

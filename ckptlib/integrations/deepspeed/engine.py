@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptlib.backends import open_storage
-from ckptlib.coord.coordinator import Coordinator, liveness_session
+from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.errors import (
     CheckpointError,
@@ -152,12 +152,12 @@ class EngineMixin:
         except UnsupportedValueError as e:
             error = e
         mine = (bool(pending), None if error is None else str(error))
-        with liveness_session(coord, "deepspeed check"):  # no save in flight: mgr.save below waits
-            everyone = coord.gather(list(mine), 60.0)
-            verdict = coord.agree(None if everyone is None else {
+        with coord.session("deepspeed check", coord.deadline(60.0)) as s:  # no save in flight: mgr.save waits
+            everyone = s.report(list(mine))
+            verdict = s.share(None if everyone is None else {
                 "any": any(f for f, _ in everyone),
                 "errors": {str(r): msg for r, (_, msg) in enumerate(everyone) if msg},
-            }, 60.0)
+            })
         if verdict["errors"]:
             if error is not None:
                 raise error

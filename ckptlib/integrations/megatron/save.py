@@ -28,7 +28,8 @@ from megatron.core.dist_checkpointing.strategies import base as mbase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 from ckptlib.backends import open_storage
-from ckptlib.coord.coordinator import Coordinator, default_coordinator, liveness_session
+from ckptlib.coord.coordinator import default_coordinator
+from ckptlib.coord.session import Session
 from ckptlib.engine import save as save_flow
 from ckptlib.errors import CommitError, StateMismatchError, UnsupportedValueError
 from ckptlib.format.dtypes import dtype_name
@@ -48,10 +49,10 @@ def _tensor_name(key: str) -> str:
     return f"/tensors/{escape(key)}"
 
 
-def _build(sd: ShardedStateDict, coord: Coordinator, timeout: float, copy: bool
+def _build(sd: ShardedStateDict, s: Session, timeout: float, copy: bool
            ) -> tuple[FlatState, list[str]]:
     """FlatState for this rank: identical tree on every rank (union of keys), own pieces only.
-    Collective (one gather + one agree on ckptlib's group)."""
+    Collective (a report and a share in the caller's session ``s``)."""
     pieces: list[tuple[ShardedTensor, torch.Tensor]] = []
     objects: dict[str, Any] = {}
     keys: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -73,11 +74,11 @@ def _build(sd: ShardedStateDict, coord: Coordinator, timeout: float, copy: bool
     obj_flat: FlatState | None = None
     mine: Any
     try:
-        obj_flat = flatten({"objects": PerRank(objects)}, coord.rank)
+        obj_flat = flatten({"objects": PerRank(objects)}, s.rank)
         mine = sorted(keys.items())
     except UnsupportedValueError as e:
         mine = {"unsupported": str(e)}
-    everyone = coord.gather(mine, timeout)
+    everyone = s.report(mine, deadline=s.now() + timeout)
     answer: dict[str, Any] | None = None
     if everyone is not None:
         merged: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -92,7 +93,7 @@ def _build(sd: ShardedStateDict, coord: Coordinator, timeout: float, copy: bool
                     error = f"tensor {k!r}: rank {rank} has {dt} {list(gs)}, another rank {merged[k][0]} {list(merged[k][1])}"
         if answer is None:
             answer = {"error": error} if error else {"keys": sorted(merged)}
-    answer = coord.agree(answer, timeout)
+    answer = s.share(answer, deadline=s.now() + timeout)
     assert answer is not None
     if "unsupported" in answer:
         raise UnsupportedValueError(answer["unsupported"])
@@ -151,12 +152,12 @@ class SaveStrategy(mbase.AsyncSaveShardedStrategy):
         if not self._idle.wait(self.options.timeout):
             raise CommitError("the previous async save did not finish within the save timeout")
         coord = default_coordinator()
-        with liveness_session(coord, "megatron check"):  # a late rank is waited for while alive
-            flat, _ = _build(sd, coord, self.options.timeout, copy)
-            meta = coord.agree({"megatron": {
+        with coord.session("megatron check", coord.deadline(self.options.timeout)) as s:  # a late rank is waited for
+            flat, _ = _build(sd, s, self.options.timeout, copy)
+            meta = s.share({"megatron": {
                 "backend": BACKEND, "version": VERSION, "common": common_record(checkpoint_dir),
                 "megatron_core": _megatron_version(),
-            }} if coord.is_coordinator else None, self.options.timeout)
+            }} if s.is_coordinator else None)
         step = iteration_of(checkpoint_dir)
         storage = open_storage(checkpoint_dir)
         options, idle = self.options, self._idle
