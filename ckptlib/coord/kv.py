@@ -233,11 +233,10 @@ class TorchKV:
 
     def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
         def wait(store: Any) -> bytes:
+            # Blocks on the server until the key is set: no polling. (Every get of this
+            # connection is either such a wait or of a key known to exist.)
             store.set_timeout(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            try:
-                return bytes(store.get(key))  # blocks on the server until set; no polling
-            finally:
-                store.set_timeout(timedelta(seconds=max(1.0, self.limit)))
+            return bytes(store.get(key))
 
         ticket = self.pulse.watch(key, watch)
         try:

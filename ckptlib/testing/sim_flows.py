@@ -22,7 +22,9 @@ invariant violations found (:func:`violations`):
    transfer waits on it first: a tier save's replica stream), by every rank whose flow failed
    while it was frozen;
 6. a restore: every live rank returns the same step with the saved bytes, or every live rank
-   raises; none raises when the fault was only an exit after returning.
+   raises;
+7. with no fault before the flows returned (none, a late rank, exits after returning), no rank
+   of any flow fails.
 """
 
 from __future__ import annotations
@@ -107,9 +109,12 @@ def pick(seed: int, flow: str | None = None, fault: str | None = None) -> tuple[
     return flow, world, f
 
 
-def run_schedule(seed: int, flow: str | None = None, fault: str | None = None, dead_after: float = 5.0) -> Report:
-    """One schedule (module docstring)."""
-    flow, world, f = pick(seed, flow, fault)
+def run_schedule(seed: int, flow: str | None = None, fault: str | None = None, dead_after: float = 5.0,
+                 spec: Fault | None = None, world: int | None = None) -> Report:
+    """One schedule (module docstring); ``spec``/``world`` replace the seed's fault and size."""
+    flow, picked, f = pick(seed, flow, fault)
+    f = spec or f
+    world = world or picked
     rep = Report(seed, flow, world, f)
     w = World(world, seed=seed, dead_after=dead_after, latency=0.003)
     coords = [SimCoordinator(w, r) for r in range(world)]
@@ -234,8 +239,10 @@ def violations(rep: Report, w: World, bodies: dict[int, SimThread], expect: _Exp
                 any(o.startswith("restored") for o in done) and any(o.startswith("failed") for o in done)
                 and f.kind in ("none", "exit", "late")):
             out.append(f"ranks disagree on the restore: {sorted(done)}")
-        if f.kind in ("none", "exit", "late") and any(o.startswith("failed") for o in done):
-            out.append(f"a restore failed with no fault before it returned: {sorted(done)}")
+    if f.kind in ("none", "exit", "late"):  # no fault before the flows returned: nothing may fail
+        failed = sorted({o[:200] for r, o in rep.outcomes.items() if o.startswith(("failed", "unknown", "hung"))})
+        if failed:
+            out.append(f"a {rep.flow} failed with no fault before it returned: {failed}")
     return out
 
 

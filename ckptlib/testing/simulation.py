@@ -61,8 +61,9 @@ class SimThread:
     proc: Proc
     name: str
     fn: Callable[[], Any]
+    pool: dict[SimThread, None]
+    """The world's threads ready to run (insertion-ordered: the schedule stays deterministic)."""
     go: threading.Event = field(default_factory=threading.Event)
-    ready: bool = True
     finished: bool = False
     result: Any = None
     error: BaseException | None = None
@@ -71,6 +72,17 @@ class SimThread:
     steps: int = 0
     waiting: str | None = None  # the store key it is parked on, if any
     parks: int = 0  # parks so far: a timer wakes only the park that set it
+
+    @property
+    def ready(self) -> bool:
+        return self in self.pool
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        if value and not self.finished:
+            self.pool[self] = None
+        else:
+            self.pool.pop(self, None)
     os_thread: threading.Thread | None = None
 
 
@@ -92,6 +104,7 @@ class World:
         self.data: dict[str, bytes] = {}
         self.procs = [Proc(r) for r in range(world)]
         self.threads: list[SimThread] = []
+        self._ready: dict[SimThread, None] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._waiters: dict[str, list[SimThread]] = {}
@@ -104,6 +117,12 @@ class World:
         self._step_hooks: dict[int, Callable[[SimThread], None]] = {}
         self._mail: dict[tuple[int, int], list[bytes]] = {}
         self._on_thaw: list[Callable[[], Any]] = []
+        self.service = 0.0
+        """Store seconds per request (0: none): the store serves one request at a time, so
+        requests that arrive together queue (bench/bench_coord.py's latency model)."""
+        self.per_key = 0.0
+        """Store seconds per key of a batched request."""
+        self._server_free = 0.0
         for r in range(world):
             self.data[hb_key(r)] = b"1"
             self._timer(self.rng.uniform(0, self.every), self._beat_fn(r))
@@ -117,7 +136,8 @@ class World:
 
     # -- processes and threads
     def spawn(self, rank: int, fn: Callable[[], Any], name: str = "flow") -> SimThread:
-        t = SimThread(self.procs[rank], name, fn, started_at=self.t)
+        t = SimThread(self.procs[rank], name, fn, self._ready, started_at=self.t)
+        t.ready = True
 
         def body() -> None:
             t.go.wait()
@@ -130,6 +150,7 @@ class World:
             except BaseException as e:  # recorded for the checks
                 t.error = e
             t.finished = True
+            t.ready = False
             t.ended_at = self.t
             self._parked.set()
 
@@ -206,7 +227,7 @@ class World:
         """Run every thread until all finished, or virtual time ``until`` passed (threads
         still blocked then are hangs: see :meth:`hung`). Then unwind every unfinished thread."""
         while True:
-            runnable = [t for t in self.threads if t.ready and not t.finished and t.proc.state == "alive"]
+            runnable = [t for t in self._ready if t.proc.state == "alive"]
             if runnable:
                 self._switch(self.rng.choice(runnable))
                 continue
@@ -277,11 +298,11 @@ class World:
                 raise StoreUnreachable("store unreachable: its host process is gone (connection refused)")
             if host.state == "alive":
                 return
-            if self.t >= started + self.limit:
+            if self.t >= started + self.limit:  # (started: inf for a patient caller)
                 if op is not None:
                     self._on_thaw.append(op)
                 raise StoreUnreachable(f"store call unanswered for {self.limit:.0f}s")
-            self.park(until=started + self.limit)
+            self.park(until=None if started == float("inf") else started + self.limit)
 
     def _set(self, key: str, value: bytes) -> None:
         self.data[key] = value
@@ -320,18 +341,25 @@ class SimKV:
 
     BATCH = 256
 
-    def __init__(self, world: World, rank: int) -> None:
+    def __init__(self, world: World, rank: int, patient: bool = False) -> None:
         self.world, self.rank = world, rank
         self.clock = world
         self.every = world.every
+        self.patient = patient  # the worker of a post: its calls wait for a frozen store (no limit)
 
     def _call(self, op: str, nkeys: int = 1, write: Callable[[], Any] | None = None) -> None:
         w = self.world
-        for _ in range(max(1, -(-nkeys // self.BATCH))):
+        for i in range(max(1, -(-nkeys // self.BATCH))):
             w.calls[(self.rank, op)] += 1
             started = w.t
-            w.step()
-            w._store_ready(started, write)
+            if w.service:  # half the network, the store's queue, the other half
+                keys = min(self.BATCH, nkeys - i * self.BATCH)
+                done = max(w.t + w.rng.uniform(0, w.latency) / 2, w._server_free) + w.service + w.per_key * keys
+                w._server_free = done
+                w.step(cost=done - w.t + w.rng.uniform(0, w.latency) / 2)
+            else:
+                w.step()
+            w._store_ready(float("inf") if self.patient else started, write)
 
     def set(self, key: str, value: bytes) -> None:
         self._call("set", write=lambda: self.world._set(key, bytes(value)))
@@ -407,7 +435,8 @@ class SimKV:
     def post(self, calls: Callable[[KV], None], wait: float) -> None:
         """Runs on a thread of this process of its own; the caller waits for it up to ``wait``."""
         w = self.world
-        t = w.spawn(self.rank, lambda: calls(self), name="post")
+        worker = SimKV(w, self.rank, patient=True)
+        t = w.spawn(self.rank, lambda: calls(worker), name="post")
         end = w.t + wait
         while not t.finished and w.t < end:
             w.park(until=min(end, w.t + 0.001))

@@ -39,6 +39,7 @@ thread) puts what each node lost back into its folder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -249,18 +250,19 @@ def _holdings(local: Storage, final: str, save_id: str, verify: bool) -> tuple[d
 
 
 def _plan_manifests(reports: list[dict[str, Any]], persistent: bool) -> list[dict[str, Any]]:
-    """Coordinator, round 1: is every file of the step held somewhere (or is the step
-    persisted)? And for each rank without a local manifest, which rank sends it one."""
+    """Coordinator, round 1: which ranks hold the step's manifest (compared by digest: the
+    ranks report ``mdigest``, never the manifest's file list), and for each rank without it (or
+    with another one), which rank sends it one. Whether every file has a copy somewhere is
+    judged in round 2, once the coordinator holds the manifest (:func:`_plan_files`)."""
     world = len(reports)
-    files = next((r["files"] for r in reports if r["files"] is not None), None)
-    why = unrestorable(None if files is None else [name for name, _ in files], [rep["held"] for rep in reports],
-                       persistent)
-    if why:
-        return [{"error": why}] * world
+    digests = Counter(rep["mdigest"] for rep in reports if rep["mdigest"] is not None)
+    if not digests:
+        return [{"error": None if persistent else "no manifest on any node", "send": [], "recv": []}] * world
+    best = digests.most_common(1)[0][0]
     plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": []} for _ in range(world)]
-    holders = [r for r, rep in enumerate(reports) if rep["files"] is not None]
+    holders = [r for r, rep in enumerate(reports) if rep["mdigest"] == best]
     for r, rep in enumerate(reports):
-        if rep["files"] is None and holders:  # a local manifest, from a peer
+        if rep["mdigest"] != best:  # a local manifest, from a peer
             src = holders[r % len(holders)]
             plans[src]["send"].append([r, MANIFEST_NAME])
             plans[r]["recv"].append([src, MANIFEST_NAME, reports[src]["msize"]])
@@ -268,12 +270,16 @@ def _plan_manifests(reports: list[dict[str, Any]], persistent: bool) -> list[dic
 
 
 def _plan_files(reports: list[dict[str, Any]], needs: list[list[str]], nodes: tuple[int, ...],
-                persistent: bool) -> list[dict[str, Any]]:
-    """Coordinator, round 2: for every file a rank needs and its node lacks, a peer on another
+                persistent: bool, files: dict[str, int] | None) -> list[dict[str, Any]]:
+    """Coordinator, round 2: can the step be restored (:func:`unrestorable`: every file of its
+    manifest, ``files`` (name -> size; None: no readable manifest), verified somewhere, or the
+    step persisted)? Then, for every file a rank needs and its node lacks, a peer on another
     node that holds a verified copy (least loaded first), else the persistent tier."""
     world = len(reports)
-    files = next((r["files"] for r in reports if r["files"] is not None), None) or []
-    sizes = {name: int(size) for name, size in files}
+    why = unrestorable(None if files is None else sorted(files), [rep["held"] for rep in reports], persistent)
+    if why:
+        return [{"error": why}] * world
+    sizes = files or {}
     plans: list[dict[str, Any]] = [{"error": None, "send": [], "recv": []} for _ in range(world)]
     load: Counter[int] = Counter()
     holders_of: dict[str, list[int]] = {}
@@ -408,7 +414,8 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, st
         pers_id = extra.get("persistent")
         where = f"{c.folder} (tiers)"
         have, mdata, files = _holdings(tier.storage, c.folder, str(extra.get("save_id")), verify)
-        report = {"held": sorted(have), "files": files, "msize": len(mdata) if mdata is not None else 0}
+        report = {"held": sorted(have), "msize": len(mdata) if mdata is not None else 0,
+                  "mdigest": None if mdata is None else hashlib.blake2b(mdata, digest_size=16).hexdigest()}
         # Round 1: is the step whole somewhere; a manifest for every rank. The coordinator gets
         # every report (a wait on a slow rank lasts while it is alive), each rank its own plan.
         kept: dict[str, Any] = {}  # coordinator: every rank's report, for round 2 and the write-back
@@ -434,7 +441,8 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, st
             need = set(sizes)
         mine = sorted(need - set(have))
         plan = s.consult(mine, lambda needs: _answers(_plan_files(kept["reports"], needs, topo.nodes,
-                                                                  pers_id is not None)), deadline=deadline())
+                                                                  pers_id is not None, sizes or None)),
+                         deadline=deadline())
         if plan["error"]:
             raise CorruptCheckpointError(f"step {c.step} cannot be restored from any tier: {plan['error']}")
         fetched = _exchange(s, plan, tier.storage, have, mdata, _transfer_timeout(s, plan, deadline()))
@@ -580,7 +588,8 @@ def _write_back(tier: LocalTier, persistent: Storage, s: Session, topo: Topology
         lacking = sorted(n for n in todo if n not in fetched)
         try:
             plan = s.consult(lacking, lambda needs: _answers(_plan_files(last["reports"], needs, topo.nodes,
-                                                                         True)), deadline=deadline)
+                                                                         True, _all_files(mdata, where))),
+                             deadline=deadline)
         except CommitError as e:
             apart = e
             raise

@@ -1,0 +1,315 @@
+"""What coordination costs per save, as ranks grow: store round trips, bytes, connections and
+threads, per rank and at the coordinator; save and meeting latency.
+
+Two sources, one table (docs/scale.md, "Coordination at scale"):
+
+- ``real``: W real gloo processes on this machine (W = 2 ... 32), each saving a small sharded
+  state (``--mib`` in all, default 4) with ``CheckpointManager`` (synchronous waits), after one
+  warm-up save. The job's store is wrapped in a counter (``_default_store``, the patch point of
+  ``ckptlib.coord.torch_coordinator``) that counts every round trip by kind and the bytes set
+  and read; ``Store.clone`` counts a connection; ``threading.Thread.start`` counts a thread.
+  Heartbeats (keys ``ckptlib/hb/``, or the old ``/hb/``) are counted apart, per second.
+  Latency: the median seconds of ``save().wait()`` on rank 0 over ``--saves`` saves, and of one
+  meeting (an exchange in a session of its own) over 20 meetings. ``--tree DIR`` runs another
+  checkout's ckptlib (``PYTHONPATH``) under the same harness: the "before" columns.
+- ``sim``: the same save on W simulated ranks (ckptlib/testing/simulation.py; W = 256 ...
+  4,096): the real save flow's store calls, counted per rank, and its virtual latency with a
+  store that serves one request at a time (``--service`` seconds each, plus ``--per-key`` per
+  key of a batch) behind ``--rtt`` of network.
+
+    python bench/bench_coord.py real [--worlds 2 4 8 16 32] [--saves 5] [--tree DIR] [--json OUT]
+    python bench/bench_coord.py sim [--worlds 256 1024 4096] [--json OUT]
+    python bench/bench_coord.py plot RESULTS.json... --out docs/img/coord-scale.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+LOCAL_CALLS = {"set_timeout", "timeout", "host", "port", "libuvBackend", "has_extended_api"}
+
+
+class Counting:
+    """A store wrapper counting round trips (by kind), bytes, and connections (clones)."""
+
+    def __init__(self, inner: Any, counts: collections.Counter, lock: threading.Lock) -> None:
+        self._inner, self._counts, self._lock = inner, counts, lock
+
+    def clone(self) -> Counting:
+        with self._lock:
+            self._counts["connections"] += 1
+        return Counting(self._inner.clone(), self._counts, self._lock)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name in LOCAL_CALLS:
+            return attr
+
+        def call(*a: Any, **k: Any) -> Any:
+            key = str(a[0]) if a else ""
+            beat = "hb/" in key and name == "add"
+            sent = 0
+            if name in ("set", "append") and len(a) > 1:
+                sent = len(a[1])
+            elif name == "multi_set" and len(a) > 1:
+                sent = sum(len(v) for v in a[1])
+            out = attr(*a, **k)
+            got = len(out) if name == "get" else sum(len(v) for v in out) if name == "multi_get" else 0
+            with self._lock:
+                if beat:
+                    self._counts["beats"] += 1
+                else:
+                    self._counts["calls"] += 1
+                    self._counts[f"call:{name}"] += 1
+                    self._counts["bytes"] += sent + got
+            return out
+
+        return call
+
+
+def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    counts: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+    start_thread = threading.Thread.start
+
+    def counted_start(self: threading.Thread, *a: Any, **k: Any) -> None:
+        with lock:
+            counts["threads"] += 1
+        start_thread(self, *a, **k)
+
+    threading.Thread.start = counted_start  # type: ignore[method-assign]
+    import ckptlib
+    import ckptlib.coord.torch_coordinator as tc
+
+    real = tc._default_store
+    wrapped: dict[str, Any] = {}
+
+    def counted_store() -> Any:
+        if "s" not in wrapped:
+            wrapped["s"] = Counting(real(), counts, lock)
+        return wrapped["s"]
+
+    tc._default_store = counted_store
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    rows = max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
+    local = torch.randn(rows // world, 256)
+    state = {"w": ckptlib.Shard(local, (rows, 256), (rank * (rows // world), 0)), "b": torch.ones(256), "step": 0}
+    mgr = ckptlib.CheckpointManager(root, keep_last=2)
+    mgr.save(1, state).wait(timeout=600)  # warm-up: the coordinator is made here
+    dist.barrier()
+    time.sleep(0.5)
+    with lock:
+        base = counts.copy()
+    t_base = time.monotonic()
+    times = []
+    for i in range(saves):
+        dist.barrier()
+        t0 = time.monotonic()
+        mgr.save(2 + i, state).wait(timeout=600)
+        times.append(time.monotonic() - t0)
+    window = time.monotonic() - t_base
+    with lock:
+        diff = {k: (counts[k] - base.get(k, 0)) for k in counts}
+    meet = _meetings(mgr.coordinator, 20)
+    mgr.close()
+    per_save = {k: v / saves for k, v in diff.items() if k != "beats"}
+    per_save["beats_per_s"] = diff.get("beats", 0) / window
+    per_save["connections_total"] = counts["connections"] + 1
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({"rank": rank, "per_save": per_save, "save_s": times, "meeting_s": meet}, f)
+    dist.barrier()
+    os._exit(0)
+
+
+def _meetings(coord: Any, n: int) -> list[float]:
+    """Seconds of one exchange each: in a session of the new API, else the old coordinator's."""
+    out = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        if hasattr(coord, "session"):
+            with coord.session("bench", coord.deadline(60)) as s:
+                s.exchange(s.rank)
+        else:
+            from ckptlib.coord.coordinator import liveness_session
+
+            with liveness_session(coord, "bench"):
+                coord.exchange(coord.rank, time.monotonic() + 60)
+        out.append(time.monotonic() - t0)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def real(worlds: list[int], saves: int, mib: float, tree: str | None) -> list[dict[str, Any]]:
+    rows = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as d:
+            port = _free_port()
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
+            if tree:
+                env["PYTHONPATH"] = os.path.abspath(tree)
+            procs = [subprocess.Popen([sys.executable, __file__, "_worker", str(r), str(world), str(port), d + "/ck",
+                                       str(mib), str(saves), d + "/out"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT) for r in range(world)]
+            logs = [p.communicate(timeout=1800)[0].decode(errors="replace") for p in procs]
+            results = []
+            for r in range(world):
+                try:
+                    with open(f"{d}/out.{r}.json") as f:
+                        results.append(json.load(f))
+                except FileNotFoundError:
+                    raise SystemExit(f"world {world}: rank {r} wrote no result:\n{logs[r][-3000:]}") from None
+        coord, others = results[0]["per_save"], [x["per_save"] for x in results[1:]]
+
+        def avg(key: str) -> float:
+            return statistics.mean(o.get(key, 0) for o in others)
+
+        row = {
+            "source": "real", "tree": tree or "HEAD", "world": world,
+            "save_s": statistics.median(results[0]["save_s"]),
+            "meeting_s": statistics.median(results[0]["meeting_s"]),
+            "coordinator": {k: round(v, 2) for k, v in coord.items()},
+            "other_mean": {k: round(avg(k), 2) for k in sorted({k for o in others for k in o})},
+            "other_max_calls": max(o.get("calls", 0) for o in others),
+        }
+        rows.append(row)
+        print(f"{row['tree']} world={world}: save {row['save_s']:.3f}s, meeting {row['meeting_s'] * 1000:.1f}ms | "
+              f"coordinator {coord.get('calls', 0):.0f} calls, {coord.get('bytes', 0) / 1024:.1f} KiB, "
+              f"{coord.get('connections', 0):.1f} new conns, {coord.get('threads', 0):.1f} threads | other ranks "
+              f"{avg('calls'):.1f} calls, {avg('bytes') / 1024:.1f} KiB, {avg('connections'):.1f} new conns, "
+              f"{avg('threads'):.1f} threads | beats/s/rank {avg('beats_per_s'):.2f}", flush=True)
+    return rows
+
+
+def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[dict[str, Any]]:
+    import logging
+
+    logging.disable(logging.WARNING)
+    from ckptlib.engine.save import SaveOptions, persist, prepare
+    from ckptlib.format import layout
+    from ckptlib.testing.sim_flows import state
+    from ckptlib.testing.simulation import SimCoordinator, SimStorage, World
+
+    rows = []
+    for world in worlds:
+        w = World(world, seed=1, dead_after=30.0, latency=rtt)
+        w.service, w.per_key = service, per_key
+        storage = SimStorage(w)
+        coords = [SimCoordinator(w, r) for r in range(world)]
+        flats = [prepare(state(r, world), r) for r in range(world)]
+        t0 = time.monotonic()
+        threads = [w.spawn(r, lambda r=r: persist(storage, layout.step_dir(1), flats[r], step=1,
+                                                  options=SaveOptions(num_files=1), coordinator=coords[r]))
+                   for r in range(world)]
+        w.run(until=3600)
+        errors = [t.error for t in threads if t.error is not None]
+        if errors:
+            raise SystemExit(f"simulated save at {world} ranks failed: {errors[0]}")
+        calls = collections.Counter()
+        for (r, op), n in w.calls.items():
+            if op != "beat":
+                calls[r] += n
+        others = [calls[r] for r in range(1, world)]
+        row = {"source": "sim", "tree": "HEAD", "world": world, "save_s": max(t.ended_at or 0 for t in threads),
+               "coordinator": {"calls": calls[0], "bytes": w.bytes_in[0] + w.bytes_out[0], "connections": 0,
+                               "threads": 0},
+               "other_mean": {"calls": statistics.mean(others),
+                              "bytes": statistics.mean(w.bytes_in[r] + w.bytes_out[r] for r in range(1, world)),
+                              "connections": 0, "threads": 0},
+               "other_max_calls": max(others), "wall_s": round(time.monotonic() - t0, 1)}
+        rows.append(row)
+        print(f"sim world={world}: save {row['save_s'] * 1000:.1f} ms virtual | coordinator {calls[0]} calls, "
+              f"{row['coordinator']['bytes'] / 1024:.1f} KiB | other ranks {row['other_mean']['calls']:.1f} calls "
+              f"(max {row['other_max_calls']}), {row['other_mean']['bytes'] / 1024:.2f} KiB | wall {row['wall_s']}s",
+              flush=True)
+    return rows
+
+
+def plot(paths: list[str], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for p in paths for r in json.load(open(p))["rows"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for tree in sorted({r["tree"] for r in rows}):
+        mine = sorted((r for r in rows if r["tree"] == tree), key=lambda r: r["world"])
+        label = "before" if tree != "HEAD" else "now"
+        xs = [r["world"] for r in mine]
+        a.plot(xs, [r["coordinator"]["calls"] for r in mine], "o-", label=f"coordinator ({label})")
+        a.plot(xs, [r["other_mean"]["calls"] for r in mine], "s--", label=f"other rank, mean ({label})")
+        real_rows = [r for r in mine if r["source"] == "real"]
+        b.plot([r["world"] for r in real_rows], [r["save_s"] * 1000 for r in real_rows], "o-",
+               label=f"save ({label})")
+        b.plot([r["world"] for r in real_rows], [r["meeting_s"] * 1000 for r in real_rows], "s--",
+               label=f"one exchange ({label})")
+    a.set(xscale="log", yscale="log", xlabel="ranks (2-32 real, 256-4,096 simulated)", ylabel="store round trips per save",
+          title="Store traffic per save")
+    b.set(xscale="log", yscale="log", xlabel="ranks (real, on 2 cores)", ylabel="ms", title="Latency on this machine")
+    for ax in (a, b):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        a = sys.argv[2:]
+        worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("real")
+    r.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    r.add_argument("--saves", type=int, default=5)
+    r.add_argument("--mib", type=float, default=4.0)
+    r.add_argument("--tree", default=None, help="another checkout to measure (the 'before' columns)")
+    r.add_argument("--json", default=None)
+    s = sub.add_parser("sim")
+    s.add_argument("--worlds", type=int, nargs="+", default=[256, 1024, 4096])
+    s.add_argument("--service", type=float, default=20e-6, help="store seconds per request")
+    s.add_argument("--per-key", type=float, default=2e-6, help="store seconds per key of a batch")
+    s.add_argument("--rtt", type=float, default=100e-6, help="network seconds per call (uniform 0..rtt)")
+    s.add_argument("--json", default=None)
+    q = sub.add_parser("plot")
+    q.add_argument("paths", nargs="+")
+    q.add_argument("--out", default="docs/img/coord-scale.png")
+    args = p.parse_args()
+    if args.cmd == "plot":
+        plot(args.paths, args.out)
+        return
+    rows = real(args.worlds, args.saves, args.mib, args.tree) if args.cmd == "real" else sim(
+        args.worlds, args.service, args.per_key, args.rtt)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": platform.node(), "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M"),
+                       "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
