@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 LOCAL_CALLS = {"set_timeout", "timeout", "host", "port", "libuvBackend", "has_extended_api"}
@@ -183,7 +184,7 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None) -> list[di
                     raise SystemExit(f"world {world}: rank {r} wrote no result:\n{logs[r][-3000:]}") from None
         coord, others = results[0]["per_save"], [x["per_save"] for x in results[1:]]
 
-        def avg(key: str) -> float:
+        def avg(key: str, others: list[dict[str, float]] = others) -> float:
             return statistics.mean(o.get(key, 0) for o in others)
 
         row = {
@@ -220,9 +221,11 @@ def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[d
         coords = [SimCoordinator(w, r) for r in range(world)]
         flats = [prepare(state(r, world), r) for r in range(world)]
         t0 = time.monotonic()
-        threads = [w.spawn(r, lambda r=r: persist(storage, layout.step_dir(1), flats[r], step=1,
-                                                  options=SaveOptions(num_files=1), coordinator=coords[r]))
-                   for r in range(world)]
+        def save(r: int, storage: SimStorage = storage, flats: list = flats, coords: list = coords) -> Any:
+            return persist(storage, layout.step_dir(1), flats[r], step=1, options=SaveOptions(num_files=1),
+                           coordinator=coords[r])
+
+        threads = [w.spawn(r, lambda r=r: save(r)) for r in range(world)]
         w.run(until=3600)
         errors = [t.error for t in threads if t.error is not None]
         if errors:
@@ -253,7 +256,7 @@ def plot(paths: list[str], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for p in paths for r in json.load(open(p))["rows"]]
+    rows = [r for p in paths for r in json.loads(Path(p).read_text())["rows"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for tree in sorted({r["tree"] for r in rows}):
         mine = sorted((r for r in rows if r["tree"] == tree), key=lambda r: r["world"])

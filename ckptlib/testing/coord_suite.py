@@ -15,6 +15,7 @@ with slack for a busy machine on real processes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -200,6 +201,6 @@ def run_sim(c: Case, *, seed: int = 1, dead_after: float = 5.0) -> list[Outcome]
             w.kill(r)
 
     for r in range(c.world):
-        w.spawn(r, lambda r=r: flow(r))
+        w.spawn(r, functools.partial(flow, r))
     w.run(until=400)
     return [outs.get(r) or Outcome(r, error="Died") for r in range(c.world)]

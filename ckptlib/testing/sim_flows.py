@@ -29,6 +29,7 @@ invariant violations found (:func:`violations`):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,9 +193,12 @@ def violations(rep: Report, w: World, bodies: dict[int, SimThread], expect: _Exp
     commits = rep.committed
     if len(commits) > 1:
         out.append(f"{len(commits)} manifests committed for {expect.final}")
-    live = {r: t for r, t in bodies.items()
-            if w.procs[r].died_at is None or (t.finished and t.ended_at is not None and t.ended_at <= w.procs[r].died_at
-                                              and type(t.error).__name__ != "Killed")}
+    def alive_at_end(r: int, t: SimThread) -> bool:
+        died = w.procs[r].died_at
+        return died is None or (t.finished and t.ended_at is not None and t.ended_at <= died
+                                and type(t.error).__name__ != "Killed")
+
+    live = {r: t for r, t in bodies.items() if alive_at_end(r, t)}
     for r, t in live.items():
         o = rep.outcomes[r]
         if o == "hung":
@@ -278,10 +282,11 @@ def _save_flow(version: int) -> Callable[[World, list[SimCoordinator]], Flow]:
 
 def _pre_save(w: World, coords: list[SimCoordinator], storage: SimStorage, step: int) -> None:
     """A fault-free save of ``step`` before the schedule's flow (setup)."""
-    threads = [w.spawn(r, lambda r=r: persist(storage, layout.step_dir(step), prepare(state(r, w.size, step), r),
-                                               step=step, options=_options(), coordinator=coords[r]),
-                       name="setup")
-               for r in range(w.size)]
+    def save(r: int) -> Any:
+        return persist(storage, layout.step_dir(step), prepare(state(r, w.size, step), r), step=step,
+                       options=_options(), coordinator=coords[r])
+
+    threads = [w.spawn(r, functools.partial(save, r), name="setup") for r in range(w.size)]
     w.run(until=w.t + 600)
     for t in threads:
         if t.error is not None:
@@ -338,10 +343,11 @@ def _drain_flow(w: World, coords: list[SimCoordinator]) -> Flow:
     final = layout.step_dir(1)
 
     def setup() -> None:
-        threads = [w.spawn(r, lambda r=r: save_local(tiers[r], final, prepare(state(r, w.size), r), step=1,
-                                                     metadata=None, options=_options(None), coordinator=coords[r],
-                                                     save_id="ab" * 16, created=0.0), name="setup")
-                   for r in range(w.size)]
+        def save(r: int) -> Any:
+            return save_local(tiers[r], final, prepare(state(r, w.size), r), step=1, metadata=None,
+                              options=_options(None), coordinator=coords[r], save_id="ab" * 16, created=0.0)
+
+        threads = [w.spawn(r, functools.partial(save, r), name="setup") for r in range(w.size)]
         w.run(until=w.t + 600)
         for t in threads:
             if t.error is not None:

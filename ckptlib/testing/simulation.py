@@ -35,8 +35,8 @@ from typing import Any
 
 from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
 from ckptlib.coord.coordinator import Coordinator
-from ckptlib.coord.kv import KV, Gone, Late, StoreUnreachable, Watch
-from ckptlib.coord.liveness import heartbeat_period, hb_key
+from ckptlib.coord.kv import KV, Clock, Gone, Late, StoreUnreachable, Watch
+from ckptlib.coord.liveness import hb_key, heartbeat_period
 from ckptlib.coord.session import Session
 from ckptlib.errors import CommitTimeoutError, CorruptCheckpointError
 
@@ -343,7 +343,7 @@ class SimKV:
 
     def __init__(self, world: World, rank: int, patient: bool = False) -> None:
         self.world, self.rank = world, rank
-        self.clock = world
+        self.clock: Clock = world
         self.every = world.every
         self.patient = patient  # the worker of a post: its calls wait for a frozen store (no limit)
 
@@ -448,7 +448,7 @@ class SimCoordinator(Coordinator):
     def __init__(self, world: World, rank: int) -> None:
         self.world = world
         self.rank, self.world_size = rank, world.size
-        self.clock = world
+        self.clock: Clock = world
         self.dead_after = world.dead_after
         self.kv = SimKV(world, rank)
         self._count = 0

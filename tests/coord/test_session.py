@@ -164,7 +164,7 @@ def test_a_frozen_store_host_is_reported_unreachable(receipts):
     def before(w: World) -> None:
         w.at(0.0005, lambda: w.freeze(0, 100.0))
 
-    w, threads = _run(3, lambda s: s.share(1 if s.is_coordinator else None, receipts=receipts), before=before,
+    _w, threads = _run(3, lambda s: s.share(1 if s.is_coordinator else None, receipts=receipts), before=before,
                       deadline=60.0)
     for t in threads[1:]:
         if t.error is None:  # it read the value before the freeze
