@@ -1,14 +1,13 @@
 """A status scan reads no piece index file, and a restore reads only the index files its boxes
 need (format v2, issue 15): reads counted per file by a storage wrapper.
 
-The 4-rank v2 checkpoints are saved in one process: four threads, each a rank of the same
-save, joined by :class:`ThreadCoordinator` (the exchanges of a process group, by barrier).
-The restores run the same way, through ``engine.resume.restore`` end to end.
+The 4-rank v2 checkpoints are saved in one process: four simulated ranks of the same save
+(:func:`on_ranks`). The restores run the same way, through ``engine.resume.restore`` end to end.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -27,59 +26,25 @@ from ckptlib.engine import save as save_flow
 from ckptlib.engine.scan import check_step, read_manifest, scan
 from ckptlib.format import layout
 from ckptlib.testing.faults import FaultyStorage
+from ckptlib.testing.simulation import SimCoordinator, World
 
 WORLD = 4
 ROWS = 32  # /w: 8 rows per rank, a regular grid
 
 
-class ThreadCoordinator(Coordinator):
-    """Rank ``rank`` of ``len(slots)`` threads of one process: every exchange puts this rank's
-    value in its slot and meets the others at a barrier (bounded)."""
-
-    def __init__(self, rank: int, barrier: threading.Barrier, slots: list[Any]) -> None:
-        self.rank, self.world_size = rank, len(slots)
-        self.barrier, self.slots = barrier, slots
-
-    def _all(self, value: Any) -> list[Any]:
-        self.slots[self.rank] = copy.deepcopy(value)
-        self.barrier.wait()
-        out = copy.deepcopy(self.slots)
-        self.barrier.wait()  # nobody overwrites a slot before every rank copied them
-        return out
-
-    def agree(self, value: Any, timeout: float) -> Any:
-        return self._all(value)[0]
-
-    def gather(self, value: Any, timeout: float) -> list[Any] | None:
-        out = self._all(value)
-        return out if self.rank == 0 else None
-
-    def scatter(self, values: list[Any] | None, timeout: float) -> Any:
-        return self._all(values)[0][self.rank]
-
-
 def on_ranks(fn: Callable[[int, Coordinator], Any]) -> list[Any]:
-    """``fn(rank, coordinator)`` on WORLD threads; their results in rank order (errors raised)."""
-    barrier, slots = threading.Barrier(WORLD, timeout=60), [None] * WORLD
-    out: list[Any] = [None] * WORLD
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = fn(rank, ThreadCoordinator(rank, barrier, slots))
-        except BaseException as e:
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+    """``fn(rank, coordinator)`` on WORLD simulated ranks of one process (ckptlib/testing/
+    simulation.py: threads run one at a time, their meetings over an in-memory store); their
+    results in rank order (errors raised)."""
+    world = World(WORLD, seed=7, dead_after=30.0)
+    coords = [SimCoordinator(world, r) for r in range(WORLD)]
+    threads = [world.spawn(r, functools.partial(fn, r, coords[r])) for r in range(WORLD)]
+    world.run(until=600)
+    assert all(t.finished for t in threads), "a rank hung"
     for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
-    return out
+        if t.error is not None:
+            raise t.error
+    return [t.result for t in threads]
 
 
 class CountingStorage(FaultyStorage):

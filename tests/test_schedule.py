@@ -237,11 +237,16 @@ class ForcedInterval(LocalCoordinator):
         self.interval = interval
         self.proposals: list[int] = []
 
-    def agree(self, value, timeout):
-        if isinstance(value, dict) and "save_interval_steps" in value:
-            self.proposals.append(value["save_interval_steps"])
-            return {"save_interval_steps": self.interval}
-        return value
+    def session(self, label, deadline):
+        s = super().session(label, deadline)
+        if label == "interval":  # the manager's one meeting of the auto interval: rank 0's answer
+
+            def share(value=None, **kwargs):
+                self.proposals.append(value["save_interval_steps"])
+                return {"save_interval_steps": self.interval}
+
+            s.share = share
+        return s
 
 
 def test_manager_auto_adopts_the_agreed_interval(tmp_path):

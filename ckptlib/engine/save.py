@@ -395,8 +395,8 @@ class SaveSession:
             if failures:
                 self._drop_staging()
                 raise _fail(self.storage, self.final, failures, bool(outcome.get("exists")))
-            if outcome.get("manifest") is not None:
-                self._copy(outcome["manifest"].encode("ascii"))
+            if self.copies:
+                self._copies(outcome.get("manifest"))
             return SaveResult(self.save_id, self.payload_bytes)
         except BaseException as e:
             raised = e
@@ -426,22 +426,33 @@ class SaveSession:
     """Set by a tier save on ranks of other nodes than the coordinator's: the step's record (the
     coordinator's commit) is on storage this rank cannot read."""
 
-    def _copy(self, data: bytes) -> None:
-        """A tier save's node leader (not the coordinator): commit the coordinator's manifest in
-        this node's staging folder. The save is committed already (the coordinator's node holds
-        its record); a failure here leaves this node without its copy (logged, not raised: a
-        restore then reads this node's files from their replicas or the persistent tier)."""
-        if self._staging is None:
-            return
+    def _copies(self, manifest: str | None) -> None:
+        """A tier save with several nodes, every rank, after the commit: the other node leaders
+        commit the coordinator's manifest in their node's staging folder, then every rank learns
+        which copies stand (one exchange), so that no rank returns before its node's copy is
+        in place (its drain reads it). The save is committed already (the coordinator's node
+        holds its record): a copy that failed is logged, not raised (a restore then reads that
+        node's files from their replicas or the persistent tier)."""
+        ok = True
+        if self._staging is not None and manifest is not None:
+            try:
+                crashpoints.point("local_commit", self.session.rank)
+                with self.bounded():
+                    commit.publish(self.storage, self._staging, manifest.encode("ascii"), overwrite=True)
+                self._staging = None
+            except (CheckpointError, OSError) as e:
+                ok = False
+                log.warning("ckptlib: step %s is committed, but this node's copy of it could not be committed in "
+                            "%s: %s", self.final, self.storage.url, e)
+                self._drop_staging()
         try:
-            crashpoints.point("local_commit", self.session.rank)
-            with self.bounded():
-                commit.publish(self.storage, self._staging, data, overwrite=True)
-            self._staging = None
-        except (CheckpointError, OSError) as e:
-            log.warning("ckptlib: step %s is committed, but this node's copy of it could not be committed in %s: %s",
-                        self.final, self.storage.url, e)
-            self._drop_staging()
+            oks = self.session.exchange(ok, deadline=self.deadline)
+        except CommitError as e:  # a rank died after the commit: the step stands
+            log.warning("ckptlib: step %s is committed; not every node reported its copy: %s", self.final, e)
+            return
+        failed = [r for r, o in enumerate(oks) if not o]
+        if failed:
+            log.warning("ckptlib: step %s is committed; the node copies of ranks %s failed", self.final, failed)
 
     def _settle(self, failures: dict[int, str], cause: BaseException | None = None) -> SaveResult:
         """A non-coordinator that got no verdict after sending its results (in :meth:`finish`):

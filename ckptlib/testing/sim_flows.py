@@ -120,6 +120,7 @@ def run_schedule(seed: int, flow: str | None = None, fault: str | None = None, d
     w = World(world, seed=seed, dead_after=dead_after, latency=0.003)
     coords = [SimCoordinator(w, r) for r in range(world)]
     setup, body, expect = _FLOWS[flow](w, coords)
+    expect.fault_free = f.kind in ("none", "late", "exit")
     setup()
     starts = w.t
     bodies: dict[int, SimThread] = {}
@@ -175,6 +176,8 @@ class _Expect:
         self.check = check
         self.unknown_ok = unknown_ok or (lambda r: False)
         self.setup_commits = 0
+        self.fault_free = False
+        """No fault before the flows returned (set by :func:`run_schedule`)."""
 
     def committed(self) -> list[str]:
         from ckptlib.format.manifest import decode
@@ -328,9 +331,13 @@ def _tier_flow(w: World, coords: list[SimCoordinator]) -> Flow:
         flat = prepare(state(r, w.size), r)
         save_local(tiers[r], final, flat, step=1, metadata=None, options=_options(None), coordinator=coords[r],
                    save_id="ab" * 16, created=0.0)
-        return "saved"
+        # What the rank's drain reads next: its node's copy of the step, there when it returns.
+        return "saved" if nodes[r // 2].size(f"{final}/manifest.json") is not None else "saved without a node copy"
 
-    return (lambda: None), body, _Expect(nodes[0], final, unknown_ok=lambda r: r // 2 != 0)
+    expect = _Expect(nodes[0], final, unknown_ok=lambda r: r // 2 != 0)
+    expect.check = lambda r, result: "returned before its node's copy was committed" if "without" in str(result) \
+        and expect.fault_free else None
+    return (lambda: None), body, expect
 
 
 def _drain_flow(w: World, coords: list[SimCoordinator]) -> Flow:

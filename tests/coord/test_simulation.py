@@ -131,3 +131,21 @@ def test_the_checks_catch_a_wait_that_ignores_liveness(monkeypatch):
     monkeypatch.setattr(simulation.SimKV, "await_key", deaf)
     found = [p for seed in range(SEED, SEED + 60) for p in run_schedule(seed, "save", "freeze").problems]
     assert any("after rank" in p and "froze" in p for p in found), found[:5]
+
+
+def test_the_checks_catch_a_tier_save_that_returns_before_its_nodes_copy(monkeypatch):
+    """Found by a 16-rank job: ranks of another node returned from a tier save before their
+    node leader had committed the node's copy, and their drain found no manifest. The schedule
+    checks that every rank finds its node's copy when it returns; without the closing exchange
+    (node leaders publish, then everyone meets) they do not."""
+    from ckptlib.engine import commit
+    from ckptlib.engine.save import SaveSession
+
+    def no_meeting(self, manifest):
+        if self._staging is not None and manifest is not None:
+            commit.publish(self.storage, self._staging, manifest.encode("ascii"), overwrite=True)
+            self._staging = None
+
+    monkeypatch.setattr(SaveSession, "_copies", no_meeting)
+    found = [p for seed in range(SEED, SEED + 30) for p in run_schedule(seed, "tier_save", "none").problems]
+    assert any("before its node's copy" in p for p in found), found[:5]
