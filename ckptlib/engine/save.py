@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +103,19 @@ class SaveResult:
     """Bytes in payload files (known on the coordinator; 0 elsewhere)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a save's bytes go besides the coordinator's storage: the tier save's nodes
+    (ckptlib/tiers/local.py). The default is a save with one commit point everyone can read."""
+
+    stage_here: bool = False
+    """This rank opens its node's own staging folder (a node leader other than the coordinator)."""
+    copies: bool = False
+    """Several nodes: after the commit, their leaders commit copies of the coordinator's manifest."""
+    record_elsewhere: bool = False
+    """The step's record (the coordinator's commit) is on storage this rank cannot read."""
+
+
 def prepare(state: Any, rank: int = 0) -> FlatState:
     with paused_gc():
         return flatten(state, rank)
@@ -155,8 +168,9 @@ class SaveSession:
 
     def __init__(self, storage: Storage, final: str, session: Session, options: SaveOptions, save_id: str,
                  step: int | None, created: float, deadline: float, prefix: str, staging: commit.Staging | None,
-                 own: bool, stage_error: str | None = None) -> None:
+                 own: bool, stage_error: str | None = None, placement: Placement | None = None) -> None:
         """Use :meth:`begin`."""
+        self.placement = placement or Placement()
         self.storage, self.final, self.options = storage, final, options
         self.session = session
         self.coord = session.coord
@@ -184,7 +198,7 @@ class SaveSession:
     @classmethod
     def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
               coordinator: Coordinator | None = None, session: Session | None = None, save_id: str | None = None,
-              created: float | None = None, stage_here: bool = False) -> SaveSession:
+              created: float | None = None, placement: Placement | None = None) -> SaveSession:
         """Every rank (collective): start a save of ``final``, in one meeting (a share): the
         coordinator picks the save id (``save_id``, ``created``: its proposals) and opens the
         staging folder, and every rank learns both. One deadline, ``options.timeout`` (capped by
@@ -197,6 +211,7 @@ class SaveSession:
         published with the coordinator's manifest, :meth:`finish`); a failure there is reported
         with the plan and fails the save on every rank before anything is written."""
         opts = options or SaveOptions()
+        where = placement or Placement()
         own = session is None
         coord = session.coord if session is not None else coordinator or LocalCoordinator()
         s = session if session is not None else coord.session("save", coord.deadline(opts.timeout))
@@ -214,10 +229,10 @@ class SaveSession:
                 refused = _REFUSED.get(error[0])
                 raise refused(error[1]) if refused else _fail(storage, final, {0: f"{error[0]}: {error[1]}"})
             stage_error = None
-            if stage_here and not s.is_coordinator:
+            if where.stage_here and not s.is_coordinator:
                 staging, err = _open_staging(storage, final, sid, opts, node=True)
                 stage_error = None if err is None else f"{err[0]}: {err[1]}"
-            return cls(storage, final, s, opts, sid, step, made, deadline, prefix, staging, own, stage_error)
+            return cls(storage, final, s, opts, sid, step, made, deadline, prefix, staging, own, stage_error, where)
         except BaseException as e:
             if own:
                 s.close(e)
@@ -395,7 +410,7 @@ class SaveSession:
             if failures:
                 self._drop_staging()
                 raise _fail(self.storage, self.final, failures, bool(outcome.get("exists")))
-            if self.copies:
+            if self.placement.copies:
                 self._copies(outcome.get("manifest"))
             return SaveResult(self.save_id, self.payload_bytes)
         except BaseException as e:
@@ -417,14 +432,7 @@ class SaveSession:
         except CommitError as e:
             return {"failures": {str(r): m for r, m in (e.failures or {0: str(e)}).items()},
                     "exists": isinstance(e, StepExistsError)}
-        return {"failures": {}, "manifest": data.decode("ascii") if self.copies else None}
-
-    copies = False
-    """Set by a tier save with several nodes: the outcome carries the manifest to the other node
-    leaders (their copy of the step)."""
-    record_elsewhere = False
-    """Set by a tier save on ranks of other nodes than the coordinator's: the step's record (the
-    coordinator's commit) is on storage this rank cannot read."""
+        return {"failures": {}, "manifest": data.decode("ascii") if self.placement.copies else None}
 
     def _copies(self, manifest: str | None) -> None:
         """A tier save with several nodes, every rank, after the commit: the other node leaders
@@ -462,7 +470,7 @@ class SaveSession:
         :class:`CommitError` (the coordinator, if it ever wakes, fails too). Elsewhere (a tier
         save's other nodes) the record is out of reach: :class:`CommitUnknownError`."""
         why = detail(failures)
-        if self.record_elsewhere:
+        if self.placement.record_elsewhere:
             self._drop_staging()
             raise CommitUnknownError(
                 f"checkpoint {self.final}: the coordinator (rank 0) vanished after every rank's bytes were durable "
@@ -536,17 +544,24 @@ def persist(
     created: float | None = None,
     rounds: Iterable[list[TensorItem]] | None = None,
     metrics: dict[str, float] | None = None,
+    placement: Placement | None = None,
+    after_write: Callable[[SaveSession, BaseException | None], BaseException | None] | None = None,
 ) -> SaveResult:
-    """Save ``flat`` through a :class:`SaveSession` (every rank): begin, plan who writes what,
-    write, finish. ``session``: the caller's flow's (else the save opens its own on
-    ``coordinator``). ``rounds`` (streamed async saves, engine/snapshot.py): the tensors to
-    write, one round at a time, each written before the next is requested (``flat.items`` then
-    only supplies names and shapes); a round that raises fails this rank's part of the save."""
+    """The one save flow, every rank: begin, plan who writes what, write, finish.
+    ``session``: the caller's flow's (else the save opens its own on ``coordinator``).
+    ``rounds`` (streamed async saves, engine/snapshot.py): the tensors to write, one round at a
+    time, each written before the next is requested (``flat.items`` then only supplies names and
+    shapes); a round that raises fails this rank's part of the save. ``placement`` and
+    ``after_write`` (a tier save, ckptlib/tiers/local.py): where else the bytes go, and what
+    runs after this rank's writes and before the commit (its replicas), given this rank's write
+    error and returning it (or its own)."""
     meta_tree = encode_metadata(metadata)
     save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
-                             save_id=save_id, created=created)
+                             save_id=save_id, created=created, placement=placement)
     try:
         error = write_state(save, flat, rounds)
+        if after_write is not None:
+            error = after_write(save, error)
         shapes = {it.name: it.global_shape for it in flat.items}
         return save.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
                            metadata=meta_tree, metrics=metrics)

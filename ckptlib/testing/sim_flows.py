@@ -283,18 +283,20 @@ def _save_flow(version: int) -> Callable[[World, list[SimCoordinator]], Flow]:
     return make
 
 
-def _pre_save(w: World, coords: list[SimCoordinator], storage: SimStorage, step: int) -> None:
-    """A fault-free save of ``step`` before the schedule's flow (setup)."""
-    def save(r: int) -> Any:
-        return persist(storage, layout.step_dir(step), prepare(state(r, w.size, step), r), step=step,
-                       options=_options(), coordinator=coords[r])
-
+def _setup(w: World, save: Callable[[int], Any]) -> None:
+    """``save(rank)`` on every rank, fault-free, before the schedule's flow."""
     threads = [w.spawn(r, functools.partial(save, r), name="setup") for r in range(w.size)]
     w.run(until=w.t + 600)
     for t in threads:
         if t.error is not None:
-            raise RuntimeError(f"setup save failed: {t.error}")
+            raise RuntimeError(f"setup failed: {t.error}")
     w.threads = [t for t in w.threads if t.name != "setup" and not t.finished]
+
+
+def _pre_save(w: World, coords: list[SimCoordinator], storage: SimStorage, step: int) -> None:
+    """A fault-free save of ``step`` before the schedule's flow (setup)."""
+    _setup(w, lambda r: persist(storage, layout.step_dir(step), prepare(state(r, w.size, step), r), step=step,
+                                options=_options(), coordinator=coords[r]))
 
 
 def _restore_flow(w: World, coords: list[SimCoordinator]) -> Flow:
@@ -350,16 +352,9 @@ def _drain_flow(w: World, coords: list[SimCoordinator]) -> Flow:
     final = layout.step_dir(1)
 
     def setup() -> None:
-        def save(r: int) -> Any:
-            return save_local(tiers[r], final, prepare(state(r, w.size), r), step=1, metadata=None,
-                              options=_options(None), coordinator=coords[r], save_id="ab" * 16, created=0.0)
-
-        threads = [w.spawn(r, functools.partial(save, r), name="setup") for r in range(w.size)]
-        w.run(until=w.t + 600)
-        for t in threads:
-            if t.error is not None:
-                raise RuntimeError(f"setup tier save failed: {t.error}")
-        w.threads = [t for t in w.threads if t.name != "setup" and not t.finished]
+        _setup(w, lambda r: save_local(tiers[r], final, prepare(state(r, w.size), r), step=1, metadata=None,
+                                       options=_options(None), coordinator=coords[r], save_id="ab" * 16,
+                                       created=0.0))
 
     def body(r: int) -> str:
         return "drained" if drain_step(tiers[r], persistent, coords[r], 1, timeout=TIMEOUT) else "skipped"

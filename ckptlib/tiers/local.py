@@ -35,7 +35,7 @@ from ckptlib.backends import Storage
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import retire
-from ckptlib.engine.save import SaveOptions, SaveResult, SaveSession, encode_metadata, write_state
+from ckptlib.engine.save import Placement, SaveOptions, SaveResult, SaveSession, persist
 from ckptlib.errors import CommitError
 from ckptlib.format import layout
 from ckptlib.plan.flatten import FlatState, TensorItem
@@ -89,23 +89,22 @@ def save_local(
     rounds: Iterable[list[TensorItem]] | None = None,
     metrics: dict[str, float] | None = None,
 ) -> SaveResult:
-    """Save ``flat`` as ``final`` on the local tier (module docstring). Every rank.
-    ``metrics``: recorded in the manifest (``keep_best``)."""
+    """Save ``flat`` as ``final`` on the local tier (module docstring): the one save flow
+    (:func:`ckptlib.engine.save.persist`) on this node's local storage, placed across the nodes
+    and with the replica stream after the writes. Every rank. ``metrics``: recorded in the
+    manifest (``keep_best``)."""
     coord, local = coordinator, tier.storage
     with coord.session("tier save", coord.deadline(options.timeout)) as s:
         topo = tier.topo(s, options.timeout)
-        meta_tree = encode_metadata(metadata)
         several = s.world > 1 and len(set(topo.nodes)) > 1
         # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
         # every file of the step, piece index files included (tiers/drain.py step_files).
         opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout,
                            overwrite=True, format_version=options.format_version)
-        save = SaveSession.begin(local, final, step=step, options=opts, session=s, save_id=save_id, created=created,
-                                 stage_here=topo.is_leader(s.rank))
-        save.copies = several
-        save.record_elsewhere = topo.nodes[s.rank] != topo.nodes[0]
-        try:
-            error = write_state(save, flat, rounds)
+        placement = Placement(stage_here=topo.is_leader(s.rank), copies=several,
+                              record_elsewhere=topo.nodes[s.rank] != topo.nodes[0])
+
+        def replicate(save: SaveSession, error: BaseException | None) -> BaseException | None:
             mine = save.files
             if error is None:
                 try:  # v2: the index file now, so that it is replicated with the payload
@@ -128,12 +127,10 @@ def save_local(
                     error = CommitError("another rank failed to write its part; no replicas sent")
             if s.is_coordinator and error is None:
                 crashpoints.point("local_commit", s.rank)
-            shapes = {it.name: it.global_shape for it in flat.items}
-            return save.finish(tree=flat.tree, per_rank=flat.per_rank, shapes=shapes, error=error,
-                               metadata=meta_tree, metrics=metrics)
-        except BaseException as e:
-            save.abort(e)  # a no-op after finish
-            raise
+            return error
+
+        return persist(local, final, flat, step=step, metadata=metadata, options=opts, session=s, save_id=save_id,
+                       created=created, rounds=rounds, metrics=metrics, placement=placement, after_write=replicate)
 
 
 def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int], rank: int = 0,
