@@ -35,7 +35,7 @@ from typing import Any
 
 from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
 from ckptlib.coord.coordinator import Coordinator
-from ckptlib.coord.kv import KV, Clock, Gone, Late, StoreUnreachable, Watch
+from ckptlib.coord.kv import BATCH, KV, Clock, Gone, Late, StoreUnreachable, Watch
 from ckptlib.coord.liveness import hb_key, heartbeat_period
 from ckptlib.coord.session import Session
 from ckptlib.errors import CommitTimeoutError, CorruptCheckpointError
@@ -339,7 +339,7 @@ class World:
 class SimKV:
     """:class:`ckptlib.coord.kv.KV` of one simulated rank, over the world's store."""
 
-    BATCH = 256
+    BATCH = BATCH
 
     def __init__(self, world: World, rank: int, patient: bool = False) -> None:
         self.world, self.rank = world, rank
