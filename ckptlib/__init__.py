@@ -22,6 +22,8 @@ from ckptlib.errors import (
     CorruptCheckpointError,
     FatalStorageError,
     ManifestVersionError,
+    NonFiniteError,
+    ReplicaMismatchError,
     StateMismatchError,
     StepExistsError,
     StorageError,
@@ -75,8 +77,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointView",
-    "CommitError", "CommitTimeoutError", "CommitUnknownError", "CorruptCheckpointError", "FatalStorageError", "LoadResult",
-    "ManifestVersionError", "PerRank", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
+    "CommitError", "CommitTimeoutError", "CommitUnknownError", "CorruptCheckpointError", "FatalStorageError",
+    "LoadResult", "ManifestVersionError", "NonFiniteError", "PerRank", "ReplicaMismatchError", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
     "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TargetNotEmptyError",
     "TensorInfo",
     "UnsupportedValueError", "__version__", "load", "load_metadata", "open", "save",

@@ -56,6 +56,17 @@ class CommitUnknownError(CommitError):
     storage: there the rank settles the save itself (``ckptlib.engine.commit.fence``)."""
 
 
+class NonFiniteError(CommitError):
+    """A save with ``nonfinite="refuse"`` found NaN or Inf in floating-point tensors (named in
+    the message, with the ranks that hold them); nothing of that step was committed."""
+
+
+class ReplicaMismatchError(CommitError):
+    """Copies of a replicated tensor held by several ranks differ (a silent fault in one
+    data-parallel replica): the message names the tensor and the ranks that disagree; nothing of
+    that step was committed."""
+
+
 class StepExistsError(CommitError, FileExistsError):
     """A committed, valid checkpoint already exists at the step being saved."""
 

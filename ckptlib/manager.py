@@ -143,6 +143,8 @@ class ManagerOptions:
     mtbf_hours: float | None = None
     save_interval_min_steps: int = 1
     save_interval_max_steps: int | None = None
+    nonfinite: str = "allow"
+    check_replicas: bool | str = "auto"
 
     def __post_init__(self) -> None:
         """Every argument checked when given, naming it (:mod:`ckptlib.engine.options`)."""
@@ -158,6 +160,8 @@ class ManagerOptions:
         retention.decide([], self.keep_last, self.keep_every)  # validates the policy
         retention.check_best(self.keep_best, self.best_metric, self.best_mode)
         self.schedule()  # validates the saving decisions
+        argcheck.one_of("nonfinite", self.nonfinite, ("allow", "refuse"))
+        argcheck.one_of("check_replicas", self.check_replicas, (True, False, "auto"))
 
     def schedule(self) -> SaveSchedule | None:
         """The ``should_save`` policy these options ask for (None: should_save not enabled)."""
@@ -198,7 +202,10 @@ class CheckpointManager:
     ``[save_interval_min_steps, save_interval_max_steps]``; the first two saves come
     ``save_interval_min_steps`` apart (they measure the cost).
     The tier options (``local``, ``local_keep_last``, ``replicas``, ``replica_jump``,
-    ``persist_every``, ``drain_rate``) are described in docs/tiers.md.
+    ``persist_every``, ``drain_rate``) are described in docs/tiers.md. Checked before trusted
+    (docs/tiers.md, :mod:`ckptlib.engine.checks`): ``nonfinite="refuse"`` fails a save whose
+    floating-point tensors hold NaN or Inf (:class:`NonFiniteError`); ``check_replicas`` (True,
+    "auto", False) compares the copies of replicated tensors (:class:`ReplicaMismatchError`).
     """
 
     def __init__(
@@ -231,6 +238,8 @@ class CheckpointManager:
         persist_every: int = 1,
         replica_jump: int = 1,
         drain_rate: float | None = None,
+        nonfinite: str = "allow",
+        check_replicas: bool | str = "auto",
     ) -> None:
         self.options = ManagerOptions(
             keep_last=keep_last, keep_every=keep_every, async_save=async_save, compression=compression,
@@ -240,7 +249,7 @@ class CheckpointManager:
             save_interval_steps=save_interval_steps,
             save_interval=save_interval, mtbf_hours=mtbf_hours,
             save_interval_min_steps=save_interval_min_steps,
-            save_interval_max_steps=save_interval_max_steps,
+            save_interval_max_steps=save_interval_max_steps, nonfinite=nonfinite, check_replicas=check_replicas,
         )
         self._schedule = self.options.schedule()
         self._last_handle: SaveHandle | None = None
@@ -439,17 +448,17 @@ class CheckpointManager:
                 else:
                     snap.wait_staged(deadline)
                     rounds = None if snap.error is None else _failed_rounds(snap.error)
+            opts = save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout,
+                                         nonfinite=self.options.nonfinite, check_replicas=self.options.check_replicas)
             if self._tier is not None:
                 tier_local.save_local(
-                    self._tier, layout.step_dir(step), flat, step=step, metadata=metadata,
-                    options=save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout),
+                    self._tier, layout.step_dir(step), flat, step=step, metadata=metadata, options=opts,
                     coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
                 )
                 self._after_local_commit(handle, save_id)
             else:
                 save_flow.persist(
-                    self.storage, layout.step_dir(step), flat, step=step, metadata=metadata,
-                    options=save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout),
+                    self.storage, layout.step_dir(step), flat, step=step, metadata=metadata, options=opts,
                     coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
                 )
                 if self.coordinator.is_coordinator:

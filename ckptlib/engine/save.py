@@ -40,6 +40,7 @@ from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.coord.session import Session, detail
 from ckptlib.engine import commit, wire
 from ckptlib.engine import options as argcheck
+from ckptlib.engine.checks import StateChecks, digests_agree, mismatches
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.writer import ChunkJob, split_chunks, write_files, write_index
 from ckptlib.errors import (
@@ -47,6 +48,8 @@ from ckptlib.errors import (
     CommitError,
     CommitTimeoutError,
     CommitUnknownError,
+    NonFiniteError,
+    ReplicaMismatchError,
     StepExistsError,
     TargetNotEmptyError,
     UnsupportedValueError,
@@ -80,10 +83,20 @@ class SaveOptions:
     format_version: int | None = None
     """Manifest format :func:`persist` writes: 2 (piece index files per rank), 1, or None: 2 when
     several ranks save, else 1 (env ``CKPTLIB_FORMAT_VERSION`` overrides None)."""
+    nonfinite: str = "allow"
+    """``"refuse"``: a floating-point tensor holding NaN or Inf fails the save on every rank
+    (:class:`NonFiniteError`), checked on the bytes each rank writes."""
+    check_replicas: bool | str = "auto"
+    """``True``: every rank checksums its copy of every replicated tensor and the copies must
+    agree (:class:`ReplicaMismatchError`); ``"auto"``: only where copies are written from
+    several ranks' memory anyway (a tier save's replicated pieces, ckptlib/tiers/local.py);
+    ``False``: never."""
 
     def __post_init__(self) -> None:
         """Every argument checked now, before any I/O (:mod:`ckptlib.engine.options`)."""
         argcheck.compression(self.compression)
+        argcheck.one_of("nonfinite", self.nonfinite, ("allow", "refuse"))
+        argcheck.one_of("check_replicas", self.check_replicas, (True, False, "auto"))
         argcheck.positive_int("chunk_bytes", self.chunk_bytes)
         argcheck.positive_int("num_files", self.num_files)
         argcheck.positive_number("timeout", self.timeout)
@@ -153,12 +166,19 @@ _REFUSED: dict[str, type[CommitError]] = {"StepExistsError": StepExistsError,
 """Target refusals of :func:`ckptlib.engine.commit.begin`, raised as is on every rank."""
 
 
+_RAISED: dict[str, type[CommitError]] = {
+    "TargetNotEmptyError": TargetNotEmptyError,  # a folder that filled up during the save (commit._clear_target)
+    "NonFiniteError": NonFiniteError, "ReplicaMismatchError": ReplicaMismatchError,
+}
+
+
 def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool = False) -> CommitError:
     detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
     timed_out = any(msg.startswith(("StorageTimeoutError", "CommitTimeoutError")) for msg in failures.values())
-    cls = StepExistsError if exists else CommitTimeoutError if timed_out else CommitError
-    if any(msg.startswith("TargetNotEmptyError") for msg in failures.values()):
-        cls = TargetNotEmptyError  # a folder that filled up during the save (commit._clear_target)
+    cls: type[CommitError] = StepExistsError if exists else CommitTimeoutError if timed_out else CommitError
+    for name, kind in _RAISED.items():  # a rank's failure every rank raises as its own kind
+        if any(msg.startswith(name) for msg in failures.values()):
+            cls = kind
     return cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
 
 
@@ -194,6 +214,8 @@ class SaveSession:
         self.payload_bytes = 0
         """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
         self._index: tuple[dict[str, Any] | None] | None = None  # v2: written early (write_index)
+        self.checks = StateChecks("allow", False, 1)
+        """What :func:`write_state` checked of this rank's state (:mod:`ckptlib.engine.checks`)."""
 
     @classmethod
     def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
@@ -310,6 +332,8 @@ class SaveSession:
         elif msg is None:
             mine = {"files": self._files, "chunks": self._chunks, "tree": tree, "per_rank": per_rank,
                     "shapes": shapes or {}}
+        if mine is not None and self.checks.digest() is not None:
+            mine["replicas"] = self.checks.digest()
         self._sent = mine is not None
         failures: dict[int, str] = {}
         results: list[dict[str, Any]] | None = None
@@ -407,6 +431,11 @@ class SaveSession:
                         raise _fail(self.storage, self.final, e.failures or {0: str(e)}) from None
                     return self._settle(e.failures or {0: str(e)}, e)
             failures = {int(k): v for k, v in outcome["failures"].items()}
+            if outcome.get("replicas") == "differ":  # the copies' checksums, to name the culprits
+                got = s.report(self.checks.sums, deadline=self.deadline)
+                found = s.share(None if got is None else {str(r): m for r, m in mismatches(got).items()},
+                                deadline=self.deadline, what="compare the replicas")
+                failures = {int(r): m for r, m in found.items()} or {0: "ReplicaMismatchError: replicas differ"}
             if failures:
                 self._drop_staging()
                 raise _fail(self.storage, self.final, failures, bool(outcome.get("exists")))
@@ -428,6 +457,9 @@ class SaveSession:
         try:
             results = self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
             assert results is not None
+            if not digests_agree([res.get("replicas") for res in results]):
+                self._drop_staging()
+                return {"failures": {}, "replicas": "differ"}  # every rank then reports its checksums
             data = self.publish(results, metadata=metadata, extra=extra, metrics=metrics, manifest=manifest)
         except CommitError as e:
             return {"failures": {str(r): m for r, m in (e.failures or {0: str(e)}).items()},
@@ -578,15 +610,18 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
     session.v2 = session.options.writes_v2(session.session.world)
     items = _plan(session, flat.items)
     mine = {it.name for it in items}
+    opts = session.options
+    checks = session.checks = StateChecks(opts.nonfinite, opts.check_replicas, session.session.world)
     try:
         for rnd in [items] if rounds is None else rounds:
+            checks.see(flat.items if rounds is None else rnd, mine)
             with paused_gc():
                 jobs = [j for it in rnd if it.name in mine
                         for j in session.split(it.name, it.tensor, it.global_offset)]
             session.write(jobs)
     except Exception as e:  # any failure must still reach the commit protocol and abort
         return e
-    return None
+    return checks.error()
 
 
 def _describe(it: TensorItem) -> PieceDesc:

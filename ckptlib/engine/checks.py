@@ -1,0 +1,103 @@
+"""Checked before trusted: what a save verifies of the state it writes, before it may commit.
+
+Two checks, chosen by :class:`ckptlib.engine.save.SaveOptions`:
+
+- ``nonfinite="refuse"``: a floating-point (or complex) tensor a rank writes holding NaN or Inf
+  fails the save on every rank with :class:`NonFiniteError` naming the tensors;
+- ``check_replicas=True``: every rank checksums its own copy of every replicated tensor (the
+  bytes as saved), reports one digest of them with its "done", and the coordinator compares
+  the digests; if they differ, every rank reports its checksums (one more meeting, only then)
+  and the save fails on every rank with :class:`ReplicaMismatchError` naming the tensors and
+  the ranks whose copies disagree with the others'. (``"auto"``: the tier save compares the
+  copies it writes on several nodes anyway, ckptlib/tiers/local.py.)
+
+Who calls what: :func:`ckptlib.engine.save.write_state` feeds every round of tensors to
+:meth:`StateChecks.see` (the persist thread, after the snapshot) and reports
+:meth:`StateChecks.error`; :meth:`ckptlib.engine.save.SaveSession.collect` puts
+:meth:`StateChecks.digest` in the report; the coordinator's ``_decide`` compares them
+(:func:`digests_agree`) and, on a mismatch, every rank's ``finish`` runs the follow-up with
+:func:`mismatches`. Nothing of a failed step is committed, so retention (which runs only after a
+commit) never removes a good step because of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ckptlib.errors import NonFiniteError
+from ckptlib.format.checksum import checksum
+from ckptlib.plan.flatten import TensorItem
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    t = t.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+class StateChecks:
+    """One rank's checks of one save (module docstring). One thread (the save's) feeds it."""
+
+    def __init__(self, nonfinite: str, check_replicas: bool | str, world: int) -> None:
+        self.refuse = nonfinite == "refuse"
+        self.replicas = check_replicas is True and world > 1
+        self.bad: list[str] = []
+        self.sums: dict[str, str] = {}
+
+    def see(self, items: Iterable[TensorItem], mine: set[str]) -> None:
+        """A round of this rank's tensors; ``mine``: the names it writes."""
+        for it in items:
+            t = it.tensor
+            floating = t.is_floating_point() or t.is_complex()
+            if self.refuse and it.name in mine and floating and t.numel() and not bool(torch.isfinite(t).all()):
+                self.bad.append(it.name)
+            if self.replicas and it.replicated:
+                self.sums[it.name] = checksum(_bytes(t))
+
+    def error(self) -> NonFiniteError | None:
+        if not self.bad:
+            return None
+        names = sorted(set(self.bad))
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        return NonFiniteError(f"tensors hold NaN or Inf: {shown} (nonfinite='refuse'); nothing of this step is "
+                              "committed and the previous steps stay")
+
+    def digest(self) -> str | None:
+        """One digest of every replicated tensor's checksum (None: not checking)."""
+        if not self.replicas:
+            return None
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(self.sums):
+            h.update(f"{name}\0{self.sums[name]}\0".encode())
+        return h.hexdigest()
+
+
+def digests_agree(digests: list[str | None]) -> bool:
+    return len({d for d in digests if d is not None}) <= 1
+
+
+def mismatches(sums: list[dict[str, str]]) -> dict[int, str]:
+    """Coordinator, with every rank's checksums (rank order): rank -> why, for the ranks whose
+    copy of some tensor differs from the most common copy (the message names the tensors)."""
+    out: dict[int, list[str]] = {}
+    for name in sorted({n for s in sums for n in s}):
+        groups: dict[str, list[int]] = {}
+        for r, s in enumerate(sums):
+            if name in s:
+                groups.setdefault(s[name], []).append(r)
+        if len(groups) < 2:
+            continue
+        major = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
+        for ranks in groups.values():
+            if ranks is not major:
+                for r in ranks:
+                    out.setdefault(r, []).append(name)
+        del major
+    return {r: f"ReplicaMismatchError: its copy of {', '.join(names[:10])} differs from the other ranks' "
+               "(a silent fault in this data-parallel replica?)" for r, names in out.items()}

@@ -1,0 +1,88 @@
+"""Checked before trusted (ckptlib/engine/checks.py): ``nonfinite="refuse"`` and
+``check_replicas=True``. One process for the manager's own behaviour (retention keeps the good
+step); several simulated ranks of one save for the every-rank verdicts (ckptlib/testing/
+simulation.py). The multi-process runs with a memory tier: tests/distributed/test_every_step.py."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import ckptlib
+from ckptlib.engine.save import SaveOptions, persist, prepare
+from ckptlib.format import layout
+from ckptlib.testing.simulation import SimCoordinator, SimStorage, World
+
+
+def test_nan_with_refuse_fails_the_save_and_keep_last_one_keeps_the_good_step(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    with ckptlib.CheckpointManager(tmp_path, keep_last=1, nonfinite="refuse", async_save=True) as mgr:
+        mgr.save(1, {"model": model}).wait()
+        with torch.no_grad():
+            model.weight[1, 2] = math.nan
+        with pytest.raises(ckptlib.NonFiniteError, match="model/weight"):
+            mgr.save(2, {"model": model}).wait()
+        with torch.no_grad():
+            model.weight[1, 2] = math.inf
+        with pytest.raises(ckptlib.NonFiniteError):
+            mgr.save(3, {"model": model}).wait()
+    assert [(i.step, i.status) for i in ckptlib.CheckpointManager(tmp_path).steps()] == [(1, "committed")]
+    fresh = torch.nn.Linear(4, 3)
+    assert ckptlib.CheckpointManager(tmp_path).restore({"model": fresh}) == 1
+    assert torch.isfinite(fresh.weight).all()
+
+
+def test_nonfinite_is_allowed_by_default_and_the_option_is_checked(tmp_path):
+    with ckptlib.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.tensor([math.nan, 1.0])}).wait()
+    with pytest.raises(ValueError, match="nonfinite"):
+        ckptlib.CheckpointManager(tmp_path, nonfinite="sometimes")
+    with pytest.raises(ValueError, match="check_replicas"):
+        ckptlib.CheckpointManager(tmp_path, check_replicas="always")
+
+
+def _save(world: int, flip: int | None, nan: int | None, **opts) -> tuple[list, SimStorage]:
+    w = World(world, seed=3, dead_after=10.0)
+    storage = SimStorage(w)
+    coords = [SimCoordinator(w, r) for r in range(world)]
+
+    def body(r: int) -> None:
+        rep = torch.arange(64, dtype=torch.float32)
+        if r == flip:  # one bit of this rank's copy of a replicated tensor
+            rep.view(torch.int32)[17] ^= 1 << 4
+        shard = torch.full((2, 3), float(r))
+        if r == nan:
+            shard[1, 1] = math.nan
+        state = {"rep": rep, "other": torch.ones(5), "w": ckptlib.Shard(shard, (2 * world, 3), (2 * r, 0))}
+        persist(storage, layout.step_dir(7), prepare(state, r), step=7, coordinator=coords[r],
+                options=SaveOptions(num_files=1, **opts))
+
+    threads = [w.spawn(r, functools.partial(body, r)) for r in range(world)]
+    w.run(until=600)
+    return [t.error for t in threads], storage
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_flipped_bit_in_one_ranks_replica_fails_the_save_on_every_rank_naming_it(version):
+    errors, storage = _save(4, flip=2, nan=None, check_replicas=True, format_version=version)
+    for e in errors:
+        assert isinstance(e, ckptlib.ReplicaMismatchError), e
+        assert "rank 2" in str(e) and "/rep" in str(e) and set(e.failures) == {2}
+    assert not storage.commits and not any(k.startswith("step-000000000007/") for k in storage.files)
+
+
+def test_replica_checks_pass_on_equal_copies_and_are_off_when_asked():
+    errors, storage = _save(3, flip=None, nan=None, check_replicas=True)
+    assert errors == [None] * 3 and len(storage.commits) == 1
+    errors, storage = _save(3, flip=1, nan=None, check_replicas=False)  # not checked: committed as is
+    assert errors == [None] * 3 and len(storage.commits) == 1
+
+
+def test_a_nan_in_one_ranks_shard_fails_the_save_on_every_rank():
+    errors, storage = _save(3, flip=None, nan=1, nonfinite="refuse")
+    for e in errors:
+        assert isinstance(e, ckptlib.NonFiniteError) and "rank 1" in str(e) and "/w" in str(e), e
+    assert not storage.commits
