@@ -106,6 +106,9 @@ class Storage(ABC):
     supports_conditional_put: bool = False
     """``put_if_absent`` is a true create-only write (If-None-Match: * on S3)."""
 
+    memory: bool = False
+    """The bytes live in memory (tmpfs): nothing to flush, lost with the node (a memory tier)."""
+
     # -- writing
     @abstractmethod
     def open_write(self, path: str) -> WriteStream: ...

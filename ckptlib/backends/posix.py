@@ -12,6 +12,10 @@ Parallel and network file systems: nothing here trusts a folder listing alone; a
 missing or short is retried for up to ``visibility_timeout`` seconds (0 on local file systems,
 :data:`NETWORK_VISIBILITY_TIMEOUT` on network or parallel ones, told by :func:`mount_type`;
 storage option ``visibility_timeout``). See docs/storage.md, "POSIX and parallel file systems".
+
+Memory file systems (tmpfs, ramfs: ``/dev/shm``; ``PosixStorage.memory``): nothing is flushed
+(no fsync, no write-back hints); a file there is as durable as the node's memory. The tiers use
+such a root as a memory tier (docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -35,6 +39,19 @@ NETWORK_FS_TYPES = frozenset(
     {"nfs", "nfs4", "lustre", "gpfs", "wekafs", "cifs", "smb3", "smbfs", "beegfs", "fuse.glusterfs",
      "glusterfs", "ceph", "fuse.ceph", "panfs", "orangefs", "9p", "fuse.s3fs", "fuse.gcsfuse"}
 )
+
+
+MEMORY_FS_TYPES = ("tmpfs", "ramfs")
+
+
+def free_bytes(path: str) -> int:
+    """Bytes free for an unprivileged writer on the file system holding ``path`` (its nearest
+    existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
 
 
 def mount_type(path: str) -> str:
@@ -88,10 +105,11 @@ class _PosixWrite(WriteStream):
     are ignored, and durability and I/O errors are still decided by the fsync in ``close()``.
     """
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, durable: bool = True) -> None:
         self.fd = fd
         self.path = path
         self.pos = 0
+        self.durable = durable  # False on a memory file system: nothing to flush, no fsync
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -103,7 +121,7 @@ class _PosixWrite(WriteStream):
         except OSError as e:
             raise _storage_error("write", self.path, e) from e
         self.pos += size
-        if size >= WRITEBACK_MIN and _sync_file_range is not None:
+        if self.durable and size >= WRITEBACK_MIN and _sync_file_range is not None:
             _sync_file_range(self.fd, start, size, _SYNC_FILE_RANGE_WRITE)
 
     def close(self) -> None:
@@ -111,7 +129,8 @@ class _PosixWrite(WriteStream):
         if fd < 0:
             return
         try:
-            os.fsync(fd)
+            if self.durable:
+                os.fsync(fd)
         except OSError as e:
             raise _storage_error("fsync", self.path, e) from e
         finally:
@@ -178,6 +197,12 @@ class PosixStorage(Storage):
             network = kind in NETWORK_FS_TYPES or kind.startswith("nfs")
             visibility_timeout = NETWORK_VISIBILITY_TIMEOUT if network else 0.0
         self.visibility_timeout = float(visibility_timeout)
+        probe = self.root
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        self.memory = mount_type(probe) in MEMORY_FS_TYPES
+        """A memory file system (tmpfs: ``/dev/shm``): nothing is flushed (no fsync), and what it
+        holds survives a process crash, not a node reboot (docs/tiers.md, the memory tier)."""
         self._policy = RetryPolicy(
             attempts=1_000_000, attempt_timeout=float("inf"), deadline=self.visibility_timeout,
             backoff=0.02, backoff_max=1.0,
@@ -202,7 +227,7 @@ class PosixStorage(Storage):
             if e.errno == errno.EEXIST:
                 raise FileExistsError(errno.EEXIST, "already exists", full) from None
             raise _storage_error("create", full, e) from e
-        return _PosixWrite(fd, full)
+        return _PosixWrite(fd, full, durable=not self.memory)
 
     def put_atomic(self, path: str, data: bytes) -> None:
         full = self._p(path)
@@ -246,6 +271,8 @@ class PosixStorage(Storage):
             raise _storage_error("rename", s, e) from e
 
     def sync_dir(self, path: str) -> None:
+        if self.memory:
+            return
         full = self._p(path)
         try:
             fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY)

@@ -577,21 +577,24 @@ def persist(
     rounds: Iterable[list[TensorItem]] | None = None,
     metrics: dict[str, float] | None = None,
     placement: Placement | None = None,
+    before_write: Callable[[SaveSession, int], None] | None = None,
     after_write: Callable[[SaveSession, BaseException | None], BaseException | None] | None = None,
 ) -> SaveResult:
     """The one save flow, every rank: begin, plan who writes what, write, finish.
     ``session``: the caller's flow's (else the save opens its own on ``coordinator``).
     ``rounds`` (streamed async saves, engine/snapshot.py): the tensors to write, one round at a
     time, each written before the next is requested (``flat.items`` then only supplies names and
-    shapes); a round that raises fails this rank's part of the save. ``placement`` and
-    ``after_write`` (a tier save, ckptlib/tiers/local.py): where else the bytes go, and what
-    runs after this rank's writes and before the commit (its replicas), given this rank's write
-    error and returning it (or its own)."""
+    shapes); a round that raises fails this rank's part of the save. ``placement``,
+    ``before_write`` and ``after_write`` (a tier save, ckptlib/tiers/local.py): where else the
+    bytes go; what runs once the plan is known, given the bytes this rank will write (collective:
+    the memory tier's room check; what it raises fails the save); and what runs after this
+    rank's writes and before the commit (its replicas), given this rank's write error and
+    returning it (or its own)."""
     meta_tree = encode_metadata(metadata)
     save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
                              save_id=save_id, created=created, placement=placement)
     try:
-        error = write_state(save, flat, rounds)
+        error = write_state(save, flat, rounds, before_write)
         if after_write is not None:
             error = after_write(save, error)
         shapes = {it.name: it.global_shape for it in flat.items}
@@ -603,13 +606,15 @@ def persist(
 
 
 def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[TensorItem]] | None = None,
-                ) -> BaseException | None:
+                before_write: Callable[[SaveSession, int], None] | None = None) -> BaseException | None:
     """Every rank (collective: the plan), between ``begin`` and ``finish``: plan who writes
     what and write this rank's part (``rounds``: see :func:`persist`). Returns this rank's
     write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save."""
     session.v2 = session.options.writes_v2(session.session.world)
     items = _plan(session, flat.items)
     mine = {it.name for it in items}
+    if before_write is not None:
+        before_write(session, sum(it.tensor.numel() * it.tensor.element_size() for it in items))
     opts = session.options
     checks = session.checks = StateChecks(opts.nonfinite, opts.check_replicas, session.session.world)
     try:

@@ -32,6 +32,7 @@ from typing import Any
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage
+from ckptlib.backends.posix import free_bytes
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import retire
@@ -56,6 +57,8 @@ class LocalTier:
     jump: int = 1
     keep_last: int = 2
     topology: Topology | None = field(default=None)
+    room_checked: bool = False
+    """The first save checked that every memory tier has room (:func:`check_room`)."""
 
     def __post_init__(self) -> None:
         if not self.storage.supports_atomic_rename:
@@ -129,8 +132,51 @@ def save_local(
                 crashpoints.point("local_commit", s.rank)
             return error
 
+        def room(save: SaveSession, planned: int) -> None:
+            if not tier.room_checked:
+                check_room(tier, s, topo, planned)
+                tier.room_checked = True
+
         return persist(local, final, flat, step=step, metadata=metadata, options=opts, session=s, save_id=save_id,
-                       created=created, rounds=rounds, metrics=metrics, placement=placement, after_write=replicate)
+                       created=created, rounds=rounds, metrics=metrics, placement=placement, before_write=room,
+                       after_write=replicate)
+
+
+def check_room(tier: LocalTier, s: Session, topo: Topology, planned: int) -> None:
+    """Every rank (collective: one consult), in the first tier save, once the plan is known
+    (``planned``: the bytes this rank writes): every node whose local root is a memory file
+    system (tmpfs) must have room for ``local_keep_last + 1`` copies of what it holds per step
+    (its ranks' files and the replicas it keeps for its peers). Raises :class:`CommitError`
+    on every rank, saying what is missing where, before anything is written."""
+    mine = [planned, free_bytes(tier.storage.url) if topo.is_leader(s.rank) and tier.storage.memory else None,
+            tier.storage.url]
+    copies = tier.keep_last + 1
+
+    def decide(reports: list[Any]) -> list[Any]:
+        need: dict[int, int] = {}
+        for r, (nbytes, _free, _url) in enumerate(reports):
+            need[topo.nodes[r]] = need.get(topo.nodes[r], 0) + int(nbytes)
+        for src, dst in topo.pairs(tier.replicas, tier.jump):
+            need[topo.nodes[dst]] += int(reports[src][0])
+        short = []
+        for r, (_n, free, url) in enumerate(reports):
+            node = topo.nodes[r]
+            if free is not None and need[node] * copies > free:
+                short.append(f"node {node}'s memory tier {url} has {_gib(free)} free; local_keep_last + 1 = {copies} "
+                             f"copies of what it holds per step ({_gib(need[node])}: its ranks' files and the "
+                             f"replicas it keeps) need {_gib(need[node] * copies)}: {_gib(need[node] * copies - free)} "
+                             "missing")
+        why = None if not short else ("; ".join(short) + ". Lower local_keep_last or replicas, or give the file "
+                                      "system more room (a larger /dev/shm), or put local= on a disk")
+        return [why] * len(reports)
+
+    why = s.consult(mine, decide)
+    if why:
+        raise CommitError(f"not enough room for the local tier: {why}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
 
 
 def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int], rank: int = 0,
