@@ -25,6 +25,7 @@ persistent tier.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -102,8 +103,7 @@ def save_local(
         several = s.world > 1 and len(set(topo.nodes)) > 1
         # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
         # every file of the step, piece index files included (tiers/drain.py step_files).
-        opts = SaveOptions(options.compression, options.chunk_bytes, options.num_files, options.timeout,
-                           overwrite=True, format_version=options.format_version)
+        opts = dataclasses.replace(options, overwrite=True)
         placement = Placement(stage_here=topo.is_leader(s.rank), copies=several,
                               record_elsewhere=topo.nodes[s.rank] != topo.nodes[0])
 

@@ -13,6 +13,7 @@ any rank of any world size can check restored bytes exactly.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -91,6 +92,7 @@ def slow_local(mgr: ckptlib.CheckpointManager, delay: float, out: str, rank: int
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job's stacks (tests/launcher.py)
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     args = json.loads(sys.argv[5])
     result: dict = {"rank": rank, "node": os.environ.get("CKPTLIB_NODE")}

@@ -1,0 +1,110 @@
+"""One rank of an every-step job (tests/distributed/test_every_step.py): 2 ranks as 2 simulated
+nodes, a memory tier (local root under /dev/shm) with replicas on the peer, a persistent tier
+on disk.
+
+usage: every_step_worker.py SCENARIO RANK WORLD PORT ROOT JSON-ARGS  (ROOT/result-<scenario>-<rank>.json)
+
+- ``train``: steps 1..N, a save every step (``persist_every`` drains some to disk); optionally
+  at step ``flip`` this rank (``flip_rank``) flips one bit of its copy of a replicated tensor,
+  at step ``nan`` rank ``nan_rank`` puts a NaN in its shard; records each save's outcome and,
+  after every save, the steps its node's memory tier holds;
+- ``restore``: a fresh state restored; records the step and whether every byte is the step's.
+Every tensor is a pure function of (name, step, rank), so the expected bytes are known.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ckptlib
+
+ROWS, COLS = 64, 32
+
+
+def tensor(name: str, step: int, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}@{step}".encode()))
+    return torch.randn(shape, generator=g)
+
+
+def state(rank: int, world: int, step: int) -> dict:
+    shard = tensor("w", step, (ROWS * world, COLS))[rank * ROWS:(rank + 1) * ROWS].clone()
+    return {"w": ckptlib.Shard(shard, (ROWS * world, COLS), (rank * ROWS, 0)), "emb": tensor("emb", step, (128, 16)),
+            "step": step, "rng": ckptlib.PerRank([rank, step])}
+
+
+def manager(root: str, args: dict) -> ckptlib.CheckpointManager:
+    return ckptlib.CheckpointManager(
+        os.path.join(root, "persist"), local=os.path.join(args["shm"], "node{node}"), replicas=1,
+        local_keep_last=args.get("local_keep_last", 2), keep_last=args.get("keep_last", 2),
+        persist_every=args.get("persist_every", 3), check_replicas=args.get("check_replicas", "auto"),
+        nonfinite=args.get("nonfinite", "allow"), async_save=True)
+
+
+def local_steps(args: dict, node: int) -> list[int]:
+    folder = os.path.join(args["shm"], f"node{node}")
+    return sorted(int(n[5:]) for n in os.listdir(folder) if n.startswith("step-") and n[5:].isdigit()) \
+        if os.path.isdir(folder) else []
+
+
+def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
+    mgr = manager(root, args)
+    outcomes, held = {}, {}
+    for step in range(1, args["steps"] + 1):
+        st = state(rank, world, step)
+        if step == args.get("flip") and rank == args.get("flip_rank"):
+            st["emb"].view(torch.int32)[5, 3] ^= 1 << 7  # a silent fault in this rank's replica
+        if step == args.get("nan") and rank == args.get("nan_rank"):
+            st["w"].local[3, 4] = math.nan
+        try:
+            mgr.save(step, st).wait(timeout=300)
+            outcomes[step] = "ok"
+        except ckptlib.CheckpointError as e:
+            outcomes[step] = f"{type(e).__name__}: {e}"
+        held[step] = local_steps(args, int(os.environ.get("CKPTLIB_NODE", "0")))
+    try:
+        mgr.close(timeout=300)
+    except ckptlib.CheckpointError as e:  # a failure already reported above is raised once more here
+        outcomes["close"] = f"{type(e).__name__}: {e}"
+    return {"outcomes": outcomes, "held": held}
+
+
+def sc_restore(rank: int, world: int, root: str, args: dict) -> dict:
+    mgr = manager(root, args)
+    target = {"w": ckptlib.Shard(torch.zeros(ROWS, COLS), (ROWS * world, COLS), (rank * ROWS, 0)),
+              "emb": torch.zeros(128, 16), "step": 0, "rng": ckptlib.PerRank(None)}
+    step = mgr.restore(target)
+    mgr.close(timeout=300)
+    if step is None:
+        return {"step": None}
+    want = state(rank, world, step)
+    same = (torch.equal(target["w"].local, want["w"].local) and torch.equal(target["emb"], want["emb"])
+            and target["step"] == step and target["rng"].value == [rank, step])
+    return {"step": step, "bitwise": same}
+
+
+def main() -> int:
+    scenario, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    args = json.loads(sys.argv[6])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        out = globals()[f"sc_{scenario}"](rank, world, root, args)
+    except Exception:
+        out = {"crash": traceback.format_exc()}
+    with open(os.path.join(root, f"result-{scenario}-{rank}.json"), "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
