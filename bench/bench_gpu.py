@@ -26,15 +26,17 @@ code paths on CPU tensors with tiny sizes (tests/test_bench_gpu.py). One process
    (``local=/dev/shm/<unique>/{node}``), ``dcp+stager`` (one reused ``DefaultStager``: pinned
    memory, async staging, non-blocking copies) and, when asked for, ``ckptlib.overlap``.
 3. **pinned reuse** -- per ckptlib save: new pinned host allocations and bytes
-   (``torch.cuda.host_memory_stats``), the staging arena's address; first save against later ones;
-   and the copy floor (the state copied into that arena with one ``_foreach_copy_``).
+   (``torch.cuda.host_memory_stats``) and whether the staging arena is still the first save's
+   (same tensor object and address); first save against later ones; the copy floor (the state
+   copied into that arena with one ``_foreach_copy_``); and whether ``close()`` let it go.
 
 Each saver's files are deleted after each save, its staging memory released before the next. A
 size or saver that does not fit the free disk, host memory (``MemAvailable``, or
 ``--host-mem-gib``), /dev/shm, GPU memory, or the time left of ``--budget-s`` (predicted from
 the seconds per GiB measured at the smaller sizes) is skipped with a printed reason. Exit codes:
-0 ran (skips allowed), 1 a bitwise check or a ckptlib save failed, 2 no CUDA device, 3 ckptlib
-not importable. ``--json OUT``: every figure and the machine. docs/performance.md, "GPU".
+0 ran (skips allowed), 1 a bitwise check or a ckptlib save failed or a later ckptlib save
+allocated staging memory, 2 no CUDA device, 3 ckptlib not importable. ``--json OUT``: every
+figure and the machine, rewritten after each section. docs/performance.md, "GPU".
 """
 
 from __future__ import annotations
@@ -349,7 +351,10 @@ def run_saver(ctx: Ctx, name: str, sd: dict[str, torch.Tensor], trainer: Trainer
         floor = saver.floor()
     finally:
         saver.close()
-    return {"saves": rows, "summary": summarize(rows, floor)}
+    gc.collect()
+    first = getattr(saver, "first_arena", None)  # ckptlib: close() must let its staging arena go
+    return {"saves": rows, "summary": {**summarize(rows, floor), "staging_freed_on_close": None if first is None
+                                       else first() is None}}
 
 
 def summarize(rows: list[dict[str, Any]], floor: float | None) -> dict[str, Any]:
@@ -364,14 +369,17 @@ def summarize(rows: list[dict[str, Any]], floor: float | None) -> dict[str, Any]
         return None if not xs or None in xs else sum(xs)
 
     ptrs = {r.get("arena_ptr") for r in rows}
+    reused = None if ptrs == {None} or len(rows) < 2 else len(ptrs) == 1 and all(r["arena_same"] for r in rows)
+    later_bytes = total("new_pinned_bytes")
     return {
         "blocked_first_s": rows[0]["blocked_s"], "blocked_s": med("blocked_s", later),
         "step_increase_first_s": rows[0]["step_increase_s"], "step_increase_s": med("step_increase_s", later),
         "durable_s": med("durable_s", rows), "persisted_s": med("persisted_s", rows),
         "plain_iter_s": med("plain_iter_s", rows), "during_slowdown": med("during_slowdown", rows),
-        "new_pinned_bytes_first": rows[0].get("new_pinned_bytes"), "new_pinned_bytes_later": total("new_pinned_bytes"),
+        "new_pinned_bytes_first": rows[0].get("new_pinned_bytes"), "new_pinned_bytes_later": later_bytes,
         "new_pinned_allocs_later": total("new_pinned_allocs"), "arena_bytes": rows[-1].get("arena_bytes"),
-        "arena_reused": None if ptrs == {None} or len(rows) < 2 else len(ptrs) == 1, "copy_floor_s": floor,
+        "arena_reused": reused, "copy_floor_s": floor,
+        "reuse_ok": None if reused is None else reused and not later_bytes,  # later saves allocate nothing
     }
 
 
@@ -493,13 +501,14 @@ def render(r: dict[str, Any]) -> str:
         L += [f"| {k} | {'OK' if c['ok'] else ' '.join(['FAIL', c.get('error', '')]).strip()} | {c.get('n_mismatches', '-')} | "
               f"{c['seconds']:.2f} |" for k, c in b["checks"].items()]
         L += ["", f"Control (one flipped bit caught): {b['control_detects_flip']}. Tensors changed by the mutation "
-              f"right after save(): {b['mutated_after_save']} (of {b['tensors']}). Pinned staging at the first "
-              f"save: {b['pinned']}"]
+              f"right after save(): {b['mutated_after_save']} (of {b['tensors']}). Staging at the first save (arena "
+              "bytes / new pinned host bytes): " + ", ".join(
+                  f"{k} {v['arena_bytes']:,} / {f(v['new_pinned_bytes'])}" for k, v in b["pinned"].items())]
     for label, s in r["sizes"].items():
         plain = next((x["summary"]["plain_iter_s"] for x in s["savers"].values() if "summary" in x), None)
         L += ["", f"## {label}: {s['tensors']} tensors, training step {f(plain, 3)} s", "",
               "| saver | saves | blocked, 1st s | blocked s | step +, 1st s | step + s | durable s | persisted s "
-              "| slowdown while persisting | new pinned bytes after the 1st | arena reused | copy floor s |",
+              "| slowdown while persisting | new pinned bytes after the 1st | staging reused | copy floor s |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
         for name, x in s["savers"].items():
             q = x.get("summary")
@@ -507,7 +516,7 @@ def render(r: dict[str, Any]) -> str:
                      f"| {name} | {len(x['saves'])} | {f(q['blocked_first_s'])} | {f(q['blocked_s'])} | "
                      f"{f(q['step_increase_first_s'])} | {f(q['step_increase_s'])} | {f(q['durable_s'], 3)} | "
                      f"{f(q['persisted_s'], 3)} | {f(q['during_slowdown'], 2)} | {f(q['new_pinned_bytes_later'])} | "
-                     f"{f(q['arena_reused'])} | {f(q['copy_floor_s'])} |")
+                     f"{f(q['reuse_ok'])} | {f(q['copy_floor_s'])} |")
         L += ["", "Ratios: " + "; ".join(f"{k} {v:.3f}" for k, v in s["ratios"].items())] if s["ratios"] else []
     L += ["", "## Skipped", ""] + [f"- {x['what']}: {x['reason']}" for x in r["skipped"]] if r["skipped"] else []
     L += ["", "## Errors", ""] + [f"- {x['what']}: {x['error']}" for x in r["errors"]] if r["errors"] else []
@@ -565,26 +574,36 @@ def main(argv: list[str] | None = None) -> int:
     shm = os.path.join(args.shm if os.path.isdir(args.shm) else work, f"ckptlib-gpu-{uuid.uuid4().hex[:12]}")
     os.makedirs(shm)
     ctx = Ctx(args, dev, work, shm)
-    r: dict[str, Any] = {"argv": sys.argv, "args": vars(args), "budget_s": args.budget_s, "machine": ctx.machine(),
+    r: dict[str, Any] = {"argv": sys.argv if argv is None else ["bench_gpu.py", *argv], "args": vars(args), "budget_s": args.budget_s, "machine": ctx.machine(),
                          "bitwise": None, "sizes": {}}
     print(f"bench_gpu: {r['machine']['gpu'] or 'CPU smoke run'}; sizes {args.sizes} GiB; savers {args.savers}; "
           f"budget {args.budget_s:.0f} s; checkpoints in {work} ({r['machine']['disk_fs']}); tier in {shm}", flush=True)
+    rates: dict[str, float] = {}
+
+    def dump(done: bool) -> None:
+        """The JSON so far (after every section, so a run killed later still leaves its figures)."""
+        reuse = [x["summary"]["reuse_ok"] for z in r["sizes"].values() for x in z["savers"].values() if "summary" in x]
+        failed = (not (r["bitwise"] or {}).get("ok") or any(e["what"].startswith("ckptlib") for e in ctx.errors)
+                  or False in reuse)
+        r.update(skipped=ctx.skipped, errors=ctx.errors, elapsed_s=time.monotonic() - ctx.t0, exit_code=int(failed),
+                 complete=done, seconds_per_gib_saved=rates)
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=1, default=str))
+
     try:
         r["bitwise"] = run_bitwise(ctx)
         release_memory(ctx)
-        rates: dict[str, float] = {}
+        dump(False)
         for size in args.sizes:
             res = run_size(ctx, size, args.savers, rates)
             if res is not None:
                 r["sizes"][f"{size:g} GiB"] = res
+            dump(False)
     finally:
         shutil.rmtree(shm, ignore_errors=True)  # always: a tmpfs holds memory until removed
         shutil.rmtree(work, ignore_errors=True)
-    failed = not r["bitwise"]["ok"] or any(e["what"].startswith("ckptlib") for e in ctx.errors)
-    r.update(skipped=ctx.skipped, errors=ctx.errors, elapsed_s=time.monotonic() - ctx.t0, exit_code=int(failed))
+    dump(True)
     print(render(r), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=1, default=str))
     return r["exit_code"]
 
 

@@ -16,6 +16,7 @@ import shutil
 import socket
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -226,6 +227,7 @@ class Ckptlib(Saver):
         self.state = {"model": sd, "opt": opt} if mode == "overlap" else sd  # overlap defers optimizer params
         self.handle: Any = None
         self.w0 = 0.0
+        self.first_arena: weakref.ref[torch.Tensor] | None = None
 
     def _begin(self) -> None:
         self.stats0 = host_stats()
@@ -254,9 +256,14 @@ class Ckptlib(Saver):
                 shutil.rmtree(node, ignore_errors=True)
 
     def pinned(self) -> dict[str, Any]:
+        """Staging after this save: new pinned host memory, and whether the arena is the first
+        save's (the same object, held weakly: an address alone can be handed out again)."""
         arena = getattr(self.mgr._stager, "_arena", None)
+        if self.first_arena is None and arena is not None:
+            self.first_arena = weakref.ref(arena)
         return {**pinned_delta(self.stats0, self.stats1), "arena_bytes": self.mgr._stager.nbytes,
                 "arena_ptr": None if arena is None else arena.data_ptr(),
+                "arena_same": None if arena is None or self.first_arena is None else self.first_arena() is arena,
                 "arena_pinned": None if arena is None else bool(arena.is_pinned())}
 
     def floor(self) -> float | None:

@@ -23,7 +23,8 @@ NO_GPU = "no CUDA device: bench_gpu.py needs one GPU (torch.cuda.is_available() 
 SAVERS = ("ckptlib", "torch.save", "dcp", "ckptlib+tier", "dcp+stager", "ckptlib.overlap")
 SUMMARY = ("blocked_first_s", "blocked_s", "step_increase_first_s", "step_increase_s", "durable_s", "persisted_s",
            "plain_iter_s", "during_slowdown", "new_pinned_bytes_first", "new_pinned_bytes_later",
-           "new_pinned_allocs_later", "arena_bytes", "arena_reused", "copy_floor_s")
+           "new_pinned_allocs_later", "arena_bytes", "arena_reused", "copy_floor_s", "reuse_ok",
+           "staging_freed_on_close")
 ROW = ("save_s", "wait_s", "blocked_s", "iter_s", "durable_s", "plain_iter_s", "step_increase_s", "during_steps",
        "during_iter_s", "during_slowdown")
 MACHINE = ("torch", "cuda", "python", "ckptlib", "cpus", "host_mem_total", "host_mem_available", "disk_free", "disk_fs",
@@ -51,7 +52,8 @@ def test_cpu_smoke_writes_every_figure(tmp_path: Path) -> None:
     proc = run("--cpu-smoke", "--sizes", "0.001,64", "--dir", where, "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     r = json.loads(out.read_text())
-    assert r["exit_code"] == 0 and r["errors"] == []
+    assert r["exit_code"] == 0 and r["errors"] == [] and r["complete"] is True
+    assert set(r["seconds_per_gib_saved"]) == set(SAVERS)
     assert set(MACHINE) <= set(r["machine"]) and r["machine"]["gpu"] is None
     assert not os.path.exists(r["machine"]["shm"])  # the tmpfs folder of the memory tier is gone
     assert not os.path.exists(r["machine"]["dir"])  # and so is every checkpoint
@@ -77,7 +79,9 @@ def test_cpu_smoke_writes_every_figure(tmp_path: Path) -> None:
             assert set(ROW) <= set(row), (name, row)
             assert row["durable_s"] >= 0 and row["blocked_s"] >= row["save_s"] >= 0, (name, row)
         reuses = name.startswith("ckptlib")
-        assert x["summary"]["arena_reused"] is (True if reuses else None), name
+        expect = True if reuses else None
+        assert x["summary"]["arena_reused"] is x["summary"]["reuse_ok"] is x["summary"]["staging_freed_on_close"] \
+            is expect, name
         assert ("persisted_s" in x["saves"][0]) is (name == "ckptlib+tier"), name
     ck = size["savers"]["ckptlib"]["summary"]
     assert ck["copy_floor_s"] > 0 and ck["arena_bytes"] >= size["bytes"]
