@@ -127,6 +127,15 @@ class Placement:
     """Several nodes: after the commit, their leaders commit copies of the coordinator's manifest."""
     record_elsewhere: bool = False
     """The step's record (the coordinator's commit) is on storage this rank cannot read."""
+    own_replicated: bool = False
+    """This rank writes its replicated pieces into files of their own (tag :data:`REP_TAG`),
+    which its peers rebuild from their own memory instead of receiving them
+    (ckptlib/tiers/replicas.py): only bytes that exist on one node cross the network. Only for
+    a save not streamed in rounds (the peers' copies must still be in memory after the writes)."""
+
+
+REP_TAG = "rep"
+"""The file tag of a rank's replicated pieces under :attr:`Placement.own_replicated`."""
 
 
 def prepare(state: Any, rank: int = 0) -> FlatState:
@@ -216,6 +225,8 @@ class SaveSession:
         self._index: tuple[dict[str, Any] | None] | None = None  # v2: written early (write_index)
         self.checks = StateChecks("allow", False, 1)
         """What :func:`write_state` checked of this rank's state (:mod:`ckptlib.engine.checks`)."""
+        self.replicated: tuple[list[tuple[str, int]], list[Any]] | None = None
+        """:attr:`Placement.own_replicated`: this rank's replicated files and their write records."""
 
     @classmethod
     def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
@@ -278,12 +289,15 @@ class SaveSession:
         chunked by ``options.chunk_bytes``; copied to CPU only when needed."""
         return split_chunks(name, cpu_contiguous(tensor), offset, self.options.chunk_bytes)
 
-    def write(self, jobs: list[ChunkJob]) -> None:
+    def write(self, jobs: list[ChunkJob], tag: str | None = None) -> list[Any]:
         """This rank: write ``jobs`` into new payload files (checksummed, compressed per
-        ``options``) and remember them for :meth:`collect`. Raises on failure; the caller then
-        passes the error to :meth:`finish`/:meth:`collect`, which fails the save on every rank."""
-        tag = f"p{self._writes}" if self._writes else ""
-        self._writes += 1
+        ``options``) and remember them for :meth:`collect`; returns their write records.
+        ``tag``: the files' tag (default: one per call, so rounds get names of their own).
+        Raises on failure; the caller then passes the error to :meth:`finish`/:meth:`collect`,
+        which fails the save on every rank."""
+        if tag is None:
+            tag = f"p{self._writes}" if self._writes else ""
+            self._writes += 1
         with self.bounded():
             files, written = write_files(
                 self.storage, self.prefix, self.session.rank, jobs, compression=self.options.compression,
@@ -291,6 +305,9 @@ class SaveSession:
             )
         self._files += files
         self._chunks += written
+        if tag == REP_TAG:
+            self.replicated = (files, written)
+        return written
 
     def write_index(self) -> dict[str, Any] | None:
         """Format v2, this rank, after its last :meth:`write` and before :meth:`finish`: write its
@@ -617,13 +634,18 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
         before_write(session, sum(it.tensor.numel() * it.tensor.element_size() for it in items))
     opts = session.options
     checks = session.checks = StateChecks(opts.nonfinite, opts.check_replicas, session.session.world)
+    apart = session.placement.own_replicated and rounds is None  # replicated pieces in files of their own
     try:
         for rnd in [items] if rounds is None else rounds:
             checks.see(flat.items if rounds is None else rnd, mine)
             with paused_gc():
-                jobs = [j for it in rnd if it.name in mine
+                jobs = [j for it in rnd if it.name in mine and not (apart and it.replicated)
                         for j in session.split(it.name, it.tensor, it.global_offset)]
+                rep = [j for it in rnd if apart and it.replicated and it.name in mine
+                       for j in session.split(it.name, it.tensor, it.global_offset)]
             session.write(jobs)
+            if rep:
+                session.write(rep, tag=REP_TAG)
     except Exception as e:  # any failure must still reach the commit protocol and abort
         return e
     return checks.error()

@@ -217,14 +217,18 @@ def write_files(
     pack_bytes: int = 4 << 20,
     tag: str = "",
     timeout: float | None = None,
+    exact: bool = False,
 ) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]]:
     """Write ``jobs`` into payload files under ``prefix``; returns ``(files, written)``, files
     as ``(path, size)``, all durable, or raises ``StorageTimeoutError`` after ``timeout``. At
-    most ``num_files`` files, fewer when ranks share the machine's CPUs (``pool.cpu_share``)."""
+    most ``num_files`` files, fewer when ranks share the machine's CPUs (``pool.cpu_share``);
+    ``exact``: exactly as :func:`plan_files` splits ``num_files`` (a peer rebuilding another
+    rank's files byte for byte, ckptlib/tiers/replicas.py). The same jobs with the same options
+    give the same bytes, names and records."""
     if storage.supports_atomic_rename and not storage.exists(prefix):
         # The coordinator removed the staging folder (save abandoned): never recreate it.
         raise CommitError(f"staging folder {prefix} is gone: the save was abandoned")
-    groups = plan_files(make_units(jobs), cpu_share(num_files))  # one thread per file
+    groups = plan_files(make_units(jobs), num_files if exact else cpu_share(num_files))  # one thread per file
     # ``tag`` keeps names unique when one rank writes a save in several rounds.
     paths = [join(prefix, layout.payload_name(rank, tag, i)) for i in range(len(groups))]
     results = run_all(

@@ -11,13 +11,16 @@ relative path (``replicas/<save id>/r00001-0.bin``).
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.backends.base import WriteStream
 from ckptlib.coord.session import Session
-from ckptlib.errors import CommitError
+from ckptlib.errors import CommitError, ReplicaMismatchError
+from ckptlib.plan.flatten import TensorItem
 from ckptlib.tiers.node import Topology
 
 REPLICA_DIR = "replicas"
@@ -54,76 +57,217 @@ def pieces(files: list[tuple[str, int]], piece: int = PIECE) -> list[tuple[str, 
     return out
 
 
+@dataclass
+class ReplicaStats:
+    """What one rank's replica stream moved in one save."""
+
+    sent: int = 0
+    """Bytes this rank sent to its peers over the network."""
+    received: int = 0
+    """Bytes this rank received from its sources."""
+    rebuilt: int = 0
+    """Bytes of its sources' files this rank rebuilt from its own memory instead (replicated
+    pieces: the same bytes already here, :class:`Rebuild`)."""
+
+
+@dataclass
+class Rebuild:
+    """A rank's own copy of the replicated pieces (data-parallel copies) and what to write them
+    with, so that it can rebuild its sources' replicated files byte for byte (their write
+    records say what they hold), instead of receiving them. ``check``: the rebuilt bytes'
+    checksums must equal the source's (``check_replicas``); a difference fails the save."""
+
+    items: dict[str, TensorItem]
+    options: Any  # engine.save.SaveOptions
+    check: bool
+
+
 def replicate(storage: Storage, s: Session, topo: Topology, *, work: str, mine: list[tuple[str, int]],
-              replicas: int, jump: int, deadline: float, piece: int = PIECE) -> int:
-    """Every rank (collective, in session ``s``): send this rank's files ``mine`` (payloads and
-    v2 index file; paths under ``work``, sizes) to its peers and make the replicas of its
-    sources durable under ``work``'s ``replicas/`` on ``storage`` (this node's local tier).
-    One consult first: each rank reports its file list and learns only its sources' lists and
-    the number of rounds (no rank reads every list). Then rounds of one piece per pair (every
-    rank runs the same number, so no send waits on an unposted receive). Returns the bytes this
-    rank received. Raises on any failure (the caller fails the save through the commit)."""
+              replicas: int, jump: int, deadline: float, piece: int = PIECE,
+              own_replicated: tuple[list[tuple[str, int]], list[Any]] | None = None,
+              rebuild: Rebuild | None = None) -> ReplicaStats:
+    """Every rank (collective, in session ``s``): make the replicas of its sources' files
+    (payloads and v2 index file) durable under ``work``'s ``replicas/`` on ``storage`` (this
+    node's local tier), and its own files durable on its peers. ``mine``: this rank's files
+    (paths under ``work``, sizes); ``own_replicated``: those of them that hold only its
+    replicated pieces, with their write records (``Placement.own_replicated``).
+
+    One consult first: each rank reports its file list (and its replicated files' records);
+    the coordinator answers each rank with what it sends to each peer and receives from each
+    source, and which of its sources' replicated files it rebuilds from its own memory
+    (``rebuild``; where it cannot, they are sent): no rank reads every list, and only bytes
+    that exist on one node cross the network. Then the stream: rounds of one piece per pair
+    (every rank runs the same number, so no send waits on an unposted receive), pipelined: the
+    next round's pieces are read, and the last round's written, while a round moves; the
+    rebuilds run beside the stream. Memory: about three pieces per pair. Returns what moved.
+    Raises on any failure, after the stream ends (the caller fails the save through the
+    commit): a rebuilt file whose checksums differ from its source's raises
+    :class:`ReplicaMismatchError` naming the tensors."""
     pairs = topo.pairs(replicas, jump)
+    stats = ReplicaStats()
     if not pairs:
-        return 0
+        return stats
     me = s.rank
-    rel = [(p[len(work) + 1:] if p.startswith(work + "/") else p, n) for p, n in mine]
 
-    def plan(lists: list[Any]) -> list[Any]:
-        rounds = max(len(pieces([(str(p), int(n)) for p, n in files], piece)) for files in lists)
-        return [{"rounds": rounds, "sources": {str(src): lists[src] for src, dst in pairs if dst == r}}
-                for r in range(len(lists))]
+    def rel(p: str) -> str:
+        return p[len(work) + 1:] if p.startswith(work + "/") else p
 
-    answer = s.consult(rel, plan, deadline=deadline)
-    listing = {int(src): [(str(p), int(n)) for p, n in files] for src, files in answer["sources"].items()}
-    streams = {src: pieces(files, piece) for src, files in listing.items()}
-    own = pieces([(str(p), int(n)) for p, n in rel], piece)
-    peers = [dst for src, dst in pairs if src == me]
+    rep = None
+    if own_replicated is not None and own_replicated[0]:
+        files, records = own_replicated
+        rep = {"files": [rel(p) for p, _ in files], "sums": [r.checksum for r in records],
+               "items": list(dict.fromkeys(_names(records)))}
+    report = {"files": [(rel(p), n) for p, n in mine], "rep": rep, "rebuild": rebuild is not None}
+
+    def plan(reports: list[Any]) -> list[Any]:
+        out: list[dict[str, Any]] = [{"send": {}, "recv": {}, "rebuild": {}} for _ in reports]
+        longest = 0
+        for src, dst in pairs:
+            r_src = reports[src]
+            local = r_src["rep"] is not None and reports[dst]["rebuild"]
+            skip = set(r_src["rep"]["files"]) if local else set()
+            stream = [(p, n) for p, n in r_src["files"] if p not in skip]
+            out[src]["send"][str(dst)] = stream
+            out[dst]["recv"][str(src)] = stream
+            if local:
+                sizes = dict((p, n) for p, n in r_src["files"])
+                out[dst]["rebuild"][str(src)] = {**r_src["rep"], "sizes": [sizes[p] for p in r_src["rep"]["files"]]}
+            longest = max(longest, len(pieces([(str(p), int(n)) for p, n in stream], piece)))
+        for o in out:
+            o["rounds"] = longest
+        return out
+
+    answer = s.consult(report, plan, deadline=deadline)
+    sends = {int(d): pieces([(str(p), int(n)) for p, n in files], piece) for d, files in answer["send"].items()}
+    recvs = {int(r): pieces([(str(p), int(n)) for p, n in files], piece) for r, files in answer["recv"].items()}
+    sizes = {(int(r), str(p)): int(n) for r, files in answer["recv"].items() for p, n in files}
+    rebuilt: list[Future[int]] = []
+    pool = ThreadPoolExecutor(3, thread_name_prefix="ckptlib-replicas")
     writers: dict[tuple[int, str], WriteStream] = {}
     folders: set[str] = set()
-    received = 0
     try:
-        for k in range(int(answer["rounds"])):
-            sends: list[tuple[int, bytes]] = []
-            if k < len(own):
-                path, start, length = own[k]
-                with storage.open_read(join(work, path)) as h:
-                    data = h.read(start, length)
-                sends = [(dst, data) for dst in peers]
-            want = [(src, st[k]) for src, st in sorted(streams.items()) if k < len(st)]
-            moved = sum(len(d) for _r, d in sends) + sum(length for _s, (_p, _st, length) in want)  # this rank's
-            got = s.coord.transfer(sends, [(src, length) for src, (_, _, length) in want],
-                                   transfer_timeout(s, moved, deadline))
-            for (src, (path, start, length)), data in zip(want, got, strict=True):
-                w = writers.get((src, path))
-                if w is None:
-                    target = replica_path(work, path)
-                    folder = target.rsplit("/", 1)[0]
-                    if folder not in folders:
-                        storage.makedirs(folder)
-                        folders.add(folder)
-                    w = writers[(src, path)] = storage.open_write(target)
-                w.write(data)
-                if not received:
-                    crashpoints.point("replica_transfer", me)  # once per save: a replica half-written
-                received += len(data)
-                if start + length == dict(listing[src]).get(path):
-                    writers.pop((src, path)).close()  # durable (fsync) before the save may commit
+        for src, info in answer["rebuild"].items():
+            rebuilt.append(pool.submit(_rebuild, storage, work, int(src), info, rebuild))
+        reader = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-replica-read")
+        writer = ThreadPoolExecutor(1, thread_name_prefix="ckptlib-replica-write")
+        try:
+            rounds = int(answer["rounds"])
+            ahead = reader.submit(_read_round, storage, work, sends, 0) if rounds else None
+            written: Future[None] | None = None
+            for k in range(rounds):
+                assert ahead is not None
+                outgoing = ahead.result(timeout=max(0.1, deadline - s.now()))
+                if k + 1 < rounds:
+                    ahead = reader.submit(_read_round, storage, work, sends, k + 1)
+                want = [(src, st[k]) for src, st in sorted(recvs.items()) if k < len(st)]
+                got = s.coord.transfer(outgoing, [(src, length) for src, (_, _, length) in want], transfer_timeout(
+                    s, sum(len(d) for _, d in outgoing) + sum(n for _, (_, _, n) in want), deadline))
+                stats.sent += sum(len(d) for _, d in outgoing)
+                if written is not None:
+                    written.result(timeout=max(0.1, deadline - s.now()))
+                written = writer.submit(_write_round, storage, work, writers, folders, sizes, want, got, me,
+                                        stats.received == 0)
+                stats.received += sum(len(d) for d in got)
+            if written is not None:
+                written.result(timeout=max(0.1, deadline - s.now()))
+        finally:
+            reader.shutdown(wait=False)
+            writer.shutdown(wait=True)
         if writers:
             raise CommitError(f"replica streams ended early: {sorted(p for _, p in writers)}")
-        for files in listing.values():  # files of size 0 have no pieces
-            for path, size in files:
-                if size == 0:
-                    target = replica_path(work, path)
-                    folders.add(target.rsplit("/", 1)[0])
-                    storage.makedirs(target.rsplit("/", 1)[0])
-                    storage.open_write(target).close()
+        for (_src, path), size in sizes.items():  # files of size 0 have no pieces
+            if size == 0:
+                target = replica_path(work, path)
+                _folder(storage, folders, target)
+                storage.open_write(target).close()
+        stats.rebuilt = sum(f.result(timeout=max(0.1, deadline - s.now())) for f in rebuilt)
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
-    for folder in sorted(folders):
-        storage.sync_dir(folder)
-    if folders:
-        storage.sync_dir(join(work, REPLICA_DIR))
-    return received
+    finally:
+        pool.shutdown(wait=True)
+    for folder in sorted(folders | {replica_path(work, "")}):
+        if storage.exists(folder):
+            storage.sync_dir(folder)
+    return stats
+
+
+def _names(records: list[Any]) -> list[str]:
+    """The tensors of write records (chunks and packs), in the order they were written."""
+    out = []
+    for r in records:
+        out += [m.name for m in r.members] if hasattr(r, "members") else [r.name]
+    return out
+
+
+def _folder(storage: Storage, folders: set[str], target: str) -> None:
+    folder = target.rsplit("/", 1)[0]
+    if folder not in folders:
+        storage.makedirs(folder)
+        folders.add(folder)
+
+
+def _read_round(storage: Storage, work: str, sends: dict[int, list[tuple[str, int, int]]], k: int,
+                ) -> list[tuple[int, bytes]]:
+    """The pieces this rank sends in round ``k`` (the reader thread), each read once."""
+    cache: dict[tuple[str, int, int], bytes] = {}
+    out = []
+    for dst, stream in sorted(sends.items()):
+        if k < len(stream):
+            key = stream[k]
+            if key not in cache:
+                path, start, length = key
+                with storage.open_read(join(work, path)) as h:
+                    cache[key] = h.read(start, length)
+            out.append((dst, cache[key]))
+    return out
+
+
+def _write_round(storage: Storage, work: str, writers: dict[tuple[int, str], WriteStream], folders: set[str],
+                 sizes: dict[tuple[int, str], int], want: list[tuple[int, tuple[str, int, int]]], got: list[bytes],
+                 me: int, first: bool) -> None:
+    """Append round ``k``'s received pieces to their replica files (the writer thread, in
+    round order); a file complete is closed, which makes it durable before the commit."""
+    for (src, (path, start, length)), data in zip(want, got, strict=True):
+        w = writers.get((src, path))
+        if w is None:
+            target = replica_path(work, path)
+            _folder(storage, folders, target)
+            w = writers[(src, path)] = storage.open_write(target)
+        w.write(data)
+        if first:
+            crashpoints.point("replica_transfer", me)  # once per save: a replica half-written
+            first = False
+        if start + length == sizes[(src, path)]:
+            writers.pop((src, path)).close()
+
+
+def _rebuild(storage: Storage, work: str, src: int, info: dict[str, Any], rebuild: Rebuild | None) -> int:
+    """Rebuild source ``src``'s replicated files from this rank's own copies of their tensors
+    (a helper thread), byte for byte as the source wrote them; returns the bytes written.
+    Raises :class:`ReplicaMismatchError` when ``rebuild.check`` and a checksum differs."""
+    assert rebuild is not None
+    from ckptlib.engine.save import REP_TAG, cpu_contiguous
+    from ckptlib.engine.writer import split_chunks, write_files
+
+    opts = rebuild.options
+    jobs = []
+    for name in info["items"]:
+        it = rebuild.items[name]
+        jobs += split_chunks(name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes)
+    folder = join(work, REPLICA_DIR, info["files"][0].rsplit("/", 1)[0]) if "/" in info["files"][0] else \
+        join(work, REPLICA_DIR)
+    storage.makedirs(folder)
+    files, records = write_files(storage, folder, src, jobs, compression=opts.compression,
+                                 num_files=len(info["files"]), tag=REP_TAG, exact=True)
+    if [f"{folder}/{p.rsplit('/', 1)[-1]}" for p, _ in files] != [replica_path(work, p) for p in info["files"]]:
+        raise CommitError(f"rebuilt replicas of rank {src} are laid out differently: {files} vs {info['files']}")
+    if rebuild.check:
+        differ = sorted({n for mine, theirs, r in zip([r.checksum for r in records], info["sums"], records, strict=False)
+                         if mine != theirs for n in _names([r])})
+        if differ or len(records) != len(info["sums"]):
+            raise ReplicaMismatchError(
+                f"{', '.join(differ[:10]) or 'replicated tensors'}: rank {src}'s copy and this rank's copy differ (a "
+                "silent fault in a data-parallel replica?); nothing of this step is committed")
+    return sum(n for _, n in files)
