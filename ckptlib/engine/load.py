@@ -14,6 +14,7 @@ target (a fresh optimizer's ``state``) takes whatever the checkpoint holds there
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,8 @@ class Merge:
             t = _alloc(e.shape, DTYPES[e.dtype], v.name)
             self.requests.append(Request(v.name, t, (0,) * len(e.shape), e.shape))
             holder: list[Any] = [None]
-            self.fills.append(lambda: holder.__setitem__(0, t.numpy().tobytes()))
+            wrap = io.BytesIO if v.io else bytes
+            self.fills.append(lambda: holder.__setitem__(0, wrap(t.numpy().tobytes())))
             return _Lazy(holder)
         if isinstance(v, tree_codec.Stateful):
             return {k: self.fresh(x) for k, x in v.items()}
