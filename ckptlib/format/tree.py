@@ -52,6 +52,17 @@ class Stateful(dict):
     type_name: str = ""
 
 
+def escape(key: str) -> str:
+    """A str dict key as one segment of a tensor name: ``~`` -> ``~0``, ``/`` -> ``~1``, and
+    keys that look like ints (or are empty) get a ``~s`` prefix, so ``{1: a, "1": b}`` name
+    two different tensors (int keys are written as plain digits). The flattening of a save
+    (``plan.flatten``) and the safetensors reader (``format.safetensors``) name tensors by it."""
+    key = key.replace("~", "~0").replace("/", "~1")
+    if not key or key.lstrip("-").isdigit():
+        key = "~s" + key
+    return key
+
+
 def _fail(msg: str, where: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"value tree: {msg}", where)
 

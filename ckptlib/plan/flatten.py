@@ -24,6 +24,9 @@ from ckptlib.errors import UnsupportedValueError
 from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.format.leaves import PerRank, Shard
 from ckptlib.format.manifest import MAX_NDIM
+from ckptlib.format.tree import (
+    escape as escape,  # re-exported: the one naming rule (megatron uses it)
+)
 
 INLINE_BYTES = 4096  # bytes values up to this size are stored inline (base64) in the manifest
 MAX_DEPTH = 100
@@ -47,16 +50,6 @@ class FlatState:
     items: list[TensorItem]
     per_rank: bool
     """True if the tree holds ``per_rank`` nodes (the manifest build must merge trees then)."""
-
-
-def escape(key: str) -> str:
-    """A str dict key as one segment of a tensor name: ``~`` -> ``~0``, ``/`` -> ``~1``, and
-    keys that look like ints (or are empty) get a ``~s`` prefix, so ``{1: a, "1": b}`` name
-    two different tensors (int keys are written as plain digits)."""
-    key = key.replace("~", "~0").replace("/", "~1")
-    if not key or key.lstrip("-").isdigit():
-        key = "~s" + key
-    return key
 
 
 def is_stateful(obj: Any) -> bool:
