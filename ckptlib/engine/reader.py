@@ -289,8 +289,12 @@ class Reader:
         if t.direct is not None:
             t.direct[:] = stored
             return
-        raw = np.empty(int(np.prod(c.shape, dtype=np.int64)) * itemsize, dtype=np.uint8)
-        codecs.decode_into(stored, c.codec, itemsize, raw, self._where(c.file))
+        size = int(np.prod(c.shape, dtype=np.int64)) * itemsize
+        if c.codec == "raw" and stored.size == size and stored.ctypes.data % itemsize == 0:
+            raw = stored  # placed from the read buffer itself: no second buffer, no copy
+        else:
+            raw = np.empty(size, dtype=np.uint8)
+            codecs.decode_into(stored, c.codec, itemsize, raw, self._where(c.file))
         src = torch.from_numpy(raw).view(DTYPES[t.dtype]).reshape(c.shape)
         for tg in t.targets:
             tg.req.tensor[tg.within(tg.req.offset)] = src[tg.within(c.offset)]

@@ -110,7 +110,8 @@ def _listing(storage: Storage, folder: str, where: str) -> tuple[list[str], dict
     if indexes:
         index = st.INDEX_NAME if st.INDEX_NAME in indexes else indexes[0]
         index_where = f"{where}/{index}"
-        data = _read_small(storage, join(folder, index), st.MAX_INDEX_BYTES, index_where)
+        at, under, (rel,) = _resolve_links(storage, folder, [index])
+        data = _read_small(at, join(under, rel), st.MAX_INDEX_BYTES, index_where)
         weight_map = st.parse_index(data, index_where)
         names = sorted(set(weight_map.values()))
         present = {e.name for e in entries}

@@ -51,8 +51,9 @@ FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS.items()} | {"F8_E8M0": "float8_
 """safetensors dtype -> ckptlib dtype, for reading (``F8_E8M0``: read, not written, as the
 safetensors package's own torch loader cannot read it back yet)."""
 NOT_LOADABLE = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
-"""safetensors dtypes ckptlib cannot hold (sub-byte floats): a folder holding them opens, and
-loading such a tensor is refused (``UnsupportedValueError``); skip it with ``rename``."""
+"""safetensors dtypes ckptlib cannot hold (sub-byte floats): their headers are validated like
+any other, and describing a folder that keeps such a tensor is refused
+(``UnsupportedValueError``); ``ckptlib.load(..., rename=)`` can skip it."""
 
 MAX_HEADER_BYTES = 100_000_000
 """Largest header accepted (the reference implementation's limit)."""
@@ -119,7 +120,9 @@ def parse_header(text: bytes, file_size: int, where: str) -> tuple[list[Entry], 
             raise v.fail(f"{what}: data_offsets must be [begin, end]")
         begin = v.int_(offsets[0], f"{what} data_offsets begin")
         end = v.int_(offsets[1], f"{what} data_offsets end")
-        if begin > end or end > data_len:
+        if begin > end:
+            raise v.fail(f"{what}: data_offsets [{begin}, {end}] begin after they end")
+        if end > data_len:
             raise v.fail(f"{what}: data_offsets [{begin}, {end}] lie outside the data section of {data_len} bytes")
         dtype = FROM_SAFETENSORS.get(st_dtype)
         if dtype is not None and end - begin != volume(shape) * ITEMSIZE[dtype]:

@@ -186,14 +186,13 @@ def open_view(
     such committed step, :class:`CorruptCheckpointError` for a bad manifest or payload size."""
     storage = open_storage(url, storage_options)
     try:
-        if storage.size(MANIFEST_NAME) is None:
-            found = _safetensors(url, storage, storage_options)
-            if found is not None:
-                if step is not None:
-                    raise CheckpointNotFoundError(f"{found.where} is safetensors, which has no steps; omit step=")
-                if found.storage is not storage:
-                    storage.close()
-                return CheckpointView(found.storage, found.folder, found.manifest, where=found.where)
+        found = _safetensors(url, storage, storage_options)
+        if found is not None:
+            if step is not None:
+                raise CheckpointNotFoundError(f"{found.where} is safetensors, which has no steps; omit step=")
+            if found.storage is not storage:
+                storage.close()
+            return CheckpointView(found.storage, found.folder, found.manifest, where=found.where)
         if storage.size("") is not None:  # the URL names a file (manifest.json, a payload)
             raise CheckpointNotFoundError(
                 f"{storage.url} is a file; pass the checkpoint folder (the one holding {MANIFEST_NAME}) "
@@ -223,10 +222,11 @@ def open_view(
 def _safetensors(url: str | os.PathLike[str], storage: Storage, storage_options: dict[str, Any] | None,
                  ) -> safetensors_folder.Folder | None:
     """The safetensors folder at ``storage``'s root, or the single file ``url`` names (then
-    read through a storage on its parent folder); None if neither."""
-    if safetensors_folder.find(storage, "") == "folder":
-        return safetensors_folder.describe(storage, "", "folder")
+    read through a storage on its parent folder); None if neither (a folder holding
+    ``manifest.json`` is a checkpoint)."""
     if not os.fspath(url).rstrip("/").endswith(".safetensors"):
+        if storage.size("") is None and safetensors_folder.find(storage, "") == "folder":
+            return safetensors_folder.describe(storage, "", "folder")
         return None
     parent, name = split_url(url)
     outer = open_storage(parent, storage_options)
