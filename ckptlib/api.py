@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-from ckptlib.backends import Storage, check_url, open_storage
+from ckptlib import backends
+from ckptlib.backends import Storage, open_storage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import load as load_flow
+from ckptlib.engine import safetensors_folder, target
 from ckptlib.engine import save as save_flow
-from ckptlib.engine import target
 from ckptlib.engine.scan import read_manifest
 from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format.schema import Manifest
@@ -18,14 +20,7 @@ from ckptlib.format.schema import Manifest
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     """``(parent URL, name)`` of a checkpoint folder URL or local path (local paths made absolute).
     Public seam for adapters that address one checkpoint folder by URL."""
-    url = os.fspath(url).rstrip("/")
-    check_url(url)  # "s3:/bucket" is a usage error, never a local folder named "s3:"
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        parent, _, name = rest.rpartition("/")
-        return f"{scheme}://{parent}", name
-    url = os.path.abspath(url)
-    return os.path.dirname(url), os.path.basename(url)
+    return backends.split_url(url)
 
 
 def save(
@@ -65,9 +60,11 @@ def load(
     verify: bool = True,
     per_rank: str = "error",
     strict: bool = True,
+    select: str | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> Any:
     """Load the checkpoint folder at ``url`` (the one holding ``manifest.json``; no collective:
-    every rank reads what it needs).
+    every rank reads what it needs), or a Hugging Face safetensors folder or file.
 
     ``into=None`` returns new CPU tensors; ``into=state`` loads in place (only the parts of
     sharded tensors this rank holds, whatever the saved sharding). ``strict=True`` (default):
@@ -76,6 +73,13 @@ def load(
     loaded, and a :class:`~ckptlib.engine.load.LoadResult` is returned (``.state``, ``.missing``:
     target keys left as they were, ``.unexpected``: checkpoint keys not loaded). ``per_rank``:
     what ``PerRank`` values become on another world size (``"error"``, ``"rank0"``, ``"all"``).
+
+    Safetensors (a folder of ``*.safetensors`` files, with or without
+    ``model.safetensors.index.json``, or one file; docs/read.md): key ``a.b`` is loaded as
+    ``/SELECT/a.b`` (``select="model"``: into ``state["model"]``; None: the root), the inverse of
+    ``ckptlib export --to safetensors --select model``; ``rename(key)`` returns the name to load
+    it as, or None to skip it. Such files carry no checksums (``verify`` has nothing to check);
+    damaged headers raise ``CorruptCheckpointError`` before any tensor is read.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
@@ -83,10 +87,25 @@ def load(
     storage = open_storage(parent, storage_options)
     rank, world = _rank_world()
     keys: dict[str, list[str]] = {}
-    state = load_flow.load_checkpoint(
-        storage, name, into, verify=verify, rank=rank, world_size=world, per_rank=per_rank,
-        manifest=_manifest(storage, name, pieces=False), strict=strict, keys=keys,
-    )
+    try:
+        m = _manifest(storage, name, pieces=False)
+    except (CheckpointNotFoundError, CorruptCheckpointError):  # no manifest: safetensors?
+        kind = safetensors_folder.find(storage, name)
+        if kind is None:
+            raise
+        found = safetensors_folder.describe(storage, name, kind, select=select, rename=rename)
+        state = load_flow.load_checkpoint(
+            found.storage, found.folder, into, rank=rank, world_size=world, manifest=found.manifest,
+            strict=strict, keys=keys, where=found.where,
+        )
+    else:
+        if select is not None or rename is not None:
+            raise ValueError("select= and rename= apply to safetensors folders; "
+                             f"{url} is a ckptlib checkpoint (load it whole, or pass into= a part of your state)")
+        state = load_flow.load_checkpoint(
+            storage, name, into, verify=verify, rank=rank, world_size=world, per_rank=per_rank,
+            manifest=m, strict=strict, keys=keys,
+        )
     if strict or into is None:
         return state
     return load_flow.LoadResult(state, keys["missing"], keys["unexpected"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import decimal
 import functools
+import io
 import math
 import os
 import re
@@ -128,6 +129,40 @@ def test_bytes_inline_up_to_limit_then_payload(tmp_path: Path) -> None:
     assert sorted(tensor_names(body)) == ["/nested/0/0", "/over_limit"]
     assert tensor_decl(body, "/over_limit") == ("uint8", [INLINE_BYTES + 1])
     assert "b64" not in str(body["tensors"]) + str(body[TABLE_KEY])
+
+
+def test_bytesio_values_roundtrip_without_pickle(tmp_path: Path) -> None:
+    """io.BytesIO values (DCP tests and training loops put them in state dicts): stored as their
+    bytes (inline or a uint8 payload, marked "io"), no pickle, loaded back as io.BytesIO at
+    position 0, both as new values and into a target."""
+    small = io.BytesIO(b"\x00abc\xff")
+    small.seek(4)
+    big = os.urandom(INLINE_BYTES + 1)
+    state = {"small": small, "big": io.BytesIO(big), "empty": io.BytesIO(), "plain": b"xy", "in_list": [io.BytesIO(b"q")]}
+    ckptlib.save(state, tmp_path / "ck")
+    body = read_manifest_doc(tmp_path / "ck")["body"]
+    assert tensor_names(body) == ["/big"] and tensor_decl(body, "/big") == ("uint8", [INLINE_BYTES + 1])
+    tree = dict(body["tree"]["items"])
+    assert tree["small"] == {"t": "bytes", "b64": "AGFiY/8=", "io": True}
+    assert tree["big"] == {"t": "bytes", "ref": "/big", "io": True} and "io" not in tree["plain"]
+    with ckptlib.open(tmp_path / "ck") as view:  # the payload is the value's own bytes
+        assert view.read("/big").numpy().tobytes() == big
+    fresh = ckptlib.load(tmp_path / "ck")
+    target = {"small": io.BytesIO(b"old"), "big": None, "empty": io.BytesIO(b"x"), "plain": b"", "in_list": [None]}
+    into = ckptlib.load(tmp_path / "ck", into=target)
+    assert into is target
+    for got in (fresh, target):
+        for key, want in (("small", b"\x00abc\xff"), ("big", big), ("empty", b"")):
+            assert type(got[key]) is io.BytesIO and got[key].getvalue() == want and got[key].tell() == 0, key
+        assert got["plain"] == b"xy" and type(got["in_list"][0]) is io.BytesIO and got["in_list"][0].getvalue() == b"q"
+
+
+def test_bytes_node_io_field_is_checked(tmp_path: Path) -> None:
+    from ckptlib.format import tree as tree_codec
+
+    assert tree_codec.decode({"t": "bytes", "b64": "eHk="}, ()) == b"xy"
+    with pytest.raises(ckptlib.CorruptCheckpointError, match="io must be true or false"):
+        tree_codec.decode({"t": "bytes", "b64": "eHk=", "io": 1}, ())
 
 
 def test_dtype_values_roundtrip(tmp_path: Path) -> None:

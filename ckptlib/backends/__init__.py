@@ -13,7 +13,7 @@ from ckptlib.backends.retry import deadline_scope
 
 __all__ = [
     "Entry", "ReadHandle", "Storage", "WriteStream", "check_url", "deadline_scope", "join",
-    "open_storage",
+    "open_storage", "split_url",
 ]
 
 
@@ -39,6 +39,19 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
     from ckptlib.backends.fsspec_store import FsspecStorage
 
     return FsspecStorage(url, storage_options)
+
+
+def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(parent URL, name)`` of a URL or local path (local paths made absolute): what
+    ``ckptlib.load`` opens a storage on (the parent) and reads (the name). ``api.split_url``."""
+    url = os.fspath(url).rstrip("/")
+    check_url(url)  # "s3:/bucket" is a usage error, never a local folder named "s3:"
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        parent, _, name = rest.rpartition("/")
+        return f"{scheme}://{parent}", name
+    url = os.path.abspath(url)
+    return os.path.dirname(url), os.path.basename(url)
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(.*)$", re.S)

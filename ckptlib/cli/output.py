@@ -8,6 +8,7 @@ never colours or progress bars.
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import math
 import os
@@ -218,6 +219,8 @@ def jsonable(value: Any, depth: int = 0) -> Any:
         return value if math.isfinite(value) else str(value)
     if isinstance(value, bytes | bytearray):
         return f"<{len(value)} bytes>"
+    if isinstance(value, io.BytesIO):
+        return f"<io.BytesIO of {value.getbuffer().nbytes} bytes>"
     if isinstance(value, dict):
         return {str(k): jsonable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -118,8 +118,13 @@ def check_target(storage: Storage, final: str, *, overwrite: bool = False) -> No
         raise TargetNotEmptyError(target.describe_foreign(url, t))
 
 
+EXISTS = "Checkpoint already exists"
+"""Every ``StepExistsError`` message starts with this phrase (DCP's own writer's words, which
+DCP users and tests look for)."""
+
+
 def _exists_message(url: str) -> str:
-    return (f"{url} already holds a committed checkpoint; not replacing it "
+    return (f"{EXISTS}: {url} already holds a committed checkpoint; not replacing it "
             "(pass overwrite=True, or delete it first)")
 
 
@@ -280,7 +285,7 @@ def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool
         raise _taken(storage, st) if storage.size(path) is not None else CommitError(
             f"manifest read-back failed: {e}") from e
     if back.save_id != st.save_id:
-        raise StepExistsError(f"{storage.url}/{path} was committed by another save ({back.save_id})")
+        raise StepExistsError(f"{EXISTS}: {storage.url}/{path} was committed by another save ({back.save_id})")
 
 
 def _publish_claimed(storage: Storage, st: Staging, manifest: bytes) -> None:
@@ -371,7 +376,7 @@ def _taken(storage: Storage, st: Staging) -> CommitError:
         record = None
     if record is not None:
         return _fenced_error(storage, st, record.describe())
-    return StepExistsError(f"{storage.url}/{path} was committed by another save")
+    return StepExistsError(f"{EXISTS}: {storage.url}/{path} was committed by another save")
 
 
 def _fenced_error(storage: Storage, st: Staging, detail: str) -> CommitError:

@@ -14,6 +14,7 @@ target (a fresh optimizer's ``state``) takes whatever the checkpoint holds there
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,8 @@ class Merge:
             t = _alloc(e.shape, DTYPES[e.dtype], v.name)
             self.requests.append(Request(v.name, t, (0,) * len(e.shape), e.shape))
             holder: list[Any] = [None]
-            self.fills.append(lambda: holder.__setitem__(0, t.numpy().tobytes()))
+            wrap = io.BytesIO if v.io else bytes
+            self.fills.append(lambda: holder.__setitem__(0, wrap(t.numpy().tobytes())))
             return _Lazy(holder)
         if isinstance(v, tree_codec.Stateful):
             return {k: self.fresh(x) for k, x in v.items()}
@@ -271,13 +273,15 @@ def load_checkpoint(
     stats: dict[str, int] | None = None,
     strict: bool = True,
     keys: dict[str, list[str]] | None = None,
+    where: str | None = None,
 ) -> Any:
     """Load ``folder`` (see the module docstring). ``stats``, if given, receives
     ``bytes_read`` (payload bytes fetched), ``bytes_needed`` (bytes of the boxes requested) and
     ``index_files_read`` (format v2 piece index files this load read); ``keys``, if given,
-    receives ``missing`` and ``unexpected`` (``strict=False`` loads)."""
+    receives ``missing`` and ``unexpected`` (``strict=False`` loads). ``where`` names the
+    checkpoint in errors (default: its ``manifest.json``; a safetensors folder passes its URL)."""
     m = manifest or read_manifest(storage, folder, pieces=False)  # v2: run_plan loads the index files it needs
-    where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
+    where = where or f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
     with paused_gc():
         saved = tree_codec.decode(m.tree, m.tensors, where)

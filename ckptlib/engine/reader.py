@@ -5,13 +5,15 @@ For every chunk overlapping a :class:`Request` (a box of a saved tensor) it read
 bytes (straight into the destination when uncompressed and contiguous there; small neighbours
 in one read), verifies the checksum (unless ``verify=False``), decodes and copies the overlap
 into place. Any mismatch raises :class:`CorruptCheckpointError` naming the file and tensor.
+A manifest without checksums (``checksum_algorithm`` ``NO_CHECKSUM``: safetensors files) is
+read unverified, and of its raw chunks only the rows (dimension 0) a request overlaps.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -23,7 +25,7 @@ from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.pool import run_all
 from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format import codec as codecs
-from ckptlib.format.checksum import checksum
+from ckptlib.format.checksum import NO_CHECKSUM, checksum
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
 from ckptlib.format.schema import Chunk, Manifest, Pack, Piece, volume
 
@@ -79,6 +81,15 @@ def _intersect(c: Chunk | Piece, req: Request) -> tuple[tuple[int, ...], tuple[i
     return tuple(lo), tuple(hi)
 
 
+def _row_range(c: Chunk, lo: int, hi: int, itemsize: int) -> Chunk:
+    """Rows ``[lo, hi)`` (global, along dimension 0) of the raw chunk ``c``: a contiguous part
+    of its bytes. Only for chunks no checksum covers (:data:`NO_CHECKSUM`)."""
+    row = volume(c.shape[1:]) * itemsize
+    first = lo - c.offset[0]
+    return replace(c, start=c.start + first * row, length=(hi - lo) * row,
+                   offset=(lo, *c.offset[1:]), shape=(hi - lo, *c.shape[1:]))
+
+
 def _direct_view(task: _ChunkTask) -> np.ndarray | None:
     """Destination bytes if the whole chunk maps onto a contiguous run of one destination."""
     if task.chunk.codec != "raw" or len(task.targets) != 1:
@@ -112,6 +123,16 @@ class Reader:
     _handles: dict[int, ReadHandle] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
+    @property
+    def _checked(self) -> bool:
+        """Verify checksums: asked for, and the manifest has them."""
+        return self.verify and self.m.checksum_algorithm != NO_CHECKSUM
+
+    @property
+    def _partial(self) -> bool:
+        """Raw chunks may be read in part (no checksum covers them whole)."""
+        return self.m.checksum_algorithm == NO_CHECKSUM
+
     def _handle(self, file: int) -> ReadHandle:
         with self._lock:
             h = self._handles.get(file)
@@ -141,7 +162,8 @@ class Reader:
 
     # ------------------------------------------------------------------ planning
     def _tasks(self, requests: list[Request]) -> tuple[list[_ChunkTask], list[_PackTask]]:
-        tasks: dict[tuple[str, int], _ChunkTask] = {}
+        tasks: dict[tuple[str, int, int, int], _ChunkTask] = {}
+        partial = self._partial
         packs: dict[int, _PackTask] = {}
         for req in requests:
             entry = self.m.tensors[req.name]
@@ -172,9 +194,14 @@ class Reader:
                 box = _intersect(c, req) if c.shape else ((), ())
                 if box is None:
                     continue
-                task = tasks.get((req.name, i))
+                key: tuple[str, int, int, int] = (req.name, i, 0, 0)
+                if (partial and c.codec == "raw" and c.shape
+                        and (box[0][0], box[1][0]) != (c.offset[0], c.offset[0] + c.shape[0])):
+                    c = _row_range(c, box[0][0], box[1][0], ITEMSIZE[entry.dtype])
+                    key = (req.name, i, box[0][0], box[1][0])
+                task = tasks.get(key)
                 if task is None:
-                    task = tasks[(req.name, i)] = _ChunkTask(req.name, c, entry.dtype)
+                    task = tasks[key] = _ChunkTask(req.name, c, entry.dtype)
                 task.targets.append(_Target(req, *box))
         out = list(tasks.values())
         for t in out:
@@ -210,7 +237,7 @@ class Reader:
         stored = np.empty(p.length, dtype=np.uint8)
         self._handle(p.file).read_into(p.start, stored.data)
         self.bytes_read += p.length
-        if self.verify and checksum(stored, self.m.checksum_algorithm) != p.checksum:
+        if self._checked and checksum(stored, self.m.checksum_algorithm) != p.checksum:
             raise CorruptCheckpointError(
                 f"checksum mismatch in pack {task.index} at bytes [{p.start}, {p.start + p.length})",
                 self._where(p.file),
@@ -249,7 +276,7 @@ class Reader:
             self._deliver(t, stored)
 
     def _check(self, t: _ChunkTask, stored: np.ndarray) -> None:
-        if self.verify and checksum(stored, self.m.checksum_algorithm) != t.chunk.checksum:
+        if self._checked and checksum(stored, self.m.checksum_algorithm) != t.chunk.checksum:
             raise CorruptCheckpointError(
                 f"checksum mismatch in chunk of tensor {t.name!r} at bytes "
                 f"[{t.chunk.start}, {t.chunk.start + t.chunk.length})",
@@ -262,8 +289,12 @@ class Reader:
         if t.direct is not None:
             t.direct[:] = stored
             return
-        raw = np.empty(int(np.prod(c.shape, dtype=np.int64)) * itemsize, dtype=np.uint8)
-        codecs.decode_into(stored, c.codec, itemsize, raw, self._where(c.file))
+        size = int(np.prod(c.shape, dtype=np.int64)) * itemsize
+        if c.codec == "raw" and stored.size == size and stored.ctypes.data % itemsize == 0:
+            raw = stored  # placed from the read buffer itself: no second buffer, no copy
+        else:
+            raw = np.empty(size, dtype=np.uint8)
+            codecs.decode_into(stored, c.codec, itemsize, raw, self._where(c.file))
         src = torch.from_numpy(raw).view(DTYPES[t.dtype]).reshape(c.shape)
         for tg in t.targets:
             tg.req.tensor[tg.within(tg.req.offset)] = src[tg.within(c.offset)]

@@ -23,6 +23,11 @@ def as_buffer(b: Bytes) -> bytes | bytearray | memoryview:
 
 DEFAULT_ALGORITHM = "xxh3_64"
 ALGORITHMS = ("xxh3_64", "crc32c")
+NO_CHECKSUM = "none"
+"""``checksum_algorithm`` of an in-memory manifest describing files that carry no checksums
+(Hugging Face safetensors, ``format/safetensors.py``): its chunks' ``checksum`` is empty, the
+reader verifies nothing and may read any rows of a raw chunk. Never valid in a manifest file
+(decoding accepts :data:`ALGORITHMS` only), and :func:`checksum` refuses it."""
 
 
 def checksum(data: Bytes, algorithm: str = DEFAULT_ALGORITHM) -> str:

@@ -1,8 +1,9 @@
 """Decode the manifest's tree of values (untrusted input) back into Python objects. Pure.
 
 Nodes are written by :mod:`ckptlib.plan.flatten`; their schema is in docs/format.md, section 3.6
-(JSON scalars stand for themselves; ``{"t": KIND, ...}`` for floats, bytes, dtypes, tensors,
-dicts, lists/tuples, stateful objects and ``per_rank`` values).
+(JSON scalars stand for themselves; ``{"t": KIND, ...}`` for floats, bytes (``"io": true``:
+an ``io.BytesIO``), dtypes, tensors, dicts, lists/tuples, stateful objects and ``per_rank``
+values).
 
 :func:`decode` turns nodes into values with :class:`TensorRef`/:class:`BytesRef` placeholders
 for payload data (the engine's reader resolves them); it rejects unknown node kinds, excessive
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,8 @@ class TensorRef:
 @dataclass(frozen=True, slots=True)
 class BytesRef:
     name: str
+    io: bool = False
+    """The value was an ``io.BytesIO`` (node field ``"io": true``): it loads back as one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,17 @@ class Stateful(dict):
     """A decoded ``stateful`` node: the state dict, plus the saved object type (informative)."""
 
     type_name: str = ""
+
+
+def escape(key: str) -> str:
+    """A str dict key as one segment of a tensor name: ``~`` -> ``~0``, ``/`` -> ``~1``, and
+    keys that look like ints (or are empty) get a ``~s`` prefix, so ``{1: a, "1": b}`` name
+    two different tensors (int keys are written as plain digits). The flattening of a save
+    (``plan.flatten``) and the safetensors reader (``format.safetensors``) name tensors by it."""
+    key = key.replace("~", "~0").replace("/", "~1")
+    if not key or key.lstrip("-").isdigit():
+        key = "~s" + key
+    return key
 
 
 def _fail(msg: str, where: str) -> CorruptCheckpointError:
@@ -97,15 +112,19 @@ def _decode(node: Any, names: Container[str], where: str, depth: int) -> Any:
             raise _fail(f"bad float {v!r:.40}", where)
         return float(v)
     if kind == "bytes":
+        as_io = node.get("io", False)
+        if type(as_io) is not bool:
+            raise _fail(f"bytes node field io must be true or false, not {as_io!r:.40}", where)
         if "ref" in node:
-            return BytesRef(_ref(node, names, where))
+            return BytesRef(_ref(node, names, where), as_io)
         b64 = node.get("b64")
         if not isinstance(b64, str) or len(b64) > MAX_INLINE_B64:
             raise _fail("bad inline bytes", where)
         try:
-            return base64.b64decode(b64, validate=True)
+            data = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
             raise _fail("inline bytes are not valid base64", where) from None
+        return io.BytesIO(data) if as_io else data
     if kind == "dtype":
         return dtype_from_name(node.get("v"), where)
     if kind == "stateful":

@@ -5,13 +5,15 @@ manifest records under ``tree`` (schema in :mod:`ckptlib.format.tree`); every te
 by ``{"t": "tensor", "ref": NAME}`` and appears once in the returned ``tensors``.
 
 Objects with ``state_dict()``/``load_state_dict()`` (modules, optimizers, LR schedulers, grad
-scalers) are saved through their state dicts. Anything else that is not JSON-typed raises
-:class:`UnsupportedValueError` naming its path: ckptlib never pickles.
+scalers) are saved through their state dicts. ``io.BytesIO`` values are stored as their bytes
+(a bytes node marked ``"io": true``) and load back as ``io.BytesIO``. Anything else that is not
+JSON-typed raises :class:`UnsupportedValueError` naming its path: ckptlib never pickles.
 """
 
 from __future__ import annotations
 
 import base64
+import io
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,9 @@ from ckptlib.errors import UnsupportedValueError
 from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.format.leaves import PerRank, Shard
 from ckptlib.format.manifest import MAX_NDIM
+from ckptlib.format.tree import (
+    escape as escape,  # re-exported: the one naming rule (megatron uses it)
+)
 
 INLINE_BYTES = 4096  # bytes values up to this size are stored inline (base64) in the manifest
 MAX_DEPTH = 100
@@ -47,16 +52,6 @@ class FlatState:
     """True if the tree holds ``per_rank`` nodes (the manifest build must merge trees then)."""
 
 
-def escape(key: str) -> str:
-    """A str dict key as one segment of a tensor name: ``~`` -> ``~0``, ``/`` -> ``~1``, and
-    keys that look like ints (or are empty) get a ``~s`` prefix, so ``{1: a, "1": b}`` name
-    two different tensors (int keys are written as plain digits)."""
-    key = key.replace("~", "~0").replace("/", "~1")
-    if not key or key.lstrip("-").isdigit():
-        key = "~s" + key
-    return key
-
-
 def is_stateful(obj: Any) -> bool:
     return (
         not isinstance(obj, torch.Tensor)
@@ -77,6 +72,8 @@ def encode_scalar(x: Any, path: str) -> Any:
         return x if math.isfinite(x) else {"t": "float", "v": repr(x)}
     if isinstance(x, bytes | bytearray | memoryview):
         return {"t": "bytes", "b64": base64.b64encode(bytes(x)).decode("ascii")}
+    if isinstance(x, io.BytesIO):  # its whole buffer, whatever its position (loads back at 0)
+        return {"t": "bytes", "b64": base64.b64encode(x.getvalue()).decode("ascii"), "io": True}
     if isinstance(x, torch.dtype):
         try:
             return {"t": "dtype", "v": dtype_name(x)}
@@ -85,7 +82,7 @@ def encode_scalar(x: Any, path: str) -> Any:
     raise UnsupportedValueError(
         f"cannot save {type(x).__module__}.{type(x).__qualname__} at {path or '<root>'}: "
         "ckptlib stores tensors and JSON-typed values (None, bool, int, float, str, bytes, "
-        "list, tuple, dict) without pickle; convert it to one of those"
+        "io.BytesIO, list, tuple, dict) without pickle; convert it to one of those"
     )
 
 
@@ -157,9 +154,10 @@ class _Flattener:
                 "v": self.encode(x.state_dict(), path, depth + 1),
             }
         if isinstance(x, bytes | bytearray | memoryview) and len(x) > INLINE_BYTES and not self.inline_bytes:
-            data = torch.frombuffer(bytearray(x), dtype=torch.uint8)
-            node = self.tensor(data, path, None, None, True)
-            return {"t": "bytes", "ref": node["ref"]}
+            return {"t": "bytes", "ref": self.tensor(_byte_tensor(x), path, None, None, True)["ref"]}
+        if isinstance(x, io.BytesIO) and x.getbuffer().nbytes > INLINE_BYTES and not self.inline_bytes:
+            ref = self.tensor(_byte_tensor(x.getvalue()), path, None, None, True)["ref"]
+            return {"t": "bytes", "ref": ref, "io": True}
         return encode_scalar(x, path)
 
     def mapping(self, x: dict[Any, Any], path: str, depth: int) -> Any:
@@ -204,6 +202,12 @@ class _Flattener:
         assert global_offset is not None  # callers pass a shape and its offset together
         self.items.append(TensorItem(name, t, global_shape, global_offset, replicated and not self.in_per_rank))
         return {"t": "tensor", "ref": name}
+
+
+def _byte_tensor(x: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A bytes value as the 1-D uint8 tensor that stores it (a copy: the value may change
+    before the save's writer threads read it)."""
+    return torch.frombuffer(bytearray(x), dtype=torch.uint8)
 
 
 def is_dtensor(x: Any) -> bool:

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 from ckptlib.format.dtypes import ITEMSIZE
+from ckptlib.format.safetensors import (
+    SAFETENSORS as SAFETENSORS,  # the one table (reading and writing)
+)
 
 ZARR3_NATIVE = frozenset({
     "float64", "float32", "float16", "complex64", "complex128", "bool",
@@ -21,13 +24,6 @@ ZARR3_NATIVE = frozenset({
 })
 TENSORSTORE_NATIVE = ZARR3_NATIVE | {
     "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-}
-SAFETENSORS = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64",
 }
 _BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 

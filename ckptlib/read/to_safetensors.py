@@ -21,10 +21,9 @@ from typing import Any
 import torch
 
 from ckptlib.errors import UnsupportedValueError
-from ckptlib.read.dtypes import SAFETENSORS
+from ckptlib.format.safetensors import INDEX_NAME, SAFETENSORS
 from ckptlib.read.view import CheckpointView, TensorInfo
 
-INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 << 30
 
 

@@ -7,6 +7,9 @@ call :meth:`~CheckpointView.read`) and :meth:`~CheckpointView.load`. Opening rea
 validates the manifest and checks payload sizes once; every read goes through the engine's
 :class:`~ckptlib.engine.reader.Reader`, which fetches only the chunks overlapping the
 requested box and verifies their checksums (a mismatch is :class:`CorruptCheckpointError`).
+A Hugging Face safetensors folder (or file) opens too (``engine/safetensors_folder.py``): its
+headers are read and validated once, its tensors are named ``/<key>``, and reads fetch only the
+rows they need, unverified (safetensors has no checksums).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckptlib.backends import Storage, join, open_storage
-from ckptlib.engine import hugepages, index_io, target
+from ckptlib.backends import Storage, join, open_storage, split_url
+from ckptlib.engine import hugepages, index_io, safetensors_folder, target
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import StepInfo, check_files, check_step, read_manifest, scan
@@ -68,11 +71,12 @@ class TensorInfo(NamedTuple):
 class CheckpointView:
     """A read-only view of one committed checkpoint (see :func:`open_view`). Context manager."""
 
-    def __init__(self, storage: Storage, folder: str, manifest: Manifest, *, verify: bool = True) -> None:
+    def __init__(self, storage: Storage, folder: str, manifest: Manifest, *, verify: bool = True,
+                 where: str | None = None) -> None:
         self.storage = storage
         self.folder = folder
         self.manifest = manifest
-        self.where = f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
+        self.where = where or f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
         check_files(storage, folder, manifest)
         index_io.resolve(storage, folder, manifest)  # v2: every piece (a scan's manifest has none)
         self._reader = Reader(storage, folder, manifest, verify=verify)
@@ -182,6 +186,13 @@ def open_view(
     such committed step, :class:`CorruptCheckpointError` for a bad manifest or payload size."""
     storage = open_storage(url, storage_options)
     try:
+        found = _safetensors(url, storage, storage_options)
+        if found is not None:
+            if step is not None:
+                raise CheckpointNotFoundError(f"{found.where} is safetensors, which has no steps; omit step=")
+            if found.storage is not storage:
+                storage.close()
+            return CheckpointView(found.storage, found.folder, found.manifest, where=found.where)
         if storage.size("") is not None:  # the URL names a file (manifest.json, a payload)
             raise CheckpointNotFoundError(
                 f"{storage.url} is a file; pass the checkpoint folder (the one holding {MANIFEST_NAME}) "
@@ -206,3 +217,27 @@ def open_view(
     except (CheckpointError, OSError):
         storage.close()
         raise
+
+
+def _safetensors(url: str | os.PathLike[str], storage: Storage, storage_options: dict[str, Any] | None,
+                 ) -> safetensors_folder.Folder | None:
+    """The safetensors folder at ``storage``'s root, or the single file ``url`` names (then
+    read through a storage on its parent folder); None if neither (a folder holding
+    ``manifest.json`` is a checkpoint)."""
+    if not os.fspath(url).rstrip("/").endswith(".safetensors"):
+        if storage.size("") is None and safetensors_folder.find(storage, "") == "folder":
+            return safetensors_folder.describe(storage, "", "folder")
+        return None
+    parent, name = split_url(url)
+    outer = open_storage(parent, storage_options)
+    try:
+        if safetensors_folder.find(outer, name) == "file":
+            found = safetensors_folder.describe(outer, name, "file")
+            if found.storage is not outer:  # resolved links: read through another storage
+                outer.close()
+            return found
+    except BaseException:
+        outer.close()
+        raise
+    outer.close()
+    return None

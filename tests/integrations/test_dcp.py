@@ -11,6 +11,7 @@ frozen with SIGSTOP inside ``load_latest`` fails the other within the coordinato
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -177,6 +178,39 @@ def test_bytes_policy(tmp_path):
     assert target["obj"] == Opaque(5) and torch.equal(target["w"], torch.arange(4.0))
 
 
+def test_bytesio_values_without_pickle(tmp_path):
+    """io.BytesIO values (DCP's own tests put them in state dicts): their bytes are stored as
+    they are (inline JSON when small, a payload of exactly those bytes when large), no
+    pickle anywhere, and they load back as io.BytesIO without allow_pickled_objects."""
+    big = os.urandom(300_000)
+    small = io.BytesIO(b"\x00small\xff")
+    small.seek(3)  # the whole buffer is stored, whatever the position
+    state = {"w": torch.arange(4.0), "small": small, "big": io.BytesIO(big), "raw": big[:9000],
+             "nested": {"b": b"x" * 20_000}, "listed": [b"z" * 20_000]}
+    dcp.save(state, storage_writer=CkptlibWriter(tmp_path / "c"))
+    m = mf.decode((tmp_path / "c" / "manifest.json").read_bytes())
+    kinds = {fqn: kind for fqn, _, kind in m.extra["dcp"]["storage_data"]}
+    assert kinds == {"w": "tensor", "small": "json", "big": "bytes", "raw": "bytes", "nested.b": "bytes",
+                     "listed": "json"}  # DCP flattens dicts, not lists: 20 KB inside a list is inline
+    with ckptlib.open(tmp_path / "c") as view:  # the payload is the value's own bytes, not a pickle of it
+        assert view.read("big").numpy().tobytes() == big
+        assert view.load("big").getvalue() == big and isinstance(view.load("raw"), bytes)
+    target = {"w": torch.zeros(4), "small": None, "big": io.BytesIO(b"old"), "raw": b"", "nested": {"b": b""},
+              "listed": None}
+    dcp.load(target, storage_reader=CkptlibReader(tmp_path / "c"))  # allow_pickled_objects=False
+    assert isinstance(target["small"], io.BytesIO) and target["small"].getvalue() == b"\x00small\xff"
+    assert target["small"].tell() == 0
+    assert isinstance(target["big"], io.BytesIO) and target["big"].getvalue() == big
+    assert target["raw"] == big[:9000] and target["nested"]["b"] == b"x" * 20_000
+    assert target["listed"] == [b"z" * 20_000]
+    assert torch.equal(target["w"], torch.arange(4.0))
+    # A plain value too large to inline in a container is refused at save time (it would be
+    # pickled), never committed as a checkpoint no reader can decode.
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save({"w": torch.ones(1), "v": [b"y" * 1_000_000]}, storage_writer=CkptlibWriter(tmp_path / "d"))
+    assert any(isinstance(f[0], ckptlib.UnsupportedValueError) for f in ei.value.failures.values())
+
+
 def _flip_in_payload(folder: Path, fqn: str) -> None:
     """Flip one bit inside the stored bytes of tensor ``fqn`` (the manifest stays valid)."""
     m = mf.decode((folder / "manifest.json").read_bytes())
@@ -248,6 +282,8 @@ def test_existing_step_is_kept_unless_overwrite(tmp_path):
     with pytest.raises(CheckpointException) as ei:
         dcp.save({"w": torch.zeros(3)}, storage_writer=CkptlibWriter(tmp_path, step=1))
     assert any(isinstance(f[0], ckptlib.StepExistsError) for f in ei.value.failures.values())
+    assert "Checkpoint already exists" in str(ei.value)  # DCP's own writer's words, which DCP users look for
+    assert all("Checkpoint already exists" in str(f[0]) for f in ei.value.failures.values())
     st = {"w": torch.empty(3)}
     load_latest(st, tmp_path)
     assert torch.equal(st["w"], torch.ones(3))

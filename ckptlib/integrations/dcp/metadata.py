@@ -8,6 +8,7 @@ Called by :class:`~ckptlib.integrations.dcp.writer.CkptlibWriter` (``finish``, c
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +30,12 @@ from ckptlib.format import manifest as mf
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES, NAMES
 from ckptlib.format.validate import Checker
-from ckptlib.plan.flatten import flatten
+from ckptlib.plan.flatten import INLINE_BYTES, flatten
 
 EXTRA_KEY = "dcp"
 """The manifest's ``extra`` key holding DCP's metadata."""
 JSON_SCHEMA = 1
-KINDS = ("tensor", "json", "pickle")
+KINDS = ("tensor", "json", "pickle", "bytes")
 """How an item is stored (see :class:`StoredItem`)."""
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
 _LAYOUT_NAMES = {v: k for k, v in _LAYOUTS.items()}
@@ -52,17 +53,31 @@ class StoredItem:
     """``WriteResult.storage_data`` and ``Metadata.storage_data`` values: where an item lives.
 
     ``kind`` is ``tensor`` (a box of ``manifest.tensors[fqn]``), ``json`` (a plain value in
-    the manifest's tree, ``node`` while saving) or ``pickle`` (``torch.save`` bytes stored
-    as the 1-D uint8 tensor ``manifest.tensors[fqn]``).
+    the manifest's tree, ``node`` while saving), ``pickle`` (``torch.save`` bytes stored
+    as the 1-D uint8 tensor ``manifest.tensors[fqn]``) or ``bytes`` (a ``bytes`` or
+    ``io.BytesIO`` value too large to inline, its own bytes stored as that tensor, no pickle;
+    ``node`` is its bytes node while saving).
     """
 
     kind: str
     node: Any = None
 
 
+def raw_bytes(value: Any) -> bytes | None:
+    """The bytes of a ``bytes``/``io.BytesIO`` value too large to inline in the manifest
+    (stored as a payload tensor of kind ``bytes``, without pickle), else None."""
+    if isinstance(value, io.BytesIO):
+        value = value.getvalue()
+    if isinstance(value, bytes | bytearray | memoryview) and len(value) > INLINE_BYTES:
+        return bytes(value)
+    return None
+
+
 def plain_node(value: Any) -> Any:
     """The manifest-tree node of ``value`` if it is a plain value (no tensors, no objects),
-    else ``NOT_PLAIN``."""
+    else ``NOT_PLAIN``. Inline bytes longer than the tree decoder accepts
+    (``format.tree.MAX_INLINE_B64``) make a value ``NOT_PLAIN``: a checkpoint no reader could
+    load is never written (a large top-level bytes value is :func:`raw_bytes`'s)."""
     try:
         flat = flatten(value, inline_bytes=True)
     except (UnsupportedValueError, TypeError, ValueError, RecursionError):
@@ -81,8 +96,10 @@ def _only_plain(node: Any) -> bool:
     if not isinstance(node, dict):
         return False
     kind = node.get("t")
-    if kind in ("float", "dtype") or (kind == "bytes" and "b64" in node):
+    if kind in ("float", "dtype"):
         return True
+    if kind == "bytes":
+        return isinstance(node.get("b64"), str) and len(node["b64"]) <= tree_codec.MAX_INLINE_B64
     if kind == "dict":
         return all(_only_plain(v) for _, v in node["items"])
     if kind in ("list", "tuple"):
@@ -212,10 +229,12 @@ def metadata_from_json(obj: Any, m: mf.Manifest, where: str = "") -> tuple[Metad
         node = tree.get(fqn, NOT_PLAIN)
         if kind == "tensor" and not isinstance(node, tree_codec.TensorRef):
             raise c.fail(f"{fqn!r:.200}: the tree does not reference its tensor")
-        if kind == "pickle":
+        if kind in ("pickle", "bytes"):
             t = m.tensors.get(fqn)
             if not isinstance(node, tree_codec.BytesRef) or t is None or t.dtype != "uint8" or len(t.shape) != 1:
-                raise c.fail(f"{fqn!r:.200}: pickled bytes must be a 1-D uint8 tensor referenced from the tree")
+                raise c.fail(f"{fqn!r:.200}: {kind} must be a 1-D uint8 tensor referenced from the tree")
+            if kind == "bytes":
+                values[fqn] = node
         if kind == "json":
             if node is NOT_PLAIN or _has_refs(node):
                 raise c.fail(f"{fqn!r:.200}: no plain value in the tree")

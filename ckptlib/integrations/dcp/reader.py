@@ -109,7 +109,7 @@ class CkptlibReader(Located, StorageReader):
                 if item.type == LoadItemType.BYTE_IO:
                     if s.kind == "pickle":
                         pickled.append(item.storage_index.fqn)
-                    elif s.kind != "json":
+                    elif s.kind not in ("json", "bytes"):
                         raise StateMismatchError(f"{item.storage_index.fqn}: checkpoint has a tensor, target a value")
                     continue
                 if s.kind != "tensor":
@@ -163,24 +163,23 @@ class CkptlibReader(Located, StorageReader):
         requests: list[Request] = []
         tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
         pickled: list[tuple[ReadItem, torch.Tensor]] = []
+        raw: list[tuple[ReadItem, torch.Tensor, bool]] = []
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
                 s = self._stored.get(MetadataIndex(fqn))
-                if s is not None and s.kind == "pickle":
+                if s is not None and s.kind in ("pickle", "bytes"):
                     e = m.tensors[fqn]
                     t = torch.empty(e.shape, dtype=torch.uint8)
                     requests.append(Request(fqn, t, (0,), tuple(e.shape)))
-                    pickled.append((item, t))
+                    if s.kind == "pickle":
+                        pickled.append((item, t))
+                    else:
+                        raw.append((item, t, self._values[fqn].io))
                     continue
                 if fqn not in self._values:
                     raise CorruptCheckpointError(f"{fqn}: value missing", where)
-                buf = io.BytesIO()
-                # Serialised here, from a JSON-decoded plain value: DCP's planner unpickles
-                # only what this process produced, never bytes read from storage.
-                torch.save(self._values[fqn], buf)
-                buf.seek(0)
-                planner.load_bytes(item, buf)
+                _hand_over(planner, item, self._values[fqn])
                 continue
             off, lengths = self._box(item, m)
             saved = DTYPES[m.tensors[fqn].dtype]
@@ -201,9 +200,22 @@ class CkptlibReader(Located, StorageReader):
             if dest is not target:
                 target.copy_(dest)
             planner.commit_tensor(item, target)
+        for item, t, as_io in raw:
+            data = t.numpy().tobytes()
+            _hand_over(planner, item, io.BytesIO(data) if as_io else data)
         for item, t in pickled:
             planner.load_bytes(item, io.BytesIO(t.numpy().tobytes()))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _hand_over(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """Give DCP's planner a value decoded from the checkpoint (a JSON value, or a ``bytes`` /
+    ``io.BytesIO`` payload): serialised here, so DCP's planner unpickles only what this process
+    produced, never bytes read from storage."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    planner.load_bytes(item, buf)

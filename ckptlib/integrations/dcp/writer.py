@@ -37,6 +37,7 @@ from ckptlib.integrations.dcp.metadata import (
     StoredItem,
     metadata_to_json,
     plain_node,
+    raw_bytes,
 )
 
 log = logging.getLogger("ckptlib")
@@ -171,13 +172,20 @@ class CkptlibWriter(Located, StorageWriter):
             nonlocal pending, pending_bytes
             jobs: list[ChunkJob] = []
             for item in pending:
-                jobs.extend(self._jobs(session, item, planner, shapes, stored))
+                jobs.extend(self._jobs(session, item, planner, shapes, stored, own_bytes))
             session.write(jobs)
             pending, pending_bytes = [], 0
 
+        own_bytes: dict[str, tuple[bytes, bool]] = {}  # fqn -> (its own bytes, was an io.BytesIO)
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 value = planner.lookup_object(item.index) if hasattr(planner, "lookup_object") else NOT_PLAIN
+                data = None if value is NOT_PLAIN else raw_bytes(value)
+                if data is not None:  # large bytes / io.BytesIO: a payload of its own bytes, no pickle
+                    own_bytes[item.index.fqn] = (data, isinstance(value, io.BytesIO))
+                    pending.append(item)
+                    pending_bytes += len(data)
+                    continue
                 node = NOT_PLAIN if value is NOT_PLAIN else plain_node(value)
                 if node is not NOT_PLAIN:
                     stored.append((item, StoredItem("json", node), 0))
@@ -204,8 +212,15 @@ class CkptlibWriter(Located, StorageWriter):
         planner: SavePlanner,
         shapes: dict[str, tuple[int, ...]],
         stored: list[tuple[WriteItem, StoredItem, int]],
+        own_bytes: dict[str, tuple[bytes, bool]],
     ) -> list[ChunkJob]:
         fqn = item.index.fqn
+        if fqn in own_bytes:  # the value's own bytes (not the planner's torch.save of it)
+            own, as_io = own_bytes[fqn]
+            t = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+            shapes[fqn] = (t.numel(),)
+            stored.append((item, StoredItem("bytes", {"t": "bytes", "ref": fqn, "io": as_io}), t.numel()))
+            return session.split(fqn, t, (0,))
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
