@@ -185,7 +185,7 @@ def local_commit_vs_raw(state: dict[str, torch.Tensor], shm: Path, rounds: int) 
         local = shm / f"commit-{uuid.uuid4().hex[:8]}"
         root = shm / f"persist-{uuid.uuid4().hex[:8]}"
 
-        def tier() -> float:
+        def tier(root: Path = root, local: Path = local) -> float:
             mgr = ckptlib.CheckpointManager(root, local=str(local / "{node}"), replicas=0, persist_every=10**9,
                                             async_save=False)
             mgr.save(1, state).wait()  # warm
@@ -240,7 +240,7 @@ def _rank(rank: int, port: int, root: str, shm: str, mode: str, out: str, gib: f
         got = mgr.restore(half)
         mgr.close()
         dist.barrier()
-        json.dump({"step": got, "seconds": time.perf_counter() - t0}, open(f"{out}.{rank}.json", "w"))
+        Path(f"{out}.{rank}.json").write_text(json.dumps({"step": got, "seconds": time.perf_counter() - t0}))
     dist.destroy_process_group()
 
 
