@@ -60,6 +60,8 @@ class LocalTier:
     topology: Topology | None = field(default=None)
     room_checked: bool = False
     """The first save checked that every memory tier has room (:func:`check_room`)."""
+    stats: replica_flow.ReplicaStats | None = None
+    """What the last save's replica stream moved (this rank): bytes sent, received, rebuilt."""
 
     def __post_init__(self) -> None:
         if not self.storage.supports_atomic_rename:
@@ -104,8 +106,11 @@ def save_local(
         # The format single-tier saves use (v2 for several ranks): replicas, drains and restores move
         # every file of the step, piece index files included (tiers/drain.py step_files).
         opts = dataclasses.replace(options, overwrite=True)
+        dp = bool(tier.replicas) and several and rounds is None  # replicated pieces: rebuilt by the peers
         placement = Placement(stage_here=topo.is_leader(s.rank), copies=several,
-                              record_elsewhere=topo.nodes[s.rank] != topo.nodes[0])
+                              record_elsewhere=topo.nodes[s.rank] != topo.nodes[0], own_replicated=dp)
+        rebuild = replica_flow.Rebuild({it.name: it for it in flat.items if it.replicated}, opts,
+                                       check=opts.check_replicas in ("auto", True)) if dp else None
 
         def replicate(save: SaveSession, error: BaseException | None) -> BaseException | None:
             mine = save.files
@@ -122,8 +127,10 @@ def save_local(
                 # Every rank learns whether all wrote, so no rank waits on a peer that never sends.
                 if all(s.exchange(error is None, deadline=save.deadline)):
                     try:
-                        replica_flow.replicate(local, s, topo, work=layout.tmp_dir(final, save.save_id), mine=mine,
-                                               replicas=tier.replicas, jump=tier.jump, deadline=save.deadline)
+                        tier.stats = replica_flow.replicate(
+                            local, s, topo, work=layout.tmp_dir(final, save.save_id), mine=mine,
+                            replicas=tier.replicas, jump=tier.jump, deadline=save.deadline,
+                            own_replicated=save.replicated, rebuild=rebuild)
                     except Exception as e:
                         error = e
                 elif error is None:
