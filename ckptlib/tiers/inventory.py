@@ -8,13 +8,13 @@ Who calls what:
 - :func:`retired_by_local_retention`: :func:`ckptlib.tiers.local.after_local_commit` (a node
   leader, persist thread) and ``ckptlib prune --local``: which local steps go;
 - :func:`unrestorable` / :func:`lost_pieces`: the restorability rule, in restore's coordinator
-  (:func:`ckptlib.tiers.restore._plan_manifests`) and in ``ckptlib verify --local``;
+  (:func:`ckptlib.tiers.restore_plan.plan_files`) and in ``ckptlib verify --local``;
 - :func:`check_copies`: ``ckptlib verify --local``, one node folder's copies of one step (its
   ranks' own files and the replicas it holds), every chunk's checksum;
 - :func:`node_folders`: ``ckptlib ls/verify/prune --local``: the node folders a ``local=``
   template names;
 - :func:`write_back_tmp` names a restore write-back's temporary file
-  (:func:`ckptlib.tiers.restore.write_back`); :func:`write_back_debris` judges the ones a crash
+  (:func:`ckptlib.tiers.write_back.write_back`); :func:`write_back_debris` judges the ones a crash
   left (:func:`ckptlib.tiers.local.after_local_commit` after each local commit, ``ckptlib prune
   --local``).
 
@@ -260,7 +260,7 @@ MAX_WRITE_BACK_DEPTH = 3
 
 
 def new_write_back_id() -> str:
-    """A fresh write-back id (:func:`ckptlib.tiers.restore.write_back`, every rank its own)."""
+    """A fresh write-back id (:func:`ckptlib.tiers.write_back.write_back`, every rank its own)."""
     return secrets.token_hex(6)
 
 
@@ -276,7 +276,7 @@ def write_back_debris(storage: Storage, active_ids: Collection[str] | None, *, m
 
     The rule: a temp file is provably not being written when its write-back id is not in
     ``active_ids``, the write-backs running in the calling process
-    (:data:`ckptlib.tiers.restore.ACTIVE_WRITE_BACKS`). The job's cleanup runs after a local
+    (:data:`ckptlib.tiers.write_back.ACTIVE_WRITE_BACKS`). The job's cleanup runs after a local
     commit: that save is collective and began after every rank of the job left the restore
     (whose write-back ends in a collective), and no other job writes into a node's local folder
     (the same assumption as for ``.tmp-`` folders). From outside any job (``active_ids`` None,

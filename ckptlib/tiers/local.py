@@ -193,7 +193,7 @@ def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Co
     does every step in ``protect`` (drain pending). Failures are logged, never raised.
     Debris includes the temporary files of crashed restore write-backs
     (:func:`ckptlib.tiers.inventory.write_back_debris`; none of this process's in flight)."""
-    from ckptlib.tiers.restore import ACTIVE_WRITE_BACKS  # restore imports this module
+    from ckptlib.tiers.write_back import ACTIVE_WRITE_BACKS  # write_back imports this module
 
     deleted: list[int] = []
     try:

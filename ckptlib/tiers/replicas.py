@@ -20,6 +20,7 @@ from ckptlib.backends import Storage, join
 from ckptlib.backends.base import WriteStream
 from ckptlib.coord.session import Session
 from ckptlib.errors import CommitError, ReplicaMismatchError
+from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.plan.flatten import TensorItem
 from ckptlib.tiers.node import Topology
 
@@ -271,3 +272,20 @@ def _rebuild(storage: Storage, work: str, src: int, info: dict[str, Any], rebuil
                 f"{', '.join(differ[:10]) or 'replicated tensors'}: rank {src}'s copy and this rank's copy differ (a "
                 "silent fault in a data-parallel replica?); nothing of this step is committed")
     return sum(n for _, n in files)
+
+
+def run_round(s: Session, plan: dict[str, Any], local: Storage, have: dict[str, str],
+              mdata: bytes | None, timeout: float) -> dict[str, bytes]:
+    """Every rank: run one round of a plan (send what it lists, receive what it lists)."""
+    sends = [(int(dst), (mdata if name == MANIFEST_NAME else local.read(have[name])) or b"")
+             for dst, name in plan["send"]]
+    got = s.coord.transfer(sends, [(int(src), int(size)) for src, _, size in plan["recv"]], timeout)
+    return {name: data for (_src, name, _size), data in zip(plan["recv"], got, strict=True)}
+
+
+def round_timeout(s: Session, plan: dict[str, Any], deadline: float) -> float:
+    """The wait of one round of peer transfers (gloo: the one wait of a tier restore not judged
+    by heartbeats): :func:`.replicas.transfer_timeout` of this rank's bytes in the round.
+    The ranks enter it together, right after the :meth:`Session.consult` of the plans, so a
+    dead or frozen peer fails it within about that time. ``plan``: this rank's (:func:`_answers`)."""
+    return transfer_timeout(s, int(plan.get("bytes", 0)), deadline)

@@ -222,7 +222,7 @@ def test_preemption_save_is_drained(tmp_path: Path) -> None:
 
 def test_restore_fetches_only_the_files_a_rank_reads() -> None:
     from ckptlib.format.schema import Chunk, FileEntry, Manifest, Pack, Piece, TensorEntry
-    from ckptlib.tiers.restore import needed_files
+    from ckptlib.tiers.restore_plan import needed_files
 
     files = [FileEntry("id/r00000-0.bin", 100), FileEntry("id/r00001-0.bin", 100), FileEntry("id/r00002-0.bin", 8)]
     w = TensorEntry("float32", (10, 4), [Chunk(0, 0, 80, "x", (0, 0), (5, 4)), Chunk(1, 0, 80, "x", (5, 0), (5, 4))])
