@@ -212,7 +212,8 @@ class EngineMixin:
         if reshard is not None and OPTIM_FILE.match(name):
             sd = reshard.optimizer_states(name)
             self.last_reshard = {"tag": tag, "saved_dp": reshard.saved.dp, "dp": reshard.target.layout.dp,
-                                 **reshard.stats}
+                                 "bytes_needed": reshard.stats["bytes_needed"],
+                                 "bytes_read": reshard.stats["bytes_read"]}
         else:
             sd = self._read_file(view, tag, name)
             if reshard is not None:

@@ -53,14 +53,15 @@ def saved_layout(view: TagView) -> Layout | None:
 
 def open_reshard(view: TagView, target: Callable[[], Target | None]) -> Reshard | None:
     """A :class:`Reshard` when the tag was saved at another data-parallel size than the
-    loading engine's (``target``: its :class:`.zero.Target`, built only when needed); None
-    when DeepSpeed loads the tag as saved."""
-    saved = saved_layout(view)
-    if saved is None:
+    loading engine's (``target``: its :class:`.zero.Target`, built only when the tag has a
+    layout); None when DeepSpeed loads the tag as saved (its layout is then not even read)."""
+    if view.zero is None:
         return None
     t = target()
-    if t is None or t.layout.dp == saved.dp:
+    if t is None or (isinstance(view.zero, dict) and view.zero.get("dp") == t.layout.dp):
         return None
+    saved = saved_layout(view)
+    assert saved is not None
     if t.layout.optimizer != saved.optimizer:
         raise StateMismatchError(
             f"DeepSpeed tag saved with {saved.optimizer}, loading into {t.layout.optimizer}: "
