@@ -9,9 +9,19 @@ recorded and left on disk:
 2. The test flips one payload bit in every global_step4 (and in the torch copy).
 3. ``single`` (1 rank): DeepSpeed's own load of the flipped torch file; the unchanged
    ``engine.load_checkpoint`` over ckptlib (via DeepSpeed's ``latest``); the resume helper on
-   a different data-parallel size (2 -> 1) for stage 0 (full state) and stage 2 (weights only).
+   a different data-parallel size (2 -> 1) for stage 0 (full state) and stage 2 (with and
+   without optimizer state).
 4. ``resume`` (2 ranks): stages 2 and 3 resume with the helper, bitwise-equal to global_step2
    (stage 0 resumed bitwise in step 3, on one rank).
+
+Each job first runs resharding jobs (tests/workers/ds_reshard.py) on its own process group:
+``train`` saves ZeRO 1, 2, 3 (fp32) and, in bf16, ZeRO 1 (DeepSpeed's ``BF16_Optimizer``) and
+ZeRO 3 at 2 ranks; the test flips one bit in rank 1's saved ``exp_avg_sq`` of ZeRO 2's
+global_step4; ``single`` resumes each at 1 rank (ZeRO 2 first with DeepSpeed's own
+``load_checkpoint``, which must refuse the flipped step) and saves ZeRO 2, 3 (fp32) and 1
+(bf16) at 1 rank; ``resume`` resumes those at 2 ranks. Per-parameter fp32 weights, both Adam
+moments (DeepSpeed's ``safe_get_full_*``) and the model's weights are compared bitwise with
+what was saved; the partition arithmetic itself is tested in test_deepspeed_partitions.py.
 
 Then, on its own (``test_frozen_rank_during_resume_fails_within_the_deadline``): ``freeze``
 (2 ranks), one rank SIGSTOPped inside ``ckds.resume``.
@@ -37,6 +47,14 @@ from ckptlib.integrations.deepspeed import codec
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "ds_worker.py"
 STAGES = [0, 2, 3]
+# Resharding jobs (ds_reshard.py): key -> (ZeRO stage, bf16).
+SAVED_AT_2 = {"z1": (1, False), "z2": (2, False), "z3": (3, False), "b1": (1, True), "b3": (3, True)}
+SAVED_AT_1 = {"z2s": (2, False), "z3s": (3, False), "b1s": (1, True)}
+FLIPPED = "z2"  # its global_step4 gets a flipped bit: loads fall back to global_step2
+FLIP_SUFFIX = "zero_pp_rank_1_mp_rank_00_optim_states.pt/optimizer_state_dict/base_optimizer_state/state/0/exp_avg_sq"
+ELEMENTS = 845  # ds_reshard.make_engine's model: Linear(16, 31), LayerNorm(31), Linear(31, 8)
+STEP_BYTES = 4  # Adam's `step`: one float32 scalar per partition, read whole
+OPTIMIZERS = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"
@@ -103,12 +121,47 @@ def _flip_payload_bit(step_dir: Path, writer_rank: int) -> str:
     return files[fidx][0]
 
 
+def _flip_tensor_bit(step_dir: Path, suffix: str) -> str:
+    """Flip one bit in the stored bytes of the saved tensor whose name ends with ``suffix``
+    (uncompressed: a chunk, or its piece of a pack); returns the tensor's name."""
+    from ckptlib.backends import open_storage
+    from ckptlib.engine.scan import read_manifest
+
+    m = read_manifest(open_storage(str(step_dir.parent)), step_dir.name)
+    names = [n for n in m.tensors if n.endswith(suffix)]
+    assert len(names) == 1, f"{suffix!r} matches {names}"
+    t = m.tensors[names[0]]
+    if t.chunks:
+        file, at = t.chunks[0].file, t.chunks[0].start + t.chunks[0].length // 2
+    else:
+        pack = m.packs[t.pieces[0].pack]
+        assert pack.codec == "raw", pack.codec
+        file, at = pack.file, pack.start + t.pieces[0].raw_offset + 2
+    path = step_dir / m.files[file].path
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    return names[0]
+
+
+def _reshard_jobs(do: str, configs: dict[str, tuple[int, bool]], **extra) -> list[dict]:
+    return [{"do": do, "key": k, "stage": s, "bf16": b, "dir": f"reshard-{k}", **extra}
+            for k, (s, b) in configs.items()]
+
+
 @pytest.fixture(scope="module")
 def ds_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     t0 = time.monotonic()
-    train_codes, train = _job("train", 2, root, {"stages": STAGES})
+    train_codes, train = _job("train", 2, root, {"stages": STAGES, "reshard": _reshard_jobs("save", SAVED_AT_2)})
     t_train = time.monotonic() - t0
+    reshard_flipped = _flip_tensor_bit(root / f"reshard-{FLIPPED}" / "step-000000000004", FLIP_SUFFIX)
+    shrink = _reshard_jobs("load", SAVED_AT_2, how="resume")
+    flip = next(j for j in shrink if j["key"] == FLIPPED)
+    shrink.insert(0, {**flip, "key": "flip", "how": "load_checkpoint"})  # `latest`: global_step4
+    shrink += _reshard_jobs("save", SAVED_AT_1)
+    grow = _reshard_jobs("load", SAVED_AT_1, how="resume")
+    grow[0]["how"] = "load_checkpoint"  # z2s: DeepSpeed's own call, `latest` = global_step4
     z3_latest = (root / "z3" / "latest").read_text().strip()
     z3_steps = {i.step: i.status for i in ckptlib.CheckpointManager(root / "z3").steps()}
     flipped = {}
@@ -124,9 +177,9 @@ def ds_run(tmp_path_factory):
     data[at + 7] ^= 0x40  # exponent bit of weight[0, 1]
     tfile.write_bytes(bytes(data))
     t1 = time.monotonic()
-    single_codes, single = _job("single", 1, root, {})
+    single_codes, single = _job("single", 1, root, {"reshard": shrink})
     t2 = time.monotonic()
-    resume_codes, resume = _job("resume", 2, root, {"stages": [2, 3]})
+    resume_codes, resume = _job("resume", 2, root, {"stages": [2, 3], "reshard": grow})
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(
         f"deepspeed jobs: train {t_train:.1f}s, single {t2 - t1:.1f}s, resume {time.monotonic() - t2:.1f}s "
@@ -143,6 +196,7 @@ def ds_run(tmp_path_factory):
         "flipped": flipped,
         "z3_latest": z3_latest,
         "z3_steps": z3_steps,
+        "reshard_flipped": reshard_flipped,
     }
 
 
@@ -210,8 +264,9 @@ def test_unsupported_client_state_value_fails_the_save(ds_run):
 
 @needs_deepspeed
 def test_resume_on_other_data_parallel_size(ds_run):
-    """Saved on 2 ranks, resumed on 1: stage 0 fully (bitwise); ZeRO-2 with optimizer state is
-    refused by DeepSpeed itself; ZeRO-2 weights only (load_optimizer_states=False) work."""
+    """Saved on 2 ranks, resumed on 1: stage 0 fully (bitwise); ZeRO-2 with optimizer state
+    (ckptlib serves the partitions at the new size) and weights only
+    (load_optimizer_states=False), weights bitwise."""
     single = ds_run["single"]
     assert ds_run["single_codes"] == [0]
     z0, saved = single["z0"], ds_run["train"][0]["z0"]["2"]
@@ -219,9 +274,71 @@ def test_resume_on_other_data_parallel_size(ds_run):
     assert any(s.startswith("step 4: corrupt") for s in z0["skipped"]), z0["skipped"]
     assert (z0["digest"]["params"], z0["digest"]["optim"]) == (saved["params"], saved["optim"])
     assert z0["client"]["data_pos"] == 8
-    assert "ZeRORuntimeException" in single["z2_optim"]["error"]
+    z2_optim, saved_z2 = single["z2_optim"], ds_run["train"][0]["z2"]["2"]
+    assert z2_optim["error"] is None and z2_optim["tag"] == "global_step2", z2_optim
+    assert z2_optim["digest"]["params"] == saved_z2["params"]
+    assert (z2_optim["digest"]["global_steps"], z2_optim["digest"]["lr"]) == (2, saved_z2["lr"])
     assert single["z2"]["tag"] == "global_step2"
     assert single["z2"]["digest"]["params"] == ds_run["train"][0]["z2"]["2"]["params"]
+
+
+def _check_resharded(got: dict, saved: dict, tag: str, stage: int, bf16: bool, saved_dp: int, dp: int) -> None:
+    """``got``: one rank's record of a resharding load; ``saved``: a saving rank's record."""
+    assert got["error"] is None, got["error"]
+    assert got["tag"] == tag
+    d, want = got["digest"], saved[tag.removeprefix("global_step")]
+    assert d["optimizer"] == ("BF16_Optimizer" if (bf16 and stage == 1) else OPTIMIZERS[stage])
+    assert d["dtype"] == ("torch.bfloat16" if bf16 else "torch.float32")
+    assert set(d["params"]) == set(want["params"]) and len(d["params"]) == 6
+    for name, h in want["params"].items():  # bitwise, parameter by parameter
+        assert d["params"][name] == h, f"{name}: {[k for k in h if d['params'][name][k] != h[k]]} differ"
+    assert (d["adam_step"], d["global_steps"], d["lr"]) == (want["adam_step"], want["global_steps"], want["lr"])
+    assert got["client"] == {"data_pos": want["global_steps"] * 4}
+    assert (got["reshard"]["saved_dp"], got["reshard"]["dp"]) == (saved_dp, dp), got["reshard"]
+    # Training goes on from the saved optimizer state (not from scratch: Adam's step continues).
+    assert got["after"] == {"adam_step": [want["adam_step"][0] + 1], "global_steps": want["global_steps"] + 1}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("key", sorted(SAVED_AT_2))
+def test_zero_saved_at_2_ranks_resumed_at_1(ds_run, key):
+    """ZeRO 1/2/3 (fp32; bf16 ZeRO 1 and 3) saved at 2 ranks, resumed at 1 with optimizer state:
+    per-parameter fp32 weights and Adam moments bitwise equal; training continues."""
+    stage, bf16 = SAVED_AT_2[key]
+    got = ds_run["single"][f"reshard/{key}"]
+    tag = "global_step2" if key == FLIPPED else "global_step4"
+    for saved in ds_run["train"]:  # both saving ranks recorded the same full digests
+        _check_resharded(got, saved[f"reshard/{key}"], tag, stage, bf16, saved_dp=2, dp=1)
+    # The one loading rank asked for every element once, plus Adam's step.
+    assert got["reshard"]["bytes_needed"] == 3 * 4 * ELEMENTS + STEP_BYTES
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("key", sorted(SAVED_AT_1))
+def test_zero_saved_at_1_rank_resumed_at_2(ds_run, key):
+    """ZeRO 2, 3 (fp32) and bf16 ZeRO 1 saved at 1 rank, resumed at 2: bitwise on both ranks,
+    and each rank read only its own partition's ranges."""
+    stage, bf16 = SAVED_AT_1[key]
+    saved = ds_run["single"][f"reshard/{key}"]
+    needed = []
+    for res in ds_run["resume"]:
+        got = res[f"reshard/{key}"]
+        _check_resharded(got, saved, "global_step4", stage, bf16, saved_dp=1, dp=2)
+        needed.append(got["reshard"]["bytes_needed"] - STEP_BYTES)
+    # Together the ranks asked for every element exactly once.
+    assert sum(needed) == 3 * 4 * ELEMENTS and all(0 < n < 3 * 4 * ELEMENTS for n in needed), needed
+
+
+@needs_deepspeed
+def test_flipped_bit_in_a_resharded_read_is_caught(ds_run):
+    """DeepSpeed's own ``load_checkpoint`` (``latest`` = global_step4) over ckptlib reads the
+    flipped range while resharding 2 -> 1 and refuses it; ``ckds.resume`` skips that step
+    (resumed bitwise from global_step2 in test_zero_saved_at_2_ranks_resumed_at_1)."""
+    assert ds_run["reshard_flipped"].endswith(FLIP_SUFFIX)
+    err = ds_run["single"]["reshard/flip"]["error"]
+    assert err is not None and err.startswith("CorruptCheckpointError") and "checksum mismatch" in err, err
+    skipped = ds_run["single"][f"reshard/{FLIPPED}"]["skipped"]
+    assert any(s.startswith("step 4: corrupt") for s in skipped), skipped
 
 
 @needs_deepspeed

@@ -3,7 +3,8 @@
 usage: ds_worker.py SCENARIO RANK WORLD PORT ROOT [JSON-ARGS]
 
 Scenarios (each writes ROOT/result-<scenario>-<rank>.json, rewritten as it progresses so a
-killed job still leaves what it got to):
+killed job still leaves what it got to; the jobs of ``args["reshard"]`` run first, see
+tests/workers/ds_reshard.py, their records under ``reshard/<key>``):
 
 - ``train``: for each ZeRO stage in ``args["stages"]``: a fresh engine with ckptlib installed,
   2 steps -> save (tag global_step2) -> 2 steps -> save (global_step4); digests of parameters
@@ -14,7 +15,9 @@ killed job still leaves what it got to):
   the skipped steps, digests and client state; then trains one step and saves again.
 - ``single`` (1 rank, stage 0 and 2 checkpoints written by 2 ranks): DeepSpeed's own load of a
   bit-flipped torch checkpoint; ckptlib's ``engine.load_checkpoint`` of a bit-flipped step via
-  DeepSpeed's ``latest``; the resume helper on a different data-parallel size.
+  DeepSpeed's ``latest``; the resume helper on a different data-parallel size (stage 2 with and
+  without optimizer state; the bitwise optimizer-state checks of resharding are
+  ds_reshard_worker.py's).
 - ``freeze`` (2 ranks, after ``train``): rank 1 stops itself (SIGSTOP, crash point ``restore``)
   inside ``ckds.resume`` of the stage 0 checkpoints; rank 0 records the error it raised and
   when (``time.time()``). The test SIGKILLs the frozen rank.
@@ -37,6 +40,8 @@ from typing import Any
 ROOT_DIR = Path(__file__).resolve().parents[2]
 if str(ROOT_DIR) not in sys.path:
     sys.path.insert(0, str(ROOT_DIR))
+
+import ds_reshard  # noqa: E402  (this directory: the resharding jobs)
 
 
 def setup(rank: int, world: int, port: str) -> Any:
@@ -284,8 +289,8 @@ def sc_single(
     engine = make_engine(ds, 2)
     ckds.install(engine)
     try:
-        ckds.resume(engine, os.path.join(root, "z2"))
-        out.put("z2_optim", {"error": None})
+        res = ckds.resume(engine, os.path.join(root, "z2"))
+        out.put("z2_optim", {"error": None, "tag": res.tag, "digest": digests(engine)})
     except Exception as e:
         out.put("z2_optim", {"error": f"{type(e).__name__}: {e}"})
     res = ckds.resume(engine, os.path.join(root, "z2"), load_optimizer_states=False)
@@ -328,6 +333,8 @@ def main() -> int:
     import torch.distributed as dist
 
     try:
+        for job in args.get("reshard", []):
+            out.put(f"reshard/{job['key']}", ds_reshard.run(ds, root, job))
         globals()[f"sc_{scenario}"](ds, rank, world, root, args, out)
     except Exception:
         out.put("crash", traceback.format_exc())

@@ -1,11 +1,14 @@
 """The DeepSpeed ``CheckpointEngine`` that stores through ckptlib (built by :func:`.install`).
 
-One DeepSpeed tag is one ckptlib step holding ``{"files": PerRank({file name: state dict})}``.
-DeepSpeed calls ``create`` -> ``save`` (per file; held by reference, nothing written) ->
-``commit`` (collective: :mod:`.codec` conversion, then ckptlib's save/commit) on every rank's
-training thread, so a tag becomes visible all at once, before DeepSpeed writes ``latest``.
-``load(path)`` reads one file's tensors, checksummed. Tags are found by :mod:`.tags`;
-``deepspeed`` is imported by :func:`engine_class`. Details: docs/integrations/deepspeed.md.
+One DeepSpeed tag is one ckptlib step holding ``{"files": PerRank({file name: state dict})}``
+and, under ZeRO, ``"zero"``: the partition layout (:mod:`.zero`). DeepSpeed calls ``create`` ->
+``save`` (per file; held by reference, nothing written) -> ``commit`` (collective: :mod:`.codec`
+conversion, then ckptlib's save/commit) on every rank's training thread, so a tag becomes
+visible all at once, before DeepSpeed writes ``latest``. ``load(path)`` reads one file's
+tensors, checksummed; inside ``engine.load_checkpoint`` (:meth:`EngineMixin.loading_into`) a
+tag saved at another data-parallel size is served through :mod:`.reshard`. Tags are found by
+:mod:`.tags`; ``deepspeed`` is imported by :func:`engine_class`. Details:
+docs/integrations/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +36,9 @@ from ckptlib.errors import (
     UnsupportedValueError,
 )
 from ckptlib.format.leaves import PerRank
+from ckptlib.integrations.deepspeed import zero
 from ckptlib.integrations.deepspeed.codec import decode_value, encode_value
+from ckptlib.integrations.deepspeed.reshard import OPTIM_FILE, Reshard, open_reshard
 from ckptlib.integrations.deepspeed.tags import FORMAT, TagView, open_tag
 from ckptlib.manager import CheckpointManager
 
@@ -76,9 +81,14 @@ class EngineMixin:
     """The engine this one replaced (used for files outside a tag folder)."""
     manager_options: dict[str, Any]
     storage_options: dict[str, Any] | None
+    engine_ref: Callable[[], Any] = field(default=lambda: None, repr=False)
+    """Weak reference to the DeepSpeed engine (its ZeRO layout is saved with every tag)."""
     name: str = field(default="CkptlibCheckpointEngine", init=False)
     last_save_seconds: float = field(default=0.0, init=False)
     last_resume: ResumeResult | None = field(default=None, init=False)
+    last_reshard: dict[str, Any] | None = field(default=None, init=False)
+    """After a load at another data-parallel size: ``{"tag", "saved_dp", "dp", "bytes_needed",
+    "bytes_read"}`` of this rank's rebuilt optimizer-states file (None otherwise)."""
     _managers: dict[str, CheckpointManager] = field(default_factory=dict, init=False, repr=False)
     _info: Any = field(default=None, init=False, repr=False)
     _pending: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
@@ -86,6 +96,8 @@ class EngineMixin:
     _token_dir: str | None = field(default=None, init=False, repr=False)
     _tokens: dict[str, tuple[str, str, str]] = field(default_factory=dict, init=False, repr=False)
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _into: Any = field(default=None, init=False, repr=False)
+    _reshards: dict[tuple[str, str], Reshard | None] = field(default_factory=dict, init=False, repr=False)
 
     # -- roots
     def root_for(self, save_dir: str) -> str:
@@ -169,8 +181,12 @@ class EngineMixin:
         tag = str(info.tag)
         step = self.step_fn(tag)
         meta = {"deepspeed": {"format": FORMAT, "tag": tag, "version": _ds_version()}}
+        state: dict[str, Any] = {"files": PerRank(encoded)}
+        layout = zero.describe(self.engine_ref())
+        if layout is not None:  # the same on every rank (ckptlib's save checks it)
+            state["zero"] = layout.to_json()
         mgr = self.manager(self.root_for(info.save_dir))
-        mgr.save(step, {"files": PerRank(encoded)}, metadata=meta).wait()
+        mgr.save(step, state, metadata=meta).wait()
         self.last_save_seconds = time.perf_counter() - t0
         return True
 
@@ -192,6 +208,27 @@ class EngineMixin:
             tag_dir, name = os.path.split(os.path.normpath(os.fspath(path)))
             load_dir, tag = os.path.split(tag_dir)
         view = self.open_tag(load_dir, tag)
+        reshard = self.reshard(load_dir, tag)
+        if reshard is not None and OPTIM_FILE.match(name):
+            sd = reshard.optimizer_states(name)
+            self.last_reshard = {"tag": tag, "saved_dp": reshard.saved.dp, "dp": reshard.target.layout.dp,
+                                 "bytes_needed": reshard.stats["bytes_needed"],
+                                 "bytes_read": reshard.stats["bytes_read"]}
+        else:
+            sd = self._read_file(view, tag, name)
+            if reshard is not None:
+                reshard.model_states(name, sd)
+        if (
+            isinstance(map_location, str | torch.device)
+            and torch.device(map_location).type != "cpu"
+        ):
+            sd = _to_device(sd, torch.device(map_location))
+        if token is not None:
+            self._loaded = {os.fspath(path): _copy_containers(sd)}
+        return sd
+
+    def _read_file(self, view: TagView, tag: str, name: str) -> Any:
+        """One saved file's state dict, as saved."""
         node = view.files.get(name)
         if node is None:
             raise CheckpointNotFoundError(
@@ -202,15 +239,30 @@ class EngineMixin:
         plan = Merge(view.manifest, where=where)
         value = plan.fresh(node)
         run_plan(plan, view.storage, view.folder, view.manifest, verify=True)
-        sd = decode_value(resolve_lazy(value), where)
-        if (
-            isinstance(map_location, str | torch.device)
-            and torch.device(map_location).type != "cpu"
-        ):
-            sd = _to_device(sd, torch.device(map_location))
-        if token is not None:
-            self._loaded = {os.fspath(path): _copy_containers(sd)}
-        return sd
+        return decode_value(resolve_lazy(value), where)
+
+    @contextlib.contextmanager
+    def loading_into(self, engine: Any) -> Iterator[None]:
+        """While DeepSpeed's ``load_checkpoint`` of ``engine`` runs (wrapped by
+        :func:`.install`): :meth:`load` serves tags saved at another data-parallel size as
+        this rank's files at ``engine``'s size. Outside it, files load as saved."""
+        self._into, self.last_reshard = engine, None
+        try:
+            yield
+        finally:
+            self._into = None
+            self._reshards.clear()
+
+    def reshard(self, load_dir: str, tag: str) -> Reshard | None:
+        """The :class:`.reshard.Reshard` serving ``tag`` to the engine being loaded (None:
+        outside :meth:`loading_into`, or the tag loads as saved). Cached per load."""
+        if self._into is None:
+            return None
+        key = (self.root_for(load_dir), tag)
+        if key not in self._reshards:
+            into = self._into
+            self._reshards[key] = open_reshard(self.open_tag(load_dir, tag), lambda: zero.target(into))
+        return self._reshards[key]
 
     def token(self, load_dir: str, tag: str, name: str) -> str:
         """A local, empty file standing for DeepSpeed file ``name`` of ``tag``.
@@ -248,6 +300,7 @@ class EngineMixin:
         dicts and old tokens."""
         self._views.clear()
         self._loaded.clear()
+        self._reshards.clear()
         for path in self._tokens:
             with contextlib.suppress(OSError):
                 os.unlink(path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ def install(
         manager_options={"keep_last": keep_last, "keep_every": keep_every,
                          "compression": compression, "save_timeout": save_timeout},
         storage_options=storage_options,
+        engine_ref=weakref.ref(engine),
     )
     engine.checkpoint_engine = ce
     patch_engine(engine, ce)
@@ -60,17 +62,20 @@ def install(
 
 def patch_engine(engine: Any, ce: Any) -> None:
     """DeepSpeed finds model-state files with ``glob`` on the local disk; ours live in ckptlib.
-    Replace that one lookup, on this engine instance only, with a match on the tag's files;
-    and wrap this instance's ``load_checkpoint`` so that caches are dropped when it returns."""
+    Replace that one lookup, on this engine instance only, with a match on the tag's files
+    (under ZeRO-3, a tag saved at another data-parallel size is read through data-parallel
+    rank 0's model-state file, as universal checkpoints are); and wrap this instance's
+    ``load_checkpoint`` so that it runs inside ``ce.loading_into(engine)`` and caches are
+    dropped when it returns."""
     original = type(engine)._get_all_ckpt_names
 
     def _get_all_ckpt_names(checkpoints_path: str, tag: str) -> list[str]:
         if engine.checkpoint_engine is not ce:
             return original(engine, checkpoints_path, tag)
         ce.forget_views()  # every load_checkpoint re-reads the manifest
-        universal = engine.load_universal_checkpoint()
+        rank0 = engine.load_universal_checkpoint() or ce.reshard(checkpoints_path, str(tag)) is not None
         pattern = engine._get_ckpt_name(
-            checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0" if universal else None
+            checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0" if rank0 else None
         )
         want = os.path.basename(pattern)
         names = [
@@ -84,7 +89,8 @@ def patch_engine(engine: Any, ce: Any) -> None:
     @functools.wraps(load_checkpoint)
     def load_checkpoint_then_release(*args: Any, **kwargs: Any) -> Any:
         try:
-            return load_checkpoint(*args, **kwargs)
+            with ce.loading_into(engine):
+                return load_checkpoint(*args, **kwargs)
         finally:
             ce.forget_views()  # never keep a loaded copy of the state alive after the load
 

@@ -34,6 +34,8 @@ class TagView:
     manifest: Manifest
     files: dict[str, Any]
     """DeepSpeed file name -> its decoded (still ckptlib-encoded) subtree."""
+    zero: Any = None
+    """The ZeRO partition layout saved with the tag (JSON, see :mod:`.partitions`), or None."""
 
 
 def tag_of(m: Manifest, where: str) -> str | None:
@@ -98,5 +100,5 @@ def open_tag(storage: Storage, tag: str) -> TagView:
                     f"file {name!r} saved by more than one rank", manifest_where
                 )
             files[name] = node
-    return TagView(storage, folder, step, m, files)
+    return TagView(storage, folder, step, m, files, tree.get("zero"))
 
