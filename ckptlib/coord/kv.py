@@ -23,10 +23,12 @@ waiter's own, so nobody else reads it).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -157,6 +159,7 @@ class TorchKV:
         self._name = name
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
+        _WORKERS.add(self)
 
     # -- the worker
     def _serve(self) -> None:
@@ -187,9 +190,13 @@ class TorchKV:
             raise _unreachable(call.error)
         return call.value
 
-    def stop(self) -> None:
-        """Let the worker end after the calls queued (a dropped coordinator)."""
+    def stop(self, wait: float = 0.0) -> None:
+        """Let the worker end after the calls queued (a dropped coordinator, interpreter exit),
+        waiting for it at most ``wait`` seconds."""
         self._queue.put(None)
+        worker = self._worker
+        if wait and worker is not None:
+            worker.join(wait)
 
     # -- KV
     def set(self, key: str, value: bytes) -> None:
@@ -322,3 +329,14 @@ def _unreachable(error: BaseException) -> BaseException:
                                "timeout")):
         return StoreUnreachable(f"store unreachable: {error}")
     return error
+
+
+_WORKERS: weakref.WeakSet[TorchKV] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """At exit, before the interpreter tears down: the workers finish what was posted (a rank's
+    leave) and end, so that none is left inside a store call (which aborts the process)."""
+    for kv in list(_WORKERS):
+        kv.stop(wait=2.0)
