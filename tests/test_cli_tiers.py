@@ -67,12 +67,15 @@ def test_verify_intact_run_every_tier(tree: Path) -> None:
     assert [(n["node"], [s["step"] for s in n["steps"]]) for n in doc["nodes"]] == [(0, [1, 2, 3]), (1, [1, 2, 3])]
     for n in doc["nodes"]:
         for s in n["steps"]:
-            # Each node holds its own rank's files (payload and format v2 index file) and the
-            # other rank's replicas of them, all good.
-            assert sorted((c["rank"], c["copy"], c["status"], c["name"].endswith("-index.bin"))
-                          for c in s["copies"]) == sorted(
-                [(n["node"], "own", "ok", False), (n["node"], "own", "ok", True),
-                 (1 - n["node"], "replica", "ok", False), (1 - n["node"], "replica", "ok", True)]), s
+            # Each node holds its own rank's files (payloads -- its replicated pieces, if it wrote
+            # any, in a file of their own -- and its format v2 index file) and the other rank's
+            # replicas of them (received, or rebuilt from this rank's own copy), all good.
+            kinds = {(c["rank"], c["copy"], c["status"], c["name"].endswith("-index.bin")) for c in s["copies"]}
+            assert kinds == {(n["node"], "own", "ok", False), (n["node"], "own", "ok", True),
+                             (1 - n["node"], "replica", "ok", False), (1 - n["node"], "replica", "ok", True)}, s
+            own = sorted(c["name"] for c in s["copies"] if c["copy"] == "own")
+            theirs = sorted(c["name"] for c in s["copies"] if c["copy"] == "replica")
+            assert len(own) == len({c["name"] for c in s["copies"] if c["rank"] == n["node"]}) and theirs, s
     v = verdict(doc, 2)
     assert v["restorable"] and v["persisted"] and v["damaged"] == [] and v["single_copy"] == []
     assert all(sorted(src) == ["node 0", "node 1 replica", "persistent"] or
@@ -116,8 +119,10 @@ def test_verify_corrupt_local_index_file(tree: Path) -> None:
     assert code == 1
     (node0,) = [n for n in doc["nodes"] if n["node"] == 0]
     corrupt = {c["name"]: c["reason"] for c in node0["steps"][0]["copies"] if c["status"] == "corrupt"}
-    assert set(corrupt) == {bad.name, payload(tree / "node0", 3, 0).name}
-    assert "checksum" in corrupt[bad.name] and "cannot be checked" in corrupt[payload(tree / "node0", 3, 0).name]
+    own = {p.name for p in bad.parent.glob("r00000*.bin") if not p.name.endswith("-index.bin")}
+    assert payload(tree / "node0", 3, 0).name in own  # every payload file of rank 0 (its replicated pieces' too)
+    assert set(corrupt) == {bad.name} | own
+    assert "checksum" in corrupt[bad.name] and all("cannot be checked" in corrupt[n] for n in own)
     v = verdict(doc, 3)
     assert v["restorable"] and {d["name"]: d["still_from"] for d in v["damaged"]} == {
         name: ["node 1 replica"] for name in corrupt}
