@@ -181,6 +181,12 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def framing(ck: Path) -> dict[str, Any]:
+    """The template's own framing (format v1 or v2) for a rewritten manifest: a v2 body framed as
+    v1 would be refused for that alone, whatever the edit."""
+    return {"format_version": json.loads((ck / MANIFEST_NAME).read_bytes())["format_version"]}
+
+
 def fresh_copy(templates: dict[str, Path], which: str, workdir: Path) -> Path:
     root = workdir / f"ex-{time.monotonic_ns()}"
     shutil.copytree(templates[which], root, symlinks=True)
@@ -354,7 +360,7 @@ def test_fuzz_manifest_structure(
         root = fresh_copy(templates, which, workdir)
         ck = root / STEP_DIR
         old = json.loads((ck / MANIFEST_NAME).read_bytes())["checksum"].split(":")[1]
-        new = encode_manifest(body, digest=old if stale else None)
+        new = encode_manifest(body, digest=old if stale else None, **framing(ck))
         changed = new != (ck / MANIFEST_NAME).read_bytes()
         (ck / MANIFEST_NAME).write_bytes(new)
         outcome, value, s = attempt(root)
@@ -376,6 +382,61 @@ def test_fuzz_manifest_structure(
             run()
         finally:
             stats.record(rec)
+
+
+def _relabel_big(body: dict[str, Any]) -> None:
+    body["tensors"]["/big"]["dtype"] = "int32"  # float32 -> int32: same size, same bytes
+
+
+def _reshape_small2(body: dict[str, Any]) -> None:
+    table = body[TABLE_KEY]
+    i = table["name"].index("/small2")
+    at = sum(table["ndim"][:i])
+    table["dims"][at : at + 2] = [2, 8]  # [4, 4] -> [2, 8]: same bytes, another shape
+
+
+def _tree_values(body: dict[str, Any]) -> None:
+    for item in body["tree"]["items"]:
+        if item[0] == "name":
+            item[1] = "a longer name, \u00fcn\u00efc\u00f6d\u00e9"
+        elif item[0] == "step":
+            item[1] = 2**40 + 1
+
+
+DECLARATION_EDITS = {
+    "dtype-relabel": (_relabel_big, ("raw", "zstd", "v2")),
+    "packed-reshape": (_reshape_small2, ("raw", "zstd")),  # v2 keeps shapes in index files
+    "tree-values": (_tree_values, ("raw", "zstd", "v2")),
+}
+HOW_DECLARED = ("a fixed edit that declares other values (with a recomputed manifest checksum) must load, bit for "
+                "bit as the test's own decoder (tests/chaos/declared.py) reads the edited folder")
+
+
+@pytest.mark.parametrize(
+    ("edit", "which"), [(e, w) for e, (_, ws) in DECLARATION_EDITS.items() for w in ws],
+    ids=[f"{e}-{w}" for e, (_, ws) in DECLARATION_EDITS.items() for w in ws],
+)
+def test_declaration_edits_load_as_declared(
+    templates: dict[str, Path], expected: dict[str, Any], workdir: Path, edit: str, which: str
+) -> None:
+    """Edits the fuzzing above rarely lands on: with a recomputed checksum a same-size dtype
+    relabel, a packed tensor's other shape of the same size, and other plain values in the tree
+    are self-consistent declarations (undetectable by design, docs/reliability.md "Limits"): the
+    load returns exactly them, never the template's values or a mix."""
+    with recording("malicious", f"declared-{edit}-{which}", seed=0) as rec:
+        rec.observe(HOW_DECLARED, malicious_total=1)
+        root = fresh_copy(templates, which, workdir)
+        ck = root / STEP_DIR
+        body = body_of(ck)
+        DECLARATION_EDITS[edit][0](body)
+        (ck / MANIFEST_NAME).write_bytes(encode_manifest(body, **framing(ck)))
+        outcome, value, s = attempt(root)
+        rec.observe(HOW_FUZZ_TIME, worst_time_s=round(s, 3))
+        assert outcome == "ok", f"{edit}: {value!r}"
+        as_declared(value, root, edit)
+        with pytest.raises(AssertionError):  # the edit took effect: not the template's state
+            assert_same(value, expected)
+        rec.observe(HOW_DECLARED, malicious_loaded=1)
 
 
 @st.composite
@@ -423,7 +484,7 @@ def test_fuzz_payload_bytes(
         fix_size = data.draw(st.booleans())
         if fix_size and len(raw) != body["files"][0][1]:
             body["files"][0][1] = len(raw)
-            (ck / MANIFEST_NAME).write_bytes(encode_manifest(body))
+            (ck / MANIFEST_NAME).write_bytes(encode_manifest(body, **framing(ck)))
         outcome, value, s = attempt(root)
         info = check_step(open_storage(str(root)), STEP_DIR, STEP, deep=True)
         stats.saw(outcome, value, s)
@@ -511,7 +572,7 @@ def test_fuzz_zstd_frames(templates: dict[str, Path], kept: Path, workdir: Path)
                 [len(body["files"]) - 1, 0, len(frame), checksum(frame), [0], [claim], "zstd"]
             ],
         }
-        (ck / MANIFEST_NAME).write_bytes(encode_manifest(body))
+        (ck / MANIFEST_NAME).write_bytes(encode_manifest(body, **framing(ck)))
         outcome, value, s = attempt(root)
         stats.saw(outcome, value, s)
         assert s < EXAMPLE_LIMIT_S, f"{label}: load took {s:.1f}s"
