@@ -21,6 +21,7 @@ copies verified whole, debris left.
 from __future__ import annotations
 
 import json
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +50,9 @@ SAVE_CHECKS = SaveChecks(
 )
 HOW_KILLS = "the victim's exit status (-SIGKILL) with no result written"
 HOW_HALF = ("a scan of every tier after the kill and after the next save: persistent `step-N` folders that "
-            "`engine.scan.scan` does not call committed; node-folder `step-N` folders without a valid manifest "
-            "or missing a file their manifest names (distinct tier and step)")
+            "`engine.scan.scan` does not call committed; node-folder `step-N` folders without a valid manifest, "
+            "or lacking one of their own rank's files or a peer's replica that the manifest names (distinct "
+            "tier and step)")
 HOW_WHOLE = ("`ckptlib verify PERSIST --local TEMPLATE --tier all --all --json` after the kill and after the "
              "next save: every committed copy (the persistent step; each node's own files and replicas), every "
              "chunk's checksum")
@@ -103,8 +105,9 @@ class Tiers:
 
 def scan_tiers(tmp_path: Path, persist: Path) -> Tiers:
     """A scan of every tier with public means: the persistent root's ``engine.scan.scan``, each
-    node folder's listing, and ``ckptlib verify PERSIST --local TEMPLATE --tier all --all``, which
-    deep-checks every committed copy (persistent steps, each node's own files and replicas)."""
+    node folder's listing (every visible step must hold what :func:`not_held` expects), and
+    ``ckptlib verify PERSIST --local TEMPLATE --tier all --all``, which deep-checks every
+    committed copy (persistent steps, each node's own files and replicas)."""
     t = Tiers()
     if persist.exists():
         for i in scan(open_storage(str(persist))):
@@ -112,7 +115,12 @@ def scan_tiers(tmp_path: Path, persist: Path) -> Tiers:
                 t.visible.add(("persistent", i.step))
                 (t.committed if i.status == "committed" else t.half_visible).add(("persistent", i.step))
     for node in sorted(p for p in tmp_path.glob("node*") if p.is_dir()):
-        t.visible |= {(node.name, s) for p in node.iterdir() if p.is_dir() and (s := layout.parse_step(p.name)) is not None}
+        for p in node.iterdir():
+            s = layout.parse_step(p.name)
+            if p.is_dir() and s is not None:
+                t.visible.add((node.name, s))
+                if not_held(node, p):
+                    t.half_visible.add((node.name, s))
     if not t.visible:
         return t
     _code, text = cli("verify", str(persist), "--local", str(tmp_path / "node{node}"), "--tier", "all", "--all",
@@ -143,6 +151,28 @@ def scan_tiers(tmp_path: Path, persist: Path) -> Tiers:
                 t.not_whole[key] = st["reason"]
     t.half_visible |= {k for k in t.visible if k[0] != "persistent" and k not in listed}  # no valid manifest
     return t
+
+
+RANK_RE = re.compile(r"(?:^|/)r(\d{5})[^/]*\.bin$")
+
+
+def not_held(node: Path, step: Path) -> list[str]:
+    """Files a node's visible step folder lacks (docs/tiers.md's layout, this job's topology:
+    node N runs rank N): its own rank's payload and index files in the step folder, every other
+    rank's under ``replicas/``. A step folder without a readable manifest lacks it."""
+    try:
+        body = json.loads((step / "manifest.json").read_bytes())["body"]
+    except (OSError, ValueError, KeyError):
+        return ["manifest.json"]
+    own = int(node.name.removeprefix("node"))
+    names = [f[0] for f in body["files"]] + [ix[0] for ix in body.get("indexes", [])]
+    lacking = []
+    for name in names:
+        m = RANK_RE.search(name)
+        where = step / name if m is None or int(m.group(1)) == own else step / "replicas" / name
+        if not where.is_file():
+            lacking.append(str(where.relative_to(step)))
+    return lacking
 
 
 def _logged(res: Path, what: str) -> set[int]:
