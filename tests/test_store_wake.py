@@ -47,13 +47,27 @@ def test_a_key_that_never_comes_leaves_the_polls_to_it(store: dist.Store) -> Non
     assert store.check([s.k("release")])
 
 
-def test_a_store_that_cannot_clone_itself_only_polls() -> None:
+def test_a_store_that_cannot_clone_itself_only_polls(store: dist.Store) -> None:
     class NoClone:
+        """The job's real store, as an older torch has it: no ``clone``."""
+
+        def __init__(self, inner: dist.Store) -> None:
+            self.inner, self.clones = inner, 0
+
         def clone(self) -> None:
+            self.clones += 1
             raise RuntimeError("not supported")
 
-    s = _Session(NoClone(), "save3", 0, 2, 60.0, 0.5)
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+    nc = NoClone(store)
+    s = _Session(nc, "save3", 0, 2, 60.0, 0.5)
     wake = _Wake(s, [s.k("release")], time.monotonic() + 60)
     _threads_done()
+    assert nc.clones == 1  # one try at a connection of its own, then the thread is gone
+    assert not [t for t in threading.enumerate() if t.name == "ckptlib-store-wake"]
+    s.set("release", "{}")  # the key arrives: nothing waits for it on the store...
     assert not wake._event.is_set()
+    assert s.read_release(0.0) == {}  # ...and the caller's poll, on the same store, sees it
     wake.sleep(0.0)
