@@ -44,7 +44,7 @@ SAVE_CHECKS = SaveChecks(
     attempted="the step each rank appends to `attempted-<rank>.txt` just before `mgr.save()` "
     "(tests/workers/tiers_worker.py): a step any rank started",
     reported="the step a rank appends to `committed-<rank>.txt` once its `wait()` returned",
-    storage="a scan of every tier after the job (:func:`scan_tiers`): committed on some tier though no rank "
+    storage="a scan of every tier after the job (`scan_tiers`): committed on some tier though no rank "
     "saw it = unreported; no step folder on any tier = aborted, unless `local_keep_last` newer steps "
     "could have retired it (then: other)",
 )
@@ -59,7 +59,7 @@ HOW_WHOLE = ("`ckptlib verify PERSIST --local TEMPLATE --tier all --all --json` 
 HOW_RESUME = ("a fresh 2-rank job's `restore()`: every rank the same step, one the case allows and never older "
               "than a step any rank saw commit, its bytes `torch.equal` to the state recomputed for that step")
 HOW_LOST = "steps some rank saw commit that are newer than the step the fresh job resumed"
-HOW_DEBRIS = "`.tmp-`/`.del-` entries in each node folder after the next save"
+HOW_DEBRIS = "phase cases: `.tmp-`/`.del-` entries in each node folder after the next save"
 
 pytestmark = pytest.mark.chaos
 
@@ -256,7 +256,7 @@ def _partials(tmp_path: Path) -> list[Path]:
     return sorted(p for node in ("node0", "node1") for p in (tmp_path / node).rglob("*.partial"))
 
 
-HOW_WB_DEBRIS = "`*.partial` write-back files in either node folder after the next save"
+HOW_WB_DEBRIS = "the write-back case: `*.partial` files in either node folder after the next save"
 HOW_WB_CORRUPT = ("one byte of rank 1's own copy flipped by the test; detected when the fresh job restores step 1 "
                   "bit for bit and the copy equals its replica after the next save")
 
