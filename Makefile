@@ -28,9 +28,13 @@ test: check
 	$(VPY) -m pytest -q
 
 # The full chaos matrix (seeded: CKPTLIB_TEST_SEED, default 1234). Every case appends a record
-# to runs/chaos/results.jsonl; the report is rendered into docs/reliability.md even when a case
-# failed, and the target fails if pytest failed or a must-be-zero count is not zero.
+# (stamped with the commit it runs on) to runs/chaos/results.jsonl; every generated section of
+# docs/reliability.md is re-rendered from that one file, even when a case failed, and the target
+# fails if pytest failed, a must-be-zero count is not zero, or the report refused the records.
+# It refuses to start on uncommitted changes to ckptlib/ or tests/: the page names the commit.
 chaos: venv
+	@git diff --quiet HEAD -- ckptlib tests && test -z "$$(git ls-files --others --exclude-standard -- ckptlib tests)" \
+		|| { echo "make chaos: ckptlib/ or tests/ differ from HEAD; commit first (the report is stamped with the commit)"; exit 2; }
 	rm -f runs/chaos/results.jsonl
 	CKPTLIB_CHAOS_FULL=1 CKPTLIB_CHAOS_RECORD=runs/chaos/results.jsonl $(VPY) -m pytest -q -m chaos tests; \
 	status=$$?; \

@@ -34,10 +34,11 @@ from typing import Any, NoReturn
 
 import pytest
 import torch
-from chaos.record import Record, emit
+from chaos.record import Record, SaveChecks, account_saves, emit
 from helpers import assert_same
 
 import ckptlib
+from ckptlib.format.layout import step_dir
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "workers" / "save_loop.py"
@@ -52,6 +53,24 @@ TEMPLATE_STEP = 10**9
 
 START_TIMEOUT_S = 120.0  # import torch + ckptlib on a loaded 2-core machine
 EXIT_TIMEOUT_S = 30.0
+
+# What each count of a ``process_kill`` record comes from (docs/reliability.md prints these).
+SAVE_CHECKS = SaveChecks(
+    attempted="the `saving N` line the worker prints just before `mgr.save(N)` (a kill during start-up attempts none)",
+    reported="the worker's `committed N` lines: a synchronous save returned, or the handle of an async one "
+    "returned from `wait()` (every 3rd step, and any earlier one found done after a later `save()`)",
+    storage="`steps()` of the root after the kill: committed there though not reported = unreported; no step "
+    "folder at all = aborted, unless `keep_last` newer committed steps could have retired it (then: other)",
+)
+HOW_KILLS = "the worker's exit status, -SIGKILL, from the fork server's waitpid"
+HOW_WHOLE = ("every step `steps()` calls committed, loaded with `ckptlib.load` (checksums verified) and "
+             "compared bit for bit with the state recomputed for that step")
+HOW_HALF = "`steps()` of the root after each kill: `step-N` folders that are not committed"
+HOW_RESUME = ("`restore()` into a template holding other bytes: the newest committed step, loaded in place, "
+              "bit for bit the state recomputed for that step (`nothing`: no step committed, restore() None)")
+HOW_LOST = "the newest committed step after each kill is never older than a step the worker saw commit or one restored before"
+HOW_DEBRIS = ("after a kill of a worker that saw a save commit: leftovers (names other than committed steps) "
+              "of the previous kill still in the root")
 
 
 def _load_worker_module():
@@ -200,6 +219,7 @@ class Worker:
     err_path: Path
     exit_code: int | None = None
     lines: list[str] = field(default_factory=list)
+    t0: float = 0.0  # time.monotonic() when the test asked for it (the record's duration)
 
     def kill_and_reap(self) -> int:
         """SIGKILL the worker's session, reap it; return its exit code (-9 when we killed it)."""
@@ -253,11 +273,32 @@ class Observation:
     infos: list[Any]
     latest: int | None
     restored: int | None
+    resume: str = ""  # the resume outcome (chaos.record.RESUME_OUTCOMES)
     committed: list[int] = field(default_factory=list)
+    visible: list[int] = field(default_factory=list)  # step folders (committed or not)
+    half_visible: list[int] = field(default_factory=list)  # visible, not committed
+    not_whole: dict[int, str] = field(default_factory=dict)  # committed, not loading bit-exact
     debris: set[str] = field(default_factory=set)
 
     def summary(self) -> str:
         return ", ".join(f"{i.step}:{i.status}" for i in self.infos) or "-"
+
+    def problems(self) -> list[str]:
+        out = [f"step {s} is visible but {next(i.status for i in self.infos if i.step == s)}"
+               for s in self.half_visible]
+        out += [f"committed step {s} is not whole: {why}" for s, why in self.not_whole.items()]
+        if self.resume not in ("correct", "nothing"):
+            out.append(f"resume {self.resume}: restore() loaded {self.restored}, latest_step() is {self.latest}")
+        return out
+
+
+def _differs(actual: Any, expected: Any, where: str) -> str:
+    """Empty if ``actual`` is bit for bit ``expected``, else what differs."""
+    try:
+        assert_same(actual, expected, where)
+    except AssertionError as e:
+        return str(e)[:300]
+    return ""
 
 
 def observe(root: Path) -> Observation:
@@ -276,25 +317,37 @@ def observe(root: Path) -> Observation:
     assert len(set(committed)) == len(committed), f"a step is committed twice: {infos}"
     newest = committed[-1] if committed else None
     assert latest == newest, f"latest_step()={latest} but the newest committed is {newest}"
-    assert restored == latest, f"restore() loaded {restored}, latest_step() is {latest}"
+    obs = Observation(listing, infos, latest, restored, committed=committed)
+    obs.visible = sorted(i.step for i in infos if i.path == step_dir(i.step))
+    obs.half_visible = sorted(i.step for i in infos if i.path == step_dir(i.step) and i.status != "committed")
 
     expected = {step: build_state(SEED, step) for step in committed}
-    if restored is not None:
-        assert_same(template, expected[restored], f"restore() -> step {restored}")
+    if restored is None:
+        obs.resume = "nothing" if latest is None else "wrong_step"
+    elif restored != latest:
+        obs.resume = "wrong_step"
+    else:  # the bytes restored in place equal the state recomputed for that step
         after = _tensors(template)
-        for name, tensor in before.items():
-            assert after[name] is tensor, f"restore(): {name} was replaced, not loaded in place"
+        replaced = [name for name, tensor in before.items() if after[name] is not tensor]
+        assert not replaced, f"restore(): {replaced} were replaced, not loaded in place"
+        obs.resume = "partial" if _differs(template, expected[restored], f"restore() -> step {restored}") else "correct"
 
     # No partially written step is ever reported as committed: each one loads, bit-exact, as
     # a fresh structure (which also checks container and leaf types, e.g. tuple vs list).
     for info in infos:
         if info.status == "committed":
-            fresh = ckptlib.load(str(root / info.path))
-            assert_same(fresh, expected[info.step], f"load(step {info.step})")
+            try:
+                fresh = ckptlib.load(str(root / info.path))
+            except ckptlib.CheckpointError as e:
+                obs.not_whole[info.step] = f"{type(e).__name__}: {e}"
+                continue
+            why = _differs(fresh, expected[info.step], f"load(step {info.step})")
+            if why:
+                obs.not_whole[info.step] = why
 
     committed_names = {info.path for info in infos if info.status == "committed"}
-    debris = {name for name in listing if name not in committed_names}
-    return Observation(listing, infos, latest, restored, committed, debris)
+    obs.debris = {name for name in listing if name not in committed_names}
+    return obs
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,33 +384,26 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
     seconds: Counter[str] = Counter()  # where the time goes, printed at the end (no assertions)
 
     def check(label: str, worker: Worker) -> Observation:
-        """Everything that must hold after ``worker`` was killed; one chaos record per kill.
-
-        Record counts (docs/reliability.md): attempted = the save() calls that returned plus
-        the one the kill interrupted; committed = saves the worker saw committed; the rest
-        aborted. A failed check is recorded with ok=False (a lost step as ``saves_lost``).
-        """
-        saved = worker.numbers("saved")
-        committed_seen = worker.numbers("committed")
+        """Everything that must hold after ``worker`` was killed; one chaos record per kill,
+        emitted before a failed check raises (with ok=False). Each count is observed: see the
+        ``HOW_*`` texts and chaos.record.account_saves."""
         rec = Record("process_kill", f"{variant}-{label.split(' (')[0]}", SEED)
-        rec.saves_attempted = len(saved) + 1
-        rec.saves_committed = len(committed_seen)
-        rec.saves_aborted = rec.saves_attempted - rec.saves_committed
         try:
-            obs = _check(label, worker, saved, committed_seen)
-            rec.resume = "correct"
-            return obs
+            return _check(label, worker, rec)
         except BaseException as exc:
             rec.ok = False
-            rec.note = str(exc)[:300]
-            if "is now" in rec.note:  # a committed step was lost
-                rec.saves_lost = 1
+            rec.note = (rec.note + " " + str(exc))[:300].strip()
             raise
         finally:
+            rec.duration_s = round(time.monotonic() - worker.t0, 3)
             emit(rec)
 
-    def _check(label: str, worker: Worker, saved: list[int], committed_seen: list[int]) -> Observation:
+    def _check(label: str, worker: Worker, rec: Record) -> Observation:
         nonlocal floor, prev_debris, start
+        attempted = worker.numbers("saving")
+        saved = worker.numbers("saved")
+        committed_seen = worker.numbers("committed")
+        rec.observe(HOW_KILLS, kills=int(worker.exit_code == -signal.SIGKILL))
         note = (
             f"{label} start={start} saved={saved[:1] + saved[-1:]} "
             f"committed_max={max(committed_seen, default=None)}"
@@ -372,13 +418,24 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
         history.append(
             f"{note} -> latest={obs.latest} steps=[{obs.summary()}] debris={sorted(obs.debris)}"
         )
+        retirable = {s for s in attempted if len([c for c in obs.committed if c > s]) >= KEEP_LAST}
+        rec.note = account_saves(rec, SAVE_CHECKS, attempted, committed_seen, obs.committed, obs.visible, retirable)
+        rec.observe(HOW_WHOLE, steps_whole=len(obs.committed) - len(obs.not_whole), steps_not_whole=len(obs.not_whole))
+        rec.observe(HOW_HALF, half_visible=len(obs.half_visible))
+        rec.observe(HOW_RESUME, resume=obs.resume)
         # A step reported committed, or restored before, is never lost.
         floor = max([*committed_seen, *([] if floor is None else [floor])], default=None)
-        if floor is not None and (obs.latest is None or obs.latest < floor):
+        lost = floor is not None and (obs.latest is None or obs.latest < floor)
+        rec.observe(HOW_LOST, saves_lost=int(lost))
+        if committed_seen:
+            rec.observe(HOW_DEBRIS, debris_left=len(prev_debris & obs.debris))
+        if lost:
             fail(
                 f"after {label}: step {floor} was committed (or restored) before, but the "
                 f"newest committed step is now {obs.latest}; steps(): {obs.infos}"
             )
+        if obs.problems():
+            fail(f"after {label}: " + "; ".join(obs.problems()))
         # Debris of an earlier crash is gone once a later save has succeeded.
         if committed_seen and prev_debris & obs.debris:
             fail(
@@ -412,10 +469,13 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
     server = ForkServer(root, async_save=async_save, log_path=tmp_path / "fork-server.err")
 
     def run_worker(label: str, index: int, *, until: str | None, delay: float) -> Worker:
-        """Start a worker at ``start``; kill it after ``delay`` s, or once a line ``until``."""
+        """Start a worker at ``start``; kill it after ``delay`` s, or once a line ``until``.
+        A worker that died by itself, or never started, is recorded (ok=False) and fails."""
+        t0 = time.monotonic()
+        problem = ""
         try:
-            t0 = time.monotonic()
             worker = server.start(start, tmp_path / f"worker-{index}.err")
+            worker.t0 = t0
             seconds["start"] += time.monotonic() - t0
             if until is not None:
                 server.wait_line(f"{worker.pid} {until} ", START_TIMEOUT_S, worker.since)
@@ -423,12 +483,16 @@ def test_sigkill_while_saving(tmp_path: Path, async_save: bool) -> None:
             seconds["run before kill"] += delay
             code = worker.kill_and_reap()
         except (WorkerDiedError, TimeoutError) as exc:
-            fail(f"{label}: {exc}")
-        if code != -signal.SIGKILL:
-            fail(
-                f"{label}: the worker exited with {code} before it was killed\n"
-                f"{server.stderr_tail(worker.err_path)}"
-            )
+            problem = f"{label}: {exc}"
+        else:
+            if code != -signal.SIGKILL:
+                problem = (f"{label}: the worker exited with {code} before it was killed\n"
+                           f"{server.stderr_tail(worker.err_path)}")
+        if problem:
+            rec = Record("process_kill", f"{variant}-{label.split(' (')[0]}", SEED, ok=False, note=problem[:300])
+            rec.duration_s = round(time.monotonic() - t0, 3)
+            emit(rec)
+            fail(problem)
         return worker
 
     try:

@@ -129,6 +129,9 @@ class Harness:
     url: str
     base: dict[str, Any] = field(default_factory=dict)
     jobs: list[JobRun] = field(default_factory=list)
+    storage_verdicts: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(job, step) -> ``absent``/``committed``: what storage showed for a failed save right
+    after its job (tests/chaos/test_storage_faults.py ``not_committed``/``newest_after_kill``)."""
 
     def start(self, name: str, world: int = 1, **args: Any) -> tuple[str, list[subprocess.Popen]]:
         """One process per rank (tests/launcher.py; the rendezvous comes by environment)."""

@@ -16,13 +16,21 @@ outcome) and emitted then.
 Checks after every job (each failure is counted in the record, then raised):
 
 * no process outlives its deadline (``hang``);
-* every step ``CheckpointManager.steps()`` calls committed loads with ``per_rank="all"``;
+* every step ``CheckpointManager.steps()`` calls committed loads with ``per_rank="all"`` and
+  passes ``check_step(deep=True)`` (``steps_whole``/``steps_not_whole``), and no step folder is
+  visible without being committed (``half_visible``);
+* every save a rank started (its ``attempt`` line) is put in one bucket by what the folder
+  shows (:func:`~tests.chaos.record.account_saves`): seen committed, committed but unreported,
+  aborted (no step folder at all), or other (absent but retirable by ``keep_last``);
 * no save a rank saw committed is missing, unless retention (``keep_last``) retired it
   because newer committed steps exist (``saves_lost``);
 * the next job resumes from the newest committed step (``wrong_step``) and the SHA-256 of
-  what it restored equals the hash logged when that step was saved (``partial``);
+  what it restored equals the hash logged when that step was saved (``partial``); with
+  nothing committed, it must restore nothing (``nothing``, its own outcome);
 * the final job ends with the reference digest, and leaves no ``*.tmp-*``/``*.del-*`` debris
-  once it has saved.
+  once it has saved (``debris_left``).
+
+Every count says which check produced it (the ``HOW_*`` texts, ``Record.how``).
 """
 
 from __future__ import annotations
@@ -42,8 +50,11 @@ import launcher
 from launcher import Outcome, kill_all
 
 import ckptlib
+from ckptlib.backends import open_storage
+from ckptlib.engine.scan import check_step
+from ckptlib.format import layout
 
-from .record import Record, emit
+from .record import Record, SaveChecks, account_saves, emit
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "chaos_worker.py"
 SCENARIO = "ctrain"
@@ -163,20 +174,52 @@ def save_log(root: Path) -> list[dict]:
 
 def committed_steps(ckpt: Path) -> tuple[list[int], dict[int, str]]:
     """(committed steps per the public API that load, {step: error} for those that do not)."""
+    good, bad, _ = audit(ckpt)
+    return good, bad
+
+
+@dataclass
+class Audit:
+    """What the folder shows after a job (:func:`audit`)."""
+
+    visible: list[int] = field(default_factory=list)  # every step folder (not .tmp-/.del-)
+    half_visible: list[int] = field(default_factory=list)  # visible, not committed
+    whole: list[int] = field(default_factory=list)  # committed, deep check passed
+    not_whole: dict[int, str] = field(default_factory=dict)  # committed, deep check failed
+
+
+def audit(ckpt: Path) -> tuple[list[int], dict[int, str], Audit]:
+    """The committed steps that load (``per_rank="all"``), those that do not, and a scan of the
+    folder: visible step folders, the visible ones not committed, and a deep check
+    (``check_step(deep=True)``: every chunk's checksum) of every committed one."""
+    a = Audit()
     if not ckpt.exists():
-        return [], {}
+        return [], {}, a
     with ckptlib.CheckpointManager(str(ckpt)) as mgr:
         infos = mgr.steps()
     good, bad = [], {}
-    for info in infos:
-        if info.status != "committed":
-            continue
-        try:
-            ckptlib.load(str(ckpt / info.path), per_rank="all")
-            good.append(info.step)
-        except ckptlib.CheckpointError as e:
-            bad[info.step] = f"{type(e).__name__}: {e}"
-    return sorted(good), bad
+    storage = open_storage(str(ckpt))
+    try:
+        for info in infos:
+            if info.path == layout.step_dir(info.step):
+                a.visible.append(info.step)
+                if info.status != "committed":
+                    a.half_visible.append(info.step)
+            if info.status != "committed":
+                continue
+            deep = check_step(storage, info.path, info.step, deep=True)
+            if deep.status == "committed":
+                a.whole.append(info.step)
+            else:
+                a.not_whole[info.step] = deep.reason
+            try:
+                ckptlib.load(str(ckpt / info.path), per_rank="all")
+                good.append(info.step)
+            except ckptlib.CheckpointError as e:
+                bad[info.step] = f"{type(e).__name__}: {e}"
+    finally:
+        storage.close()
+    return sorted(good), bad, a
 
 
 def debris(ckpt: Path) -> list[str]:
@@ -195,6 +238,25 @@ def pcts(values: list[float]) -> tuple[float | None, float | None]:
         return v[min(len(v) - 1, max(0, int(q * len(v) + 0.999999) - 1))]
 
     return at(0.50), at(0.99)
+
+
+# ---------------------------------------------------------------- what each count comes from
+SAVE_CHECKS = SaveChecks(
+    attempted="the `attempt` line each rank logs just before `mgr.save()` (a step any rank started)",
+    reported="the `committed` line a rank logs once the save's handle returned",
+    storage="a listing of the folder after the job (`steps()`): committed there though no rank saw it "
+    "= unreported; no step folder at all = aborted, unless `keep_last` newer committed steps could "
+    "have retired it (then: other)",
+)
+HOW_LOST = "every step a rank saw commit, looked up after each job: missing, or failing `load(per_rank=\"all\")`, while not retired by `keep_last`"
+HOW_WHOLE = "`check_step(deep=True)` (every chunk's checksum) of every committed step after each job"
+HOW_HALF = "a scan of the folder after each job: step folders (not `.tmp-`/`.del-`) that are not committed"
+HOW_DEBRIS = "`.tmp-`/`.del-` entries in the folder after the final clean job saved"
+HOW_RESUME = ("the next job's `restored` lines: every rank resumed the newest committed step and the SHA-256 "
+              "of what it restored equals the one logged when that step was saved (`nothing`: no step "
+              "committed, none restored)")
+HOW_KILLS = "the victim's exit status (-SIGKILL) or, for a hook, its kill-log line written just before the signal"
+HOW_DEATH = "each survivor's `error_time` minus the death time the hook or the harness wrote just before the signal"
 
 
 # ---------------------------------------------------------------- the relaunch harness
@@ -256,6 +318,7 @@ class Campaign:
     pending: list[Record] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)
     kills: int = 0
+    closing: bool = False  # the final clean job: its record also counts debris
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -368,11 +431,17 @@ class Campaign:
                     problems.append(f"survivor rank {o.rank} failed with {last}")
                 if faulted:
                     rec.death_to_error_s.append(round(o.result["error_time"] - fault.death_time, 4))
+                    rec.checked(HOW_DEATH, "death_to_error_s")
             elif self._full_run and o.result["digest"] != self.digest:
                 problems.append(f"rank {o.rank} finished with a digest other than the reference")
         if faulted:
             self.kills += 1
-        self._account(rec)
+        rec.observe(HOW_KILLS, kills=int(faulted))
+        try:
+            self._account(rec)
+        except AssertionError:
+            emit(rec)  # counted, with ok=False and the reason in its note
+            raise
         if problems:
             rec.ok = False
             rec.note = (rec.note + " " + "; ".join(problems))[:500]
@@ -391,7 +460,8 @@ class Campaign:
             rec = Record(self.scenario, f"{self.case}-job{self.job_no}", self.seed)
             self.records.append(rec)
         self._resolve("hang")
-        rec.resume, rec.ok = "hang", False
+        rec.observe(HOW_RESUME, resume="hang")
+        rec.ok = False
         rec.note = f"{where} hang"
         try:
             self._account(rec)
@@ -400,15 +470,18 @@ class Campaign:
         emit(rec)
 
     def _account(self, rec: Record) -> None:
-        """Saves of the current job from the logs; lost/unloadable ones from the folder."""
+        """Saves of the current job from the logs, sorted by what the folder shows now (a
+        listing, a deep check of every committed step, a load of each); lost/unloadable ones."""
         rec.duration_s = round(time.monotonic() - self._t_launch, 3)
         events = [e for e in save_log(self.root) if e["job"] == self.job_no]
         attempted = {e["step"] for e in events if e["event"] == "attempt"}
         seen = {e["step"] for e in events if e["event"] == "committed"}
-        rec.saves_attempted = len(attempted)
-        rec.saves_committed = len(seen)
-        rec.saves_aborted = len(attempted - seen)
-        good, bad = committed_steps(self.ckpt)
+        good, bad, found = audit(self.ckpt)
+        committed = sorted(set(good) | set(bad))
+        retirable = {s for s in attempted if len([c for c in committed if c > s]) >= KEEP_LAST}
+        extra = account_saves(rec, SAVE_CHECKS, attempted, seen, committed, found.visible, retirable)
+        if extra:  # e.g. committed on disk though no rank saw it commit (the 2PC window)
+            rec.note += f" {extra}"
         lost = []
         for s in sorted(seen):
             if s in good:
@@ -416,14 +489,18 @@ class Campaign:
             if len([g for g in good if g > s]) >= KEEP_LAST:
                 continue  # retired by retention after newer steps committed
             lost.append(s)
-        rec.saves_lost = len(lost)
-        if lost or bad:
+        rec.observe(HOW_LOST, saves_lost=len(lost))
+        rec.observe(HOW_WHOLE, steps_whole=len(found.whole), steps_not_whole=len(found.not_whole))
+        rec.observe(HOW_HALF, half_visible=len(found.half_visible))
+        if self.closing:
+            rec.observe(HOW_DEBRIS, debris_left=len(debris(self.ckpt)))
+        if lost or bad or found.not_whole or found.half_visible:
             rec.ok = False
-            rec.note += f" lost={lost} unloadable={bad} on disk={good}"
+            rec.note += (f" lost={lost} unloadable={bad} not whole={found.not_whole} "
+                         f"half-visible={found.half_visible} on disk={good}")
         assert not bad, f"{self.case}: committed steps that do not load: {bad}"
-        late = sorted((set(good) - seen) & attempted)
-        if late:  # committed on disk though no rank saw it commit (the 2PC window)
-            rec.note += f" committed-unreported={late}"
+        assert not found.not_whole, f"{self.case}: committed steps that fail the deep check: {found.not_whole}"
+        assert not found.half_visible, f"{self.case}: visible steps that are not committed: {found.half_visible}"
         self.newest = good[-1] if good else 0
 
     def _judge_resume(self, expected: int, faulted: bool) -> None:
@@ -434,6 +511,9 @@ class Campaign:
             if not faulted:
                 self._resolve("crash", "a rank exited before restoring")
             return  # killed before every rank restored: the next job settles it
+        if expected == 0 and {e["step"] for e in restored} == {0}:
+            self._resolve("nothing", "nothing committed, nothing restored")
+            return
         starts = {e["step"] for e in restored}
         shas = {e["sha256"] for e in restored}
         logged = {
@@ -456,8 +536,8 @@ class Campaign:
 
     def _resolve(self, outcome: str, detail: str = "") -> None:
         for rec in self.pending:
-            rec.resume = outcome
-            if outcome != "correct":
+            rec.observe(HOW_RESUME, resume=outcome)
+            if outcome not in ("correct", "nothing"):
                 rec.ok = False
                 rec.note = (rec.note + f" resume {outcome} {detail}")[:500]
             emit(rec)
@@ -465,14 +545,14 @@ class Campaign:
 
     def final(self) -> list[Outcome]:
         """A clean job to the end: reference digest, newest step committed, no debris."""
-        before = self.newest
+        self.closing = self.newest < STEPS  # it saves: debris must be gone afterwards
         out = self.collect(self.launch(), None)
         for o in out:
             assert o.result and "crash" not in o.result and o.result["digest"] == self.digest, o.log
         assert self.newest == STEPS, (
             f"{self.case}: newest committed after the final job: {self.newest}"
         )
-        if before < STEPS:
+        if self.closing:
             left = debris(self.ckpt)
             assert left == [], f"{self.case}: debris after a successful save: {left}"
         return out

@@ -11,7 +11,9 @@ parent sees as a missing line). Then, on the main thread, for each ROOT in order
 entry point that reads a checkpoint:
 
 - ``load``: ``ckptlib.load(step folder)``; a success is compared byte for byte with the state
-  the corpus saved (``exact``);
+  the corpus saved (``exact``) and with what the folder's manifest declares, decoded by the
+  test's own decoder (``declared``: :func:`chaos.declared.declared`; ``undeclared`` says why a
+  manifest declares no value);
 - ``load_metadata``: ``ckptlib.load_metadata(step folder)`` (compared with the saved metadata);
 - ``verify``: ``check_step(..., deep=True)`` (what ``ckptlib verify`` and ``steps(deep=True)`` use);
 - ``steps``: ``CheckpointManager(root).steps()`` and ``latest_step()``;
@@ -75,7 +77,9 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _run(fn: Any, expected: Any = None) -> dict[str, Any]:
+def _run(fn: Any, expected: Any = None, folder: Path | None = None) -> dict[str, Any]:
+    """``fn()``'s outcome; a value is compared with ``expected`` (``exact``) and, given
+    ``folder``, with what its manifest declares (``declared``)."""
     import ckptlib
 
     t0 = time.monotonic()
@@ -96,6 +100,13 @@ def _run(fn: Any, expected: Any = None) -> dict[str, Any]:
         out["exact"] = _same(value, expected)
     elif isinstance(value, int | str | type(None)):
         out["value"] = value
+    if folder is not None:
+        from chaos.declared import Undeclared, declared
+
+        try:
+            out["declared"] = _same(value, declared(folder))
+        except Undeclared as e:
+            out["declared"], out["undeclared"] = False, str(e)[:300]
     return out
 
 
@@ -107,7 +118,7 @@ def check(root: Path) -> dict[str, Any]:
 
     ck = root / STEP_DIR
     ops: dict[str, Any] = {}
-    ops["load"] = _run(lambda: ckptlib.load(ck), base_state())
+    ops["load"] = _run(lambda: ckptlib.load(ck), base_state(), ck)
     ops["load_metadata"] = _run(lambda: ckptlib.load_metadata(ck), METADATA)
 
     def verify() -> dict[str, Any]:

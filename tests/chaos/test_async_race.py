@@ -144,6 +144,12 @@ def mutate(
         raise ValueError(kind)
 
 
+HOW_ATTEMPTED = "the `save()` calls the test made"
+HOW_COMMITTED = "each handle's `wait()` returned"
+HOW_LOST = ("every step loaded back (`ckptlib.load`, checksums verified) and its leaf hashes compared with those "
+            "taken just before its `save()`: a step with any other leaf counts")
+
+
 @pytest.mark.parametrize("mode,kind,when,seed", sampled(CASES, IDS, 6, "async_race"))
 def test_async_mutation_never_reaches_the_checkpoint(
     tmp_path: Path, mode: str, kind: str, when: str, seed: int
@@ -183,6 +189,8 @@ def test_async_mutation_never_reaches_the_checkpoint(
                 h.wait(timeout=120)
                 rec.saves_committed += 1
         finally:
+            rec.checked(HOW_ATTEMPTED, "saves_attempted")
+            rec.checked(HOW_COMMITTED, "saves_committed")
             mgr.close()
             torch.set_num_threads(threads)
         for i in range(1, SAVES + 1):
@@ -193,4 +201,5 @@ def test_async_mutation_never_reaches_the_checkpoint(
             torn = sorted(k for k in expected[i] if got.get(k) != expected[i][k])
             if torn:
                 rec.saves_lost += 1
+            rec.checked(HOW_LOST, "saves_lost")
             assert not torn, f"step {i}: leaves differ from the state at save(): {torn}"

@@ -101,6 +101,13 @@ def restored_hashes(url: str, step: int | None) -> tuple[int | None, dict[str, s
     return got, w.leaf_hashes(state)
 
 
+HOW_DAMAGE = ("per damaged step: detected = loading exactly that step raises `CorruptCheckpointError` (or returns "
+              "leaves byte-identical to the logged hashes: harmless damage); undetected = any other bytes without an "
+              "error, or `ckptlib verify --all` calling a harmfully damaged step good")
+HOW_RESUME = ("`restore()` of the damaged root: the newest step without harmful damage, its leaf hashes equal to "
+              "those logged when it was saved (all damaged: `CorruptCheckpointError`, counted correct)")
+
+
 @pytest.mark.parametrize("comp,target,kind,mutation,seed", sampled(CASES, IDS, 6, "corruption"))
 def test_corruption_detected(
     sources: dict[str, Harness],
@@ -137,7 +144,7 @@ def test_corruption_detected(
                 sorted(folder.rglob("*.bin")) if kind == "payload" else [folder / "manifest.json"]
             )
             notes.append(f"step {s} " + damage(r.choice(files), mutation, r))
-        rec.corruptions_injected = len(victims)
+        rec.observe(HOW_DAMAGE, corruptions_injected=len(victims))
         rec.note = "; ".join(notes)
 
         # Per damaged step: a load of exactly that step must fail, or be byte-identical.
@@ -166,6 +173,7 @@ def test_corruption_detected(
             if s not in flagged:
                 rec.corruptions_undetected += 1
                 rec.note += f"; verify called damaged step {s} good"
+        rec.checked(HOW_DAMAGE, "corruptions_detected", "corruptions_undetected")
         assert flagged <= set(victims), f"verify flagged undamaged steps: {flagged - set(victims)}"
         assert code == (1 if flagged else 0), (code, report)
         assert rec.corruptions_undetected == 0, rec.note
@@ -175,17 +183,17 @@ def test_corruption_detected(
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="ckptlib"):
             if not good:
-                rec.resume = "crash"
+                rec.observe(HOW_RESUME, resume="crash")
                 with pytest.raises(ckptlib.CorruptCheckpointError):
                     restored_hashes(str(root), None)
-                rec.resume = "correct"
+                rec.observe(HOW_RESUME, resume="correct")
             else:
-                rec.resume = "wrong_step"
+                rec.observe(HOW_RESUME, resume="wrong_step")
                 got, hashes = restored_hashes(str(root), None)
                 assert got == max(good), f"restored step {got}, expected {max(good)}"
-                rec.resume = "partial"
+                rec.observe(HOW_RESUME, resume="partial")
                 assert hashes == logged[got], "restored bytes differ from what was saved"
-                rec.resume = "correct"
+                rec.observe(HOW_RESUME, resume="correct")
         text = caplog.text
         for s in harmful:
             if good and s < max(good):

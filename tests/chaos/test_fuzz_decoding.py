@@ -1,20 +1,27 @@
 """Property-based fuzzing of manifest and payload decoding (hypothesis, derandomized).
 
 The property: whatever the mutation, ``ckptlib.load`` either raises a ckptlib error
-(``CheckpointError``) or returns data that the mutation could legitimately have produced --
-never another exception, never a hang, never silently wrong tensors. Checked in process on
-the pytest main thread, with a per-example wall-clock check; some of the mutated folders are
-kept and loaded again at the end in a ``load_one.py`` subprocess under the address-space cap
-(the memory check). Templates are the corpus's (``chaos.corpus.make_templates``), so a
-successful load is compared with ``corpus.base_state()``.
+(``CheckpointError``: *rejected*) or returns exactly what the mutated folder's manifest declares
+(*loaded*) -- never another exception, never a hang, never silently wrong tensors. Every load
+that succeeds is compared, bit for bit, with :func:`chaos.declared.declared`: the same folder
+decoded from docs/format.md alone, independently of ckptlib's reader (a shape, dtype or
+value-tree edit with a recomputed checksum loads what it declares, and that is checked). Checked
+in process on the pytest main thread, with a per-example wall-clock check; some of the mutated
+folders are kept and loaded again at the end in a ``load_one.py`` subprocess under the
+address-space cap (the memory check). Templates are the corpus's
+(``chaos.corpus.make_templates``), so a load is also compared with ``corpus.base_state()``
+where the mutation cannot have changed the data.
 
-What "legitimately" means per strategy:
+Each test's record counts its examples as rejected (a typed ckptlib error) or loaded (and equal
+to the independent decoding); an example that is neither fails the test and the report.
+
+What else each strategy requires:
 
 - manifest *structure* (values replaced by other JSON values, keys dropped or added, numbers
   made huge, negative or off by one) with a recomputed checksum: an edit in the file layout
   (``files``, ``packs``, ``tensors``, ``checksum_algorithm``) may only load the original
-  bytes (a dtype relabelled to one of the same size keeps them); an edit in the value tree or
-  informative fields may load anything. With a stale checksum any real change is refused.
+  bytes (a dtype relabelled to one of the same size keeps them). With a stale checksum any
+  real change is refused.
 - payload bytes (bit flips, truncation, growth, overwrites, spliced zstd frames), with or
   without the manifest's file size updated: the exact original, or an error; and the deep
   check agrees with ``load`` (corrupt exactly when load refuses).
@@ -41,6 +48,7 @@ from typing import Any
 import pytest
 import torch
 import zstandard
+from helpers import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -61,7 +69,8 @@ from .corpus import (
     encode_manifest,
     make_templates,
 )
-from .record import recording
+from .declared import Undeclared, declared
+from .record import Record, recording
 
 pytestmark = [pytest.mark.chaos]
 
@@ -94,14 +103,49 @@ SAME_SIZE = {
 }
 
 
+HOW_FUZZ = ("every example loaded in process: rejected = `ckptlib.load` raised a `CheckpointError`; loaded = it "
+            "returned a state bit for bit equal to the folder decoded from docs/format.md by the test's own "
+            "decoder (tests/chaos/declared.py)")
+HOW_FUZZ_TIME = "wall time of each example's `ckptlib.load` (time.monotonic())"
+
+
 class Stats:
-    """What one fuzz test saw, for its chaos record."""
+    """What one fuzz test saw, for its chaos record: every example is rejected, loaded (and
+    checked equal to :func:`declared`), or failed the test."""
 
     def __init__(self) -> None:
         self.total = 0
-        self.ok = 0
+        self.rejected = 0
+        self.loaded = 0
         self.worst_s = 0.0
         self.outcomes: dict[str, int] = {}
+
+    def saw(self, outcome: str, value: Any, s: float) -> None:
+        self.total += 1
+        self.worst_s = max(self.worst_s, s)
+        key = type(value).__name__ if outcome == "error" else "loaded"
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def passed(self, outcome: str) -> None:
+        if outcome == "error":
+            self.rejected += 1
+        else:
+            self.loaded += 1
+
+    def record(self, rec: Record) -> None:
+        rec.observe(HOW_FUZZ, malicious_total=self.total, malicious_rejected=self.rejected,
+                    malicious_loaded=self.loaded)
+        rec.observe(HOW_FUZZ_TIME, worst_time_s=round(self.worst_s, 3))
+        rec.note = f"in-process; outcomes {self.outcomes}"
+
+
+def as_declared(value: Any, root: Path, where: str) -> None:
+    """A load of ``root``'s step returned ``value``: it must be exactly what the folder declares."""
+    try:
+        want = declared(root / STEP_DIR)
+    except Undeclared as e:
+        raise AssertionError(f"{where}: loaded, but the manifest declares no such value ({e})") from None
+    assert_same(value, want, f"{where}: loaded, not what the manifest declares")
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +179,12 @@ def workdir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="ckptlib-fuzz-"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def framing(ck: Path) -> dict[str, Any]:
+    """The template's own framing (format v1 or v2) for a rewritten manifest: a v2 body framed as
+    v1 would be refused for that alone, whatever the edit."""
+    return {"format_version": json.loads((ck / MANIFEST_NAME).read_bytes())["format_version"]}
 
 
 def fresh_copy(templates: dict[str, Path], which: str, workdir: Path) -> Path:
@@ -310,32 +360,83 @@ def test_fuzz_manifest_structure(
         root = fresh_copy(templates, which, workdir)
         ck = root / STEP_DIR
         old = json.loads((ck / MANIFEST_NAME).read_bytes())["checksum"].split(":")[1]
-        new = encode_manifest(body, digest=old if stale else None)
+        new = encode_manifest(body, digest=old if stale else None, **framing(ck))
         changed = new != (ck / MANIFEST_NAME).read_bytes()
         (ck / MANIFEST_NAME).write_bytes(new)
         outcome, value, s = attempt(root)
-        stats.total += 1
-        stats.worst_s = max(stats.worst_s, s)
-        key = type(value).__name__ if outcome == "error" else "loaded"
-        stats.outcomes[key] = stats.outcomes.get(key, 0) + 1
+        stats.saw(outcome, value, s)
         assert s < EXAMPLE_LIMIT_S, f"{log}: load took {s:.1f}s"
         if stale and changed:
             assert outcome == "error", f"{log}: a stale checksum was accepted"
-        if outcome == "ok" and (layout_only(log) or not changed):
-            got = flat_bytes(value)
-            assert got == want, f"{log}: loaded different data without an error"
+        if outcome == "ok":
+            as_declared(value, root, str(log))
+            if layout_only(log) or not changed:
+                assert flat_bytes(value) == want, f"{log}: loaded different data without an error"
         if outcome == "error" or changed:
             keep(root, kept, "manifest", count)
         shutil.rmtree(root, ignore_errors=True)
-        stats.ok += 1
+        stats.passed(outcome)
 
     with recording("malicious", "fuzz-manifest-structure", seed=0) as rec:
         try:
             run()
         finally:
-            rec.malicious_total, rec.malicious_rejected = stats.total, stats.ok
-            rec.worst_time_s = round(stats.worst_s, 3)
-            rec.note = f"in-process; outcomes {stats.outcomes}"
+            stats.record(rec)
+
+
+def _relabel_big(body: dict[str, Any]) -> None:
+    body["tensors"]["/big"]["dtype"] = "int32"  # float32 -> int32: same size, same bytes
+
+
+def _reshape_small2(body: dict[str, Any]) -> None:
+    table = body[TABLE_KEY]
+    i = table["name"].index("/small2")
+    at = sum(table["ndim"][:i])
+    table["dims"][at : at + 2] = [2, 8]  # [4, 4] -> [2, 8]: same bytes, another shape
+
+
+def _tree_values(body: dict[str, Any]) -> None:
+    for item in body["tree"]["items"]:
+        if item[0] == "name":
+            item[1] = "a longer name, \u00fcn\u00efc\u00f6d\u00e9"
+        elif item[0] == "step":
+            item[1] = 2**40 + 1
+
+
+DECLARATION_EDITS = {
+    "dtype-relabel": (_relabel_big, ("raw", "zstd", "v2")),
+    "packed-reshape": (_reshape_small2, ("raw", "zstd")),  # v2 keeps shapes in index files
+    "tree-values": (_tree_values, ("raw", "zstd", "v2")),
+}
+HOW_DECLARED = ("a fixed edit that declares other values (with a recomputed manifest checksum) must load, bit for "
+                "bit as the test's own decoder (tests/chaos/declared.py) reads the edited folder")
+
+
+@pytest.mark.parametrize(
+    ("edit", "which"), [(e, w) for e, (_, ws) in DECLARATION_EDITS.items() for w in ws],
+    ids=[f"{e}-{w}" for e, (_, ws) in DECLARATION_EDITS.items() for w in ws],
+)
+def test_declaration_edits_load_as_declared(
+    templates: dict[str, Path], expected: dict[str, Any], workdir: Path, edit: str, which: str
+) -> None:
+    """Edits the fuzzing above rarely lands on: with a recomputed checksum a same-size dtype
+    relabel, a packed tensor's other shape of the same size, and other plain values in the tree
+    are self-consistent declarations (undetectable by design, docs/reliability.md "Limits"): the
+    load returns exactly them, never the template's values or a mix."""
+    with recording("malicious", f"declared-{edit}-{which}", seed=0) as rec:
+        rec.observe(HOW_DECLARED, malicious_total=1)
+        root = fresh_copy(templates, which, workdir)
+        ck = root / STEP_DIR
+        body = body_of(ck)
+        DECLARATION_EDITS[edit][0](body)
+        (ck / MANIFEST_NAME).write_bytes(encode_manifest(body, **framing(ck)))
+        outcome, value, s = attempt(root)
+        rec.observe(HOW_FUZZ_TIME, worst_time_s=round(s, 3))
+        assert outcome == "ok", f"{edit}: {value!r}"
+        as_declared(value, root, edit)
+        with pytest.raises(AssertionError):  # the edit took effect: not the template's state
+            assert_same(value, expected)
+        rec.observe(HOW_DECLARED, malicious_loaded=1)
 
 
 @st.composite
@@ -383,16 +484,14 @@ def test_fuzz_payload_bytes(
         fix_size = data.draw(st.booleans())
         if fix_size and len(raw) != body["files"][0][1]:
             body["files"][0][1] = len(raw)
-            (ck / MANIFEST_NAME).write_bytes(encode_manifest(body))
+            (ck / MANIFEST_NAME).write_bytes(encode_manifest(body, **framing(ck)))
         outcome, value, s = attempt(root)
         info = check_step(open_storage(str(root)), STEP_DIR, STEP, deep=True)
-        stats.total += 1
-        stats.worst_s = max(stats.worst_s, s)
-        key = type(value).__name__ if outcome == "error" else "loaded"
-        stats.outcomes[key] = stats.outcomes.get(key, 0) + 1
+        stats.saw(outcome, value, s)
         where = f"{op} {arg!r:.80} fix_size={fix_size}"
         assert s < EXAMPLE_LIMIT_S, f"{where}: load took {s:.1f}s"
         if outcome == "ok":
+            as_declared(value, root, where)
             assert flat_bytes(value) == want, f"{where}: loaded different data without an error"
             assert info.status == "committed", (
                 f"{where}: load is fine but the deep check says {info.reason}"
@@ -404,15 +503,13 @@ def test_fuzz_payload_bytes(
             )
             keep(root, kept, "payload", count)
         shutil.rmtree(root, ignore_errors=True)
-        stats.ok += 1
+        stats.passed(outcome)
 
     with recording("malicious", "fuzz-payload-bytes", seed=0) as rec:
         try:
             run()
         finally:
-            rec.malicious_total, rec.malicious_rejected = stats.total, stats.ok
-            rec.worst_time_s = round(stats.worst_s, 3)
-            rec.note = f"in-process; outcomes {stats.outcomes}"
+            stats.record(rec)
 
 
 @st.composite
@@ -475,14 +572,12 @@ def test_fuzz_zstd_frames(templates: dict[str, Path], kept: Path, workdir: Path)
                 [len(body["files"]) - 1, 0, len(frame), checksum(frame), [0], [claim], "zstd"]
             ],
         }
-        (ck / MANIFEST_NAME).write_bytes(encode_manifest(body))
+        (ck / MANIFEST_NAME).write_bytes(encode_manifest(body, **framing(ck)))
         outcome, value, s = attempt(root)
-        stats.total += 1
-        stats.worst_s = max(stats.worst_s, s)
-        key = type(value).__name__ if outcome == "error" else "loaded"
-        stats.outcomes[key] = stats.outcomes.get(key, 0) + 1
+        stats.saw(outcome, value, s)
         assert s < EXAMPLE_LIMIT_S, f"{label}: load took {s:.1f}s"
         if outcome == "ok":
+            as_declared(value, root, label)
             truth = decode_frames(frame)
             got = bytes(value["big"].numpy())
             assert truth is not None and got == truth[:claim] and len(truth) == claim, (
@@ -491,22 +586,20 @@ def test_fuzz_zstd_frames(templates: dict[str, Path], kept: Path, workdir: Path)
         else:
             keep(root, kept, "zstd", count)
         shutil.rmtree(root, ignore_errors=True)
-        stats.ok += 1
+        stats.passed(outcome)
 
     with recording("malicious", "fuzz-zstd-frames", seed=0) as rec:
         try:
             run()
         finally:
-            rec.malicious_total, rec.malicious_rejected = stats.total, stats.ok
-            rec.worst_time_s = round(stats.worst_s, 3)
-            rec.note = f"in-process; outcomes {stats.outcomes}"
+            stats.record(rec)
 
 
 @pytest.mark.timeout(300)
 def test_fuzzed_inputs_under_memory_cap(kept: Path) -> None:
     """The kept mutated folders, loaded again in one load_one.py process under the cap: only
     ckptlib errors (or exact loads), bounded time, peak RSS under the cap."""
-    from .test_malicious import run_batch
+    from .test_malicious import HOW_LOADS, HOW_PEAKS, count_loads, run_batch
 
     roots = sorted(p for p in kept.iterdir() if p.is_dir())
     if not roots:
@@ -521,10 +614,13 @@ def test_fuzzed_inputs_under_memory_cap(kept: Path) -> None:
                     bad[f"{name}:{op}"] = f"{o['cls']}: {o['msg'][:200]}"
                 if o.get("s", 0) > SLOW_S:
                     bad[f"{name}:{op}"] = f"slow: {o['s']}s"
-        rec.malicious_total = len(roots)
-        rec.malicious_rejected = len(roots) - len({k.split(":")[0] for k in bad})
-        rec.worst_rss_mb = max(r["rss_peak_mb"] for r in results.values())
-        rec.worst_time_s = max(o["s"] for r in results.values() for o in r["ops"].values())
+            load = r["ops"]["load"]
+            if load["outcome"] == "ok" and not load.get("declared"):
+                bad[f"{name}:load"] = f"loaded, not what the manifest declares {load.get('undeclared', '')}"
+        rejected, loaded = count_loads(results, set(results) - {k.split(":")[0] for k in bad})
+        rec.observe(HOW_LOADS, malicious_total=len(roots), malicious_rejected=rejected, malicious_loaded=loaded)
+        rec.observe(HOW_PEAKS, worst_rss_mb=max(r["rss_peak_mb"] for r in results.values()),
+                    worst_time_s=max(o["s"] for r in results.values() for o in r["ops"].values()))
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
         rec.note = (
             f"AS cap {AS_LIMIT_MB} MB; the in-process fuzzing's pytest process peaked at {own} MB"

@@ -71,6 +71,24 @@ FAST_RETRY = {
 }
 
 
+# --------------------------------------------------------------------------- what each count comes from
+HOW_ATTEMPTED = "the `save` line each job logs (with the leaf hashes) just before `mgr.save()`"
+HOW_REPORTED = "the `committed` line a job logs once that save's handle returned from `wait()`"
+HOW_STORAGE = ("a failed save (its `failed` line) looked up on storage right after its job: no committed step at "
+               "that number = aborted, committed = unreported (its answer was lost); refused because the step "
+               "existed (`exists` line), or never looked up = other")
+HOW_LOST = ("the newest `keep_last` steps ever reported committed, after the last job: each deep-checked "
+            "(`check_step(deep=True)`) and loaded to exactly the reference run's leaf hashes")
+HOW_HALF = ("`steps()` after the last job: steps with a manifest that are not committed, and (POSIX) `step-N` "
+            "folders that are not committed")
+HOW_RESUME = ("the relaunched job's `restored` line: the expected step (the newest committed and intact one), "
+              "leaf hashes equal to those logged when it was saved and to the reference (`nothing`: none expected, "
+              "none restored)")
+HOW_DEBRIS = ("after the relaunch saved: `.tmp-`/`.del-` entries, foreign save-id prefixes, manifest-less steps "
+              "and incomplete multipart uploads")
+HOW_S3 = "`ckptlib.backends.retry.stats()`, reported by every job process at exit"
+
+
 # --------------------------------------------------------------------------- invariants
 
 
@@ -157,7 +175,7 @@ def check_relaunch(
     ballast: int = 0,
 ) -> None:
     """The relaunched job resumed ``expected`` with the logged bytes and finished exactly."""
-    rec.resume = "crash"
+    rec.observe(HOW_RESUME, resume="crash")
     for res in run.results:
         assert res is not None and "crash" not in res, (
             f"job {run.name} crashed: {res}\n{run.log[-3000:]}"
@@ -167,7 +185,7 @@ def check_relaunch(
     for res in run.results:
         assert res is not None
         if res["restored"] != expected:
-            rec.resume = "wrong_step"
+            rec.observe(HOW_RESUME, resume="wrong_step")
             raise AssertionError(
                 f"job {run.name} resumed step {res['restored']}, expected {expected}"
             )
@@ -176,7 +194,7 @@ def check_relaunch(
         assert len(restored) == 1 and restored[0]["step"] == expected
         logged = h.saved_hashes(expected, before_job=run.name)
         if restored[0]["hashes"] != logged or logged != ref[expected]:
-            rec.resume = "partial"
+            rec.observe(HOW_RESUME, resume="partial")
             bad = sorted(k for k in logged if restored[0]["hashes"].get(k) != logged[k])
             raise AssertionError(f"restored step {expected} differs from what was saved: {bad}")
     for res in run.results:
@@ -184,18 +202,44 @@ def check_relaunch(
         assert res["digest"] == worker_module().digest(ref[steps]), (
             f"job {run.name}: final weights differ from the reference"
         )
-    rec.resume = "correct"
+    rec.observe(HOW_RESUME, resume="correct" if expected is not None else "nothing")
     left = debris(h, storage_options)
+    rec.observe(HOW_DEBRIS, debris_left=len(left))
     assert not left, f"debris left after a successful save: {left}"
 
 
 def tally(h: Harness, rec: Record, storage_options: dict | None = None, ballast: int = 0) -> None:
-    """Save counts over every job, and lost saves: the newest steps ever reported committed
-    (those retention keeps) must still be committed, intact and equal to the reference."""
-    rec.saves_attempted, rec.saves_committed, rec.saves_aborted = h.counts()
-    rec.s3_retries, rec.s3_giveups = h.retries()
+    """Save counts over every job (each attempted save in one bucket: reported committed, a
+    failed one found committed or absent right after its job, or other), half-visible steps
+    after the last job, and lost saves: the newest steps ever reported committed (those
+    retention keeps) must still be committed, intact and equal to the reference."""
+    attempted = [(e["job"], e["step"]) for e in h.events("save")]
+    reported = {(e["job"], e["step"]) for e in h.events("committed")}
+    failed = {(e["job"], e["step"]) for e in h.events("failed")}
+    verdict = {k: h.storage_verdicts.get(k) for k in failed}
+    rec.observe(HOW_ATTEMPTED, saves_attempted=len(attempted))
+    rec.observe(HOW_REPORTED, saves_committed=sum(1 for k in attempted if k in reported))
+    rec.observe(
+        HOW_STORAGE,
+        saves_unreported=sum(1 for k in attempted if verdict.get(k) == "committed"),
+        saves_aborted=sum(1 for k in attempted if verdict.get(k) == "absent"),
+        saves_other=sum(1 for k in attempted if k not in reported and verdict.get(k) is None),
+    )
+    other = sorted(k for k in attempted if k not in reported and verdict.get(k) is None)
+    if other:
+        exists = {(e["job"], e["step"]) for e in h.events("exists")}
+        rec.note += f"; other saves {other} (refused, step existed: {sorted(exists & set(other))})"
+    rec.observe(HOW_S3, **dict(zip(("s3_retries", "s3_giveups"), h.retries(), strict=True)))
     keep = newest_retained(h.committed())
-    rec.saves_lost = sum(not step_is_intact(h, s, storage_options, ballast) for s in keep)
+    intact = [s for s in keep if step_is_intact(h, s, storage_options, ballast)]
+    rec.observe(HOW_LOST, saves_lost=len(keep) - len(intact), steps_whole=len(intact),
+                steps_not_whole=len(keep) - len(intact))
+    with ckptlib.CheckpointManager(h.url, storage_options=storage_options) as mgr:
+        infos = mgr.steps()
+    half = sorted(i.step for i in infos if i.status == "corrupt"
+                  or (i.status != "committed" and i.path == layout.step_dir(i.step) and h.url.startswith("/")))
+    rec.observe(HOW_HALF, half_visible=len(half))
+    assert not half, f"steps visible but not committed after the last job: {half}"
 
 
 def previous_intact(
@@ -208,8 +252,11 @@ def previous_intact(
 
 
 def not_committed(h: Harness, step: int, storage_options: dict | None = None) -> None:
+    """The failed save of ``step`` in the last job left no committed step (recorded for
+    :func:`tally` as verified absent)."""
     with ckptlib.CheckpointManager(h.url, storage_options=storage_options) as mgr:
         committed = [i.step for i in mgr.steps() if i.status == "committed"]
+    h.storage_verdicts[(h.jobs[-1].name, step)] = "committed" if step in committed else "absent"
     assert step not in committed, (
         f"the failed save of step {step} is visible as committed: {committed}"
     )
@@ -465,6 +512,8 @@ def newest_after_kill(
     assert committed, "no committed step after the kill"
     newest = max(committed)
     failed = (a.results[0] or {}).get("failed", {}).get("step")
+    if failed is not None:
+        h.storage_verdicts[(a.name, failed)] = "committed" if failed in committed else "absent"
     if newest != reported:
         assert newest == failed, (
             f"committed {committed}, newest reported {reported}, failed {failed}"
@@ -498,6 +547,7 @@ def test_s3_http_faults(seaweed, tmp_path: Path, at: int, variant: int) -> None:
             h = Harness(tmp_path, url, {"save_every": EVERY, "storage_options": opts})
             a = h.run("a", steps=STEPS)
             check_failed(a, at, "500", "InternalError", "gave up", "failed after")
+            not_committed(h, at, seaweed.storage_options(ckptlib_part_size=5 << 20))
             assert proxy.injected["500"] >= FAST_RETRY["attempts"], proxy.injected
             proxy.http_faults.pop(0)  # storage is healthy again, but still flaky
             b = h.run("b", steps=STEPS)
@@ -509,6 +559,12 @@ def test_s3_http_faults(seaweed, tmp_path: Path, at: int, variant: int) -> None:
 
 
 # --------------------------------------------------------------------------- regressions
+
+
+HOW_REG_SAVES = "the `save()` calls the test made"
+HOW_REG_WAIT = "`wait()` returned for the first save"
+HOW_REG_ABSENT = "a listing of the root after the failed save: only step 1 left (aborted), or step 2 there (unreported)"
+HOW_REG_RESUME = "`restore()` in a fresh manager: step 1, its leaf hashes equal to those taken at its save"
 
 
 def test_regression_parent_fsync_eio_is_not_committed(tmp_path: Path) -> None:
@@ -529,6 +585,8 @@ def test_regression_parent_fsync_eio_is_not_committed(tmp_path: Path) -> None:
         state, model, opt = w.build(0)
         w.train_step(state, model, opt, 1)
         mgr.save(1, state).wait()
+        rec.observe(HOW_REG_SAVES, saves_attempted=1)
+        rec.observe(HOW_REG_WAIT, saves_committed=1)
         saved = w.leaf_hashes(state)
         storage.injector.add(
             Fault(
@@ -539,19 +597,21 @@ def test_regression_parent_fsync_eio_is_not_committed(tmp_path: Path) -> None:
             )
         )
         w.train_step(state, model, opt, 2)
-        rec.saves_attempted, rec.saves_committed = 2, 1
+        rec.observe(HOW_REG_SAVES, saves_attempted=2)
         with pytest.raises(ckptlib.CommitError, match="Input/output error"):
             mgr.save(2, state).wait()
-        rec.saves_aborted = 1
         storage.verify()
         mgr.close()
-        assert sorted(os.listdir(root)) == [layout.step_dir(1)]
+        left = sorted(os.listdir(root))
+        rec.observe(HOW_REG_ABSENT, saves_aborted=int(left == [layout.step_dir(1)]), saves_unreported=int(
+            layout.step_dir(2) in left))
+        assert left == [layout.step_dir(1)]
         fresh, _, _ = w.build(0)
         with ckptlib.CheckpointManager(str(root)) as again:
-            rec.resume = "wrong_step"
-            assert again.restore(fresh) == 1
-        rec.resume = "correct" if w.leaf_hashes(fresh) == saved else "partial"
-        assert rec.resume == "correct"
+            got = again.restore(fresh)
+        outcome = "wrong_step" if got != 1 else "correct" if w.leaf_hashes(fresh) == saved else "partial"
+        rec.observe(HOW_REG_RESUME, resume=outcome)
+        assert outcome == "correct"
 
 
 def test_retry_stats_count_retries_and_giveups() -> None:

@@ -15,9 +15,11 @@ In order, in one temporary folder (removed afterwards unless ``--keep``):
    an unpinned torch could pull a multi-GB CUDA build). Check that no extra's package
    (s3fs, tensorstore, ...) came along, so the quick start really needs only the core.
 4. In an empty folder, run the README's five-minute start (the python block between the
-   ``quickstart:python`` markers) with the fresh venv's Python, twice, then every ``ckptlib``
-   line of the ``quickstart:cli`` block with the installed ``ckptlib`` script, and
-   ``ckptlib --version`` (must match the wheel's version).
+   ``quickstart:python`` markers) with the fresh venv's Python, twice, through :data:`PROBE`,
+   and check the two runs (:func:`check_runs`: the first trains 30 steps, the second trains
+   none, and the state both runs restore is bit for bit the one the first run trained); then
+   every ``ckptlib`` line of the ``quickstart:cli`` block with the installed ``ckptlib``
+   script, and ``ckptlib --version`` (must match the wheel's version).
 
 Exit 0 when every check passed; otherwise the failing step's output and exit 1.
 ``tests/test_readme.py`` uses :func:`readme_blocks` to run the same blocks against the source
@@ -50,6 +52,61 @@ STEP_TIMEOUT = 900
 
 class CheckFailed(Exception):
     """One check failed; the message says which and shows the evidence."""
+
+
+PROBE = """
+import hashlib, json, runpy
+
+ns = runpy.run_path("quickstart.py", run_name="__main__")
+
+
+def digest(state):
+    h = hashlib.sha256()
+    for t in state["model"].state_dict().values():
+        h.update(t.detach().numpy().tobytes())
+    for per_param in state["optim"].state_dict()["state"].values():
+        for v in per_param.values():
+            h.update(v.detach().numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode())
+    h.update(repr(state["step"]).encode())
+    return h.hexdigest()
+
+
+print("quickstart-probe " + json.dumps({"state": digest(ns["state"]), "resumed": digest(ns["resumed"])}))
+"""
+"""Runs ``quickstart.py`` (in the current folder) as ``__main__``, then prints the SHA-256 of
+the weights, optimizer state and step of its two states: ``state`` (what the training loop
+trained, or restored and left as it was) and ``resumed`` (what its fresh manager restored)."""
+
+TRAINED_RE = re.compile(r"^resumed at step (\d+), trained (\d+) steps$", re.M)
+
+
+def _run_facts(out: str, which: str) -> tuple[int, int, dict[str, str]]:
+    """(resumed at, steps trained, digests) from one probed quick start run's output."""
+    counts = TRAINED_RE.findall(out)
+    probe = [line for line in out.splitlines() if line.startswith("quickstart-probe ")]
+    if len(counts) != 1 or len(probe) != 1:
+        raise CheckFailed(f"{which} quick start run: no `resumed at step N, trained K steps` line or no "
+                          f"probe line in its output:\n{out}")
+    return int(counts[0][0]), int(counts[0][1]), json.loads(probe[0].split(" ", 1)[1])
+
+
+def check_runs(first: str, second: str) -> None:
+    """The two probed quick start runs (:data:`PROBE`) did what the README says: the first
+    trained 30 steps from scratch, the second resumed at step 30 and trained none; both runs'
+    fresh managers restored the state the first run trained, bit for bit, and so did the
+    second run's training loop. Raises :class:`CheckFailed` otherwise."""
+    start1, trained1, d1 = _run_facts(first, "first")
+    start2, trained2, d2 = _run_facts(second, "second")
+    if (start1, trained1) != (0, 30):
+        raise CheckFailed(f"first run: resumed at step {start1}, trained {trained1} steps; expected 0 and 30")
+    if (start2, trained2) != (30, 0):
+        raise CheckFailed(f"second run: resumed at step {start2}, trained {trained2} steps; expected 30 and 0 "
+                          "(a resume must not train again)")
+    trained = d1["state"]
+    for what, got in (("first run's restore", d1["resumed"]), ("second run's loop", d2["state"]),
+                      ("second run's restore", d2["resumed"])):
+        if got != trained:
+            raise CheckFailed(f"{what} restored other weights or optimizer state than the first run trained")
 
 
 def readme_blocks(text: str) -> tuple[str, list[str]]:
@@ -179,10 +236,9 @@ def run(work: Path) -> None:
     run_dir = work / "quickstart"
     run_dir.mkdir()
     (run_dir / "quickstart.py").write_text(python)
-    sh([vpy, "quickstart.py"], run_dir, "quickstart.py (first run: trains, saves)")
-    second = sh([vpy, "quickstart.py"], run_dir, "quickstart.py (second run: resumes)")
-    if "restored step 30" not in second:
-        raise CheckFailed(f"second quick start run did not resume at step 30:\n{second}")
+    first = sh([vpy, "-c", PROBE], run_dir, "quickstart.py (first run: trains, saves)")
+    second = sh([vpy, "-c", PROBE], run_dir, "quickstart.py (second run: resumes)")
+    check_runs(first, second)
     for line in commands:
         argv = line.split()
         sh([vbin / "ckptlib", *argv[1:]], run_dir, line)

@@ -23,9 +23,12 @@ Events on stdout, one flushed line each (prefixed with ``PID `` in fork-server m
 are shorter than PIPE_BUF, so lines from different writers never interleave):
 
 ``started K``       about to open the manager and save step K, K+1, ...
+``saving N``        about to call ``mgr.save(N, ...)`` (the save is attempted from here on)
 ``saved N``         ``mgr.save(N, ...)`` returned
 ``committed N``     step N is known to be committed: a synchronous ``save`` returned, or (async)
-                    ``handle.wait()`` returned for it
+                    ``handle.wait()`` returned for it -- for every W-th step, and for any earlier
+                    save whose handle is done when a later ``save()`` returns (so that a save
+                    retention may delete later was seen committed first)
 """
 
 from __future__ import annotations
@@ -120,8 +123,10 @@ def save_forever(args: argparse.Namespace, start: int, prefix: str = "") -> None
     _emit(f"started {start}", prefix)
     mgr = ckptlib.CheckpointManager(args.root, keep_last=args.keep_last, async_save=args.async_save)
     step = start
+    unsettled: list[tuple[int, Any]] = []  # async saves whose outcome was not printed yet
     while True:
         state = build_state(args.seed, step)
+        _emit(f"saving {step}", prefix)
         handle = mgr.save(step, state)
         _emit(f"saved {step}", prefix)
         if not args.async_save:
@@ -129,9 +134,17 @@ def save_forever(args: argparse.Namespace, start: int, prefix: str = "") -> None
                 raise AssertionError(f"synchronous save({step}) returned an unfinished handle")
             handle.wait(timeout=60)
             _emit(f"committed {step}", prefix)
-        elif args.wait_every and step % args.wait_every == 0:
-            handle.wait(timeout=60)
-            _emit(f"committed {step}", prefix)
+        else:
+            for earlier, h in list(unsettled):
+                if h.done():
+                    h.wait(timeout=60)  # raises if that save failed: the loop ends
+                    _emit(f"committed {earlier}", prefix)
+                    unsettled.remove((earlier, h))
+            if args.wait_every and step % args.wait_every == 0:
+                handle.wait(timeout=60)
+                _emit(f"committed {step}", prefix)
+            else:
+                unsettled.append((step, handle))
         step += 1
 
 

@@ -8,7 +8,9 @@ The node comes from CKPTLIB_NODE (set per rank by the test). args: ``mode`` (``s
 ``drain`` (close(drain=...)), ``save_timeout`` (also the restore's), ``slow_verify``/``slow_list``/
 ``slow_write_back``/``slow_stage``/``slow_rank`` (:data:`SLOW_AT`, either mode).
 Writes OUT/result-<rank>.json. Every tensor's content is a pure function of (name, step), so
-any rank of any world size can check restored bytes exactly.
+any rank of any world size can check restored bytes exactly. A saving rank also appends each
+step to OUT/attempted-<rank>.txt just before ``mgr.save`` and to OUT/committed-<rank>.txt once
+its ``wait()`` returned (what the chaos tier-kill test counts).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def main() -> None:
         if args["mode"] == "save":
             persist = args.get("persist", {})
             for step in args["steps"]:
+                with open(os.path.join(out, f"attempted-{rank}.txt"), "a") as log:  # chaos: saves started
+                    log.write(f"{step}\n")
                 h = mgr.save(step, state(world, rank, step), persist=persist.get(str(step)))
                 h.wait()
                 with open(os.path.join(out, f"committed-{rank}.txt"), "a") as log:  # chaos: saves seen committed
