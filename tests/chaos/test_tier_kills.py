@@ -78,6 +78,11 @@ CASES = [
     ("local_retention", 1, 1, {3}),
 ]
 IDS = [f"{p}-r{r}-n{n}" for p, r, n, _ in CASES]
+# The same phases with the local tier in memory (tmpfs, no fsync): the memory-tier write and the
+# pipelined replica stream (its replicated files rebuilt by the peer from its own memory).
+MEMORY_CASES = [(p, r, n, a, True) for p, r, n, a in CASES if p in ("local_write", "replica_transfer", "local_commit")]
+MEMORY_IDS = [f"{i}-memory" for (p, r, n, _a), i in zip(CASES, IDS, strict=True)
+              if p in ("local_write", "replica_transfer", "local_commit")]
 
 
 def test_every_tier_phase_has_a_case() -> None:
@@ -217,12 +222,35 @@ def _describe(t: Tiers) -> str:
             f"committed {sorted(t.committed)}")
 
 
-@pytest.mark.parametrize(("phase", "victim", "nth", "allowed"), sampled(CASES, IDS, 2, "tier-kills"))
-def test_kill_at_tier_phase(tmp_path: Path, phase: str, victim: int, nth: int, allowed: set[int]) -> None:
+@pytest.fixture
+def memory_nodes(tmp_path: Path):
+    """``tmp_path/node0`` and ``node1`` as links to folders under /dev/shm (a memory tier), removed after."""
+    import shutil
+    import uuid
+
+    shm = Path("/dev/shm") / f"ckptlib-chaos-{uuid.uuid4().hex[:10]}"
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    for n in ("node0", "node1"):
+        (shm / n).mkdir(parents=True)
+        (tmp_path / n).symlink_to(shm / n)
+    try:
+        yield shm
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("phase", "victim", "nth", "allowed", "memory"),
+                         sampled([(*c, False) for c in CASES], IDS, 2, "tier-kills")
+                         + sampled(MEMORY_CASES, MEMORY_IDS, 1, "tier-kills-memory"))
+def test_kill_at_tier_phase(tmp_path: Path, phase: str, victim: int, nth: int, allowed: set[int], memory: bool,
+                            request: pytest.FixtureRequest) -> None:
+    if memory:
+        request.getfixturevalue("memory_nodes")
     persist = tmp_path / "persist"
     args = {"url": str(persist), "local": str(tmp_path / "node{node}"), "persist_every": 2}
     env = {"CKPTLIB_COORD_TIMEOUT": "5"}
-    with recording("tier_kill", f"{phase}-r{victim}-n{nth}", SEED) as rec:
+    with recording("tier_kill", f"{phase}-r{victim}-n{nth}" + ("-memory" if memory else ""), SEED) as rec:
         procs, res = start_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]}, env=env,
                                rank_env={victim: {"CKPTLIB_TEST_KILL_AT": f"{phase}:{victim}::{nth}"}})
         outcomes = finish_job(procs, res)
