@@ -61,6 +61,8 @@ COUNTS = (
     "kills",
     "s3_retries",
     "s3_giveups",
+    "schedules",
+    "violations",
 )
 OBSERVED = (*COUNTS, "resume", "worst_rss_mb", "worst_time_s", "death_to_error_s")
 """Every key ``Record.how`` may hold."""
@@ -93,6 +95,8 @@ class Record:
     s3_giveups: int = 0
     death_to_error_s: list[float] = field(default_factory=list)  # a rank's death -> peers' error
     kills: int = 0  # processes SIGKILLed (or SIGSTOPped) by the case's fault, seen dead
+    schedules: int = 0  # seeded simulation schedules run (tests/coord/test_simulation.py)
+    violations: int = 0  # invariant violations the schedules found: must be 0
     debris_left: int = 0  # .tmp-/.del- folders left after the next save: must be 0
     half_visible: int = 0  # steps visible on a tier but not committed (a half-published save): must be 0
     duration_s: float | None = None  # measured wall time of the case; None: not measured

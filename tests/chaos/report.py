@@ -84,7 +84,11 @@ INPUTS = (
     Column("worst_rss_mb", "worst RSS MB"),
     Column("worst_time_s", "worst time s"),
 )
-ALL_COLUMNS = (*SAVES, *FAULTS, *INPUTS)
+SIMULATION = (
+    Column("schedules", "seeded schedules"),
+    Column("violations", "invariant violations", "simulated schedules that broke an invariant"),
+)
+ALL_COLUMNS = (*SAVES, *FAULTS, *INPUTS, *SIMULATION)
 LABELS = {c.key: c.header for c in ALL_COLUMNS} | {
     "resume": "resume outcome",
     "death_to_error_s": "time from a death to the survivors' error",
@@ -260,6 +264,7 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
             lines.append(f"| {name} | " + " | ".join(map(str, counts)) + " |")
     lines += _table(rows, FAULTS, "Faults injected")
     lines += _table(rows, INPUTS, "Hostile inputs")
+    lines += _table(rows, SIMULATION, "The coordination protocol, simulated (seeded schedules, one fault each)")
     timed = [(name, [v for r in rs for v in r.death_to_error_s]) for name, rs in rows]
     timed = [(name, vals) for name, vals in timed if vals]
     if timed:
