@@ -27,7 +27,9 @@ check: venv
 test: check
 	$(VPY) -m pytest -q
 
-# The full chaos matrix (seeded: CKPTLIB_TEST_SEED, default 1234). Every case appends a record
+# The full chaos matrix (seeded: CKPTLIB_TEST_SEED, default 1234), the 10,000 simulated
+# coordination schedules, and the scale jobs (16/24 ranks) again beside a CPU hog on both cores
+# (CKPTLIB_TEST_HOG). Every case appends a record
 # (stamped with the commit it runs on) to runs/chaos/results.jsonl; every generated section of
 # docs/reliability.md is re-rendered from that one file, even when a case failed, and the target
 # fails if pytest failed, a must-be-zero count is not zero, or the report refused the records.
@@ -38,6 +40,7 @@ chaos: venv
 	rm -f runs/chaos/results.jsonl
 	CKPTLIB_CHAOS_FULL=1 CKPTLIB_CHAOS_RECORD=runs/chaos/results.jsonl $(VPY) -m pytest -q -m chaos tests; \
 	status=$$?; \
+	CKPTLIB_CHAOS_FULL=1 CKPTLIB_TEST_HOG=1 $(VPY) -m pytest -q tests/distributed/test_scale.py || status=1; \
 	$(VPY) -m tests.chaos.report runs/chaos/results.jsonl docs/reliability.md || status=1; \
 	exit $$status
 
