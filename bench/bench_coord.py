@@ -163,10 +163,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def real(worlds: list[int], saves: int, mib: float, tree: str | None) -> list[dict[str, Any]]:
+def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str | None = None,
+         ) -> list[dict[str, Any]]:
     rows = []
     for world in worlds:
-        with tempfile.TemporaryDirectory() as d:
+        with tempfile.TemporaryDirectory(dir=where) as d:
             port = _free_port()
             env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
             if tree:
@@ -292,6 +293,7 @@ def main() -> None:
     r.add_argument("--saves", type=int, default=5)
     r.add_argument("--mib", type=float, default=4.0)
     r.add_argument("--tree", default=None, help="another checkout to measure (the 'before' columns)")
+    r.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp folder)")
     r.add_argument("--json", default=None)
     s = sub.add_parser("sim")
     s.add_argument("--worlds", type=int, nargs="+", default=[256, 1024, 4096])
@@ -306,7 +308,7 @@ def main() -> None:
     if args.cmd == "plot":
         plot(args.paths, args.out)
         return
-    rows = real(args.worlds, args.saves, args.mib, args.tree) if args.cmd == "real" else sim(
+    rows = real(args.worlds, args.saves, args.mib, args.tree, args.dir) if args.cmd == "real" else sim(
         args.worlds, args.service, args.per_key, args.rtt)
     if args.json:
         with open(args.json, "w") as f:

@@ -117,6 +117,11 @@ class KV(Protocol):
         raises :class:`Gone`. Only the caller may wait on ``key``."""
         ...
 
+    def batch(self, calls: Callable[[KV], Any]) -> Any:
+        """``calls(kv)``: several calls in a row, as one bounded call (one hand-off to the
+        store's worker instead of one per call: what a busy machine makes costly)."""
+        ...
+
     def post(self, calls: Callable[[KV], None], wait: float) -> None:
         """Run ``calls(self)`` after the calls before it, waiting for it at most ``wait`` seconds
         (leaving a session: done at once normally, but a frozen store must not hold the caller
@@ -149,8 +154,11 @@ class TorchKV:
     :class:`ckptlib.coord.torch_coordinator.TorchCoordinator`; used by the thread driving its
     sessions (and :meth:`post`ed leaves), one call at a time, on one worker thread."""
 
-    def __init__(self, store: Any, limit: float, pulse: Any, name: str = "ckptlib-store") -> None:
+    def __init__(self, store: Any, limit: float, pulse: Any, name: str = "ckptlib-store", host: bool = False) -> None:
         self.clock: Clock = REAL_CLOCK
+        self.host = host
+        """The store lives in this process (rank 0 of a job without an agent store): calls are
+        made on the caller's thread, without a worker (they cannot outlive the store)."""
         self.limit = limit
         self.pulse = pulse  # ckptlib.coord.liveness.Pulse: runs the watches
         self.every: float = pulse.every
@@ -183,6 +191,11 @@ class TorchKV:
         return call
 
     def _run(self, fn: Callable[[Any], Any], extra: float = 0.0) -> Any:
+        if self.host:
+            try:
+                return fn(self._store)
+            except Exception as e:
+                raise _unreachable(e) from e
         call = self._submit(fn)
         if not call.done.wait(self.limit + extra):
             raise StoreUnreachable(f"store call unanswered for {self.limit + extra:.0f}s")
@@ -229,6 +242,9 @@ class TorchKV:
     def delete(self, key: str) -> None:
         self._run(lambda s: s.delete_key(key))
 
+    def batch(self, calls: Callable[[KV], Any]) -> Any:
+        return self._run(lambda store: calls(_Direct(store, self.every)))
+
     def post(self, calls: Callable[[KV], None], wait: float) -> None:
         def run(store: Any) -> None:
             try:
@@ -236,6 +252,9 @@ class TorchKV:
             except Exception as e:  # the others judge by heartbeats
                 log.debug("ckptlib: a posted store call failed: %s", e)
 
+        if self.host:
+            run(self._store)
+            return
         self._submit(run).done.wait(wait)
 
     def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
@@ -246,6 +265,18 @@ class TorchKV:
             return bytes(store.get(key))
 
         ticket = self.pulse.watch(key, watch)
+        if self.host:  # a watch's verdict sets the key (CANCEL): the wait ends with it
+            try:
+                value = wait(self._store)
+            except Exception as e:
+                if time.monotonic() >= deadline - 0.001 and _timed_out(e):
+                    raise Late(key) from None
+                raise _unreachable(e) from e
+            finally:
+                self.pulse.unwatch(ticket)
+            if value == CANCEL:
+                raise Gone(ticket.failures or {})
+            return value
         try:
             call = self._submit(wait)
             while not call.done.wait(self.every):
@@ -305,6 +336,9 @@ class _Direct:
 
     def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
         raise NotImplementedError("no waits from the worker or pulse threads")
+
+    def batch(self, calls: Callable[[KV], Any]) -> Any:
+        return calls(self)
 
     def post(self, calls: Callable[[KV], None], wait: float) -> None:
         calls(self)

@@ -147,10 +147,15 @@ class Session:
             return [value]
         kv = self._kv()
         if not self.is_coordinator:
+            text, world, key = _dumps([self.label, value]), self.world, self._key
+
+            def post(b: KV) -> None:
+                b.set(key(f"{m}/r/{self.rank}"), text)
+                if b.add(key(f"{m}/n"), 1) == world - 1:
+                    b.set(key(f"{m}/in"), b"1")
+
             try:
-                kv.set(self._key(f"{m}/r/{self.rank}"), _dumps([self.label, value]))
-                if kv.add(self._key(f"{m}/n"), 1) == self.world - 1:
-                    kv.set(self._key(f"{m}/in"), b"1")
+                kv.batch(post)
             except StoreUnreachable:
                 raise CommitError(f"coordination failed: {UNREACHABLE}", {0: UNREACHABLE}) from None
             return None
@@ -224,13 +229,19 @@ class Session:
     def _take(self, m: str, deadline: float | None, what: str, receipts: bool) -> Any:
         raw = self._from_coordinator(f"{m}/w/{self.rank}", deadline, what)
         kv = self._kv()
-        try:
-            if raw == b"@":
-                raw = kv.get(self._key(f"{m}/all"))
+        me, world, key = self.rank, self.world, self._key
+
+        def rest(b: KV) -> bytes:
+            got = b.get(key(f"{m}/all")) if raw == b"@" else raw
             if receipts:
-                kv.set(self._key(f"{m}/read/{self.rank}"), b"1")
-                if kv.add(self._key(f"{m}/nread"), 1) == self.world - 1:
-                    kv.set(self._key(f"{m}/allread"), b"1")
+                b.set(key(f"{m}/read/{me}"), b"1")
+                if b.add(key(f"{m}/nread"), 1) == world - 1:
+                    b.set(key(f"{m}/allread"), b"1")
+            return got
+
+        try:
+            if raw == b"@" or receipts:
+                raw = kv.batch(rest)
         except StoreUnreachable:
             if raw == b"@":
                 raise CommitError(f"coordination failed: {UNREACHABLE}", {0: UNREACHABLE}) from None

@@ -77,7 +77,9 @@ class TorchCoordinator(Coordinator):
         # gloo's connect timeout is the group timeout (dead_after), so meet first.
         self.name = f"c{_meet(store, self.world_size, max(ALIGN_TIMEOUT, dead_after))}"
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after)) if bulk else None
-        self.kv = TorchKV(store, dead_after, self.pulse, name=f"ckptlib-store-{self.name}")
+        # Rank 0 hosts the job's store (init_process_group without an agent store): its calls
+        # need no worker to bound them.
+        self.kv = TorchKV(store, dead_after, self.pulse, name=f"ckptlib-store-{self.name}", host=_hosts(store))
         self._count = 0
         self._open: Session | None = None
         weakref.finalize(self, _drop, self.pulse, self.kv)
@@ -104,18 +106,20 @@ class TorchCoordinator(Coordinator):
         works = []
         for r, data in sends:
             t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            works.append(dist.isend(t, dist.get_global_rank(self.group, r), group=self.group))
+            works.append((r, dist.isend(t, dist.get_global_rank(self.group, r), group=self.group)))
         bufs = []
         for i, r, n in wanted:
             t = torch.empty(n, dtype=torch.uint8)
-            works.append(dist.irecv(t, dist.get_global_rank(self.group, r), group=self.group))
+            works.append((r, dist.irecv(t, dist.get_global_rank(self.group, r), group=self.group)))
             bufs.append((i, t))
-        try:
-            for w in works:
-                assert w is not None  # a rank of the group always gets a Work
-                w.wait(timeout=timedelta(seconds=max(0.1, timeout)))
-        except RuntimeError as e:
-            raise CommitTimeoutError(f"peer transfer failed or timed out after {timeout:.0f}s: {e}") from e
+        end = time.monotonic() + max(0.1, timeout)
+        for peer, w in works:
+            assert w is not None  # a rank of the group always gets a Work
+            try:
+                w.wait(timeout=timedelta(seconds=max(0.1, end - time.monotonic())))
+            except RuntimeError as e:
+                raise CommitTimeoutError(f"peer transfer with rank {peer} failed or timed out after {timeout:.0f}s: "
+                                         f"{e}", {peer: "no answer to a peer transfer"}) from e
         for i, t in bufs:
             out[i] = t.numpy().tobytes()
         return out
@@ -126,3 +130,12 @@ def _drop(pulse: Pulse, kv: TorchKV) -> None:
     if nobody else uses it."""
     kv.stop()
     pulse.release()
+
+
+def _hosts(store: Any) -> bool:
+    """Whether this process hosts ``store``'s server (a TCPStore made with ``is_master``, under
+    any PrefixStore): torch does not say, so: rank 0 of a job whose store is not torchrun's
+    agent store (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    import os
+
+    return dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() not in ("true", "1")

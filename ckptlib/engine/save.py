@@ -11,8 +11,8 @@ on one thread, inside one coordination session (the caller's flow's, or the save
    coordinator's assignment answered to each rank (format v2: the grid proposal shared first);
 3. :meth:`~SaveSession.write` (local, any number of times);
 4. :meth:`~SaveSession.finish`: one report ("done" or this rank's error, with its results),
-   :meth:`~SaveSession.publish` on the coordinator (the commit point), the outcome shared with
-   read receipts; the save's own session closes (the coordinator last).
+   :meth:`~SaveSession.publish` on the coordinator (the commit point), the outcome shared; the
+   save's own session closes (the coordinator last: it returns once every rank has read it).
 
 Every rank returns a :class:`SaveResult` or raises the same :class:`CommitError`; a rank that
 lost the coordinator after reporting decides from storage (:meth:`~SaveSession._settle`). DCP,
@@ -225,13 +225,16 @@ class SaveSession:
         self._index: tuple[dict[str, Any] | None] | None = None  # v2: written early (write_index)
         self.checks = StateChecks("allow", False, 1)
         """What :func:`write_state` checked of this rank's state (:mod:`ckptlib.engine.checks`)."""
+        self.proposal: Any = None
+        """Format v2: the coordinator's grid proposal, shared with the opening (:func:`persist`)."""
         self.replicated: tuple[list[tuple[str, int]], list[Any]] | None = None
         """:attr:`Placement.own_replicated`: this rank's replicated files and their write records."""
 
     @classmethod
     def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
               coordinator: Coordinator | None = None, session: Session | None = None, save_id: str | None = None,
-              created: float | None = None, placement: Placement | None = None) -> SaveSession:
+              created: float | None = None, placement: Placement | None = None,
+              proposal: Any = None) -> SaveSession:
         """Every rank (collective): start a save of ``final``, in one meeting (a share): the
         coordinator picks the save id (``save_id``, ``created``: its proposals) and opens the
         staging folder, and every rank learns both. One deadline, ``options.timeout`` (capped by
@@ -251,13 +254,13 @@ class SaveSession:
         deadline = min(s.deadline, s.now() + opts.timeout)
         staging: commit.Staging | None = None
         try:
-            proposal = None
+            opening = None
             if s.is_coordinator:
                 sid, made = save_id or new_save_id(), time.time() if created is None else created
                 staging, error = _open_staging(storage, final, sid, opts)
-                proposal = [sid, made, staging.payload_prefix if staging else None, error]
-            got = s.share(proposal, deadline=deadline, what="open the save")
-            sid, made, prefix, error = str(got[0]), float(got[1]), got[2], got[3]
+                opening = [sid, made, staging.payload_prefix if staging else None, error, proposal]
+            got = s.share(opening, deadline=deadline, what="open the save")
+            sid, made, prefix, error, proposal = str(got[0]), float(got[1]), got[2], got[3], got[4]
             if error:  # the same error on every rank, before any payload is written
                 refused = _REFUSED.get(error[0])
                 raise refused(error[1]) if refused else _fail(storage, final, {0: f"{error[0]}: {error[1]}"})
@@ -265,7 +268,9 @@ class SaveSession:
             if where.stage_here and not s.is_coordinator:
                 staging, err = _open_staging(storage, final, sid, opts, node=True)
                 stage_error = None if err is None else f"{err[0]}: {err[1]}"
-            return cls(storage, final, s, opts, sid, step, made, deadline, prefix, staging, own, stage_error, where)
+            save = cls(storage, final, s, opts, sid, step, made, deadline, prefix, staging, own, stage_error, where)
+            save.proposal = proposal
+            return save
         except BaseException as e:
             if own:
                 s.close(e)
@@ -426,8 +431,9 @@ class SaveSession:
                error: BaseException | None = None, metadata: Any = None, extra: dict[str, Any] | None = None,
                metrics: dict[str, float] | None = None, manifest: bytes | None = None) -> SaveResult:
         """Every rank (collective): :meth:`collect`, :meth:`publish` on the coordinator, and the
-        outcome shared with every rank (with read receipts); a tier save's other node leaders
-        then commit the same manifest in their node's folder (:meth:`_copy`). Returns on every
+        outcome shared with every rank (the coordinator leaves the session last, so every live
+        rank has read it when the coordinator returns); a tier save's other node leaders
+        then commit the same manifest in their node's folder (:meth:`_copies`). Returns on every
         rank or raises the same :class:`CommitError` on every rank. A rank that sent its results
         but gets no verdict (the coordinator died, froze or its store is gone) decides from
         storage (:meth:`_settle`), so what it reports is what storage holds.
@@ -437,12 +443,11 @@ class SaveSession:
         try:
             if s.is_coordinator:
                 outcome = self._decide(tree, per_rank, shapes, error, metadata, extra, metrics, manifest)
-                s.share(outcome, deadline=self.deadline, receipts=True)
+                s.share(outcome, deadline=self.deadline)  # read before the coordinator leaves (it leaves last)
             else:
                 try:
                     self.collect(tree=tree, per_rank=per_rank, shapes=shapes, error=error)
-                    outcome = s.share(None, deadline=self.deadline + s.dead_after, receipts=True,
-                                      what="publish the save")
+                    outcome = s.share(None, deadline=self.deadline + s.dead_after, what="publish the save")
                 except CommitError as e:
                     if not self._sent:
                         raise _fail(self.storage, self.final, e.failures or {0: str(e)}) from None
@@ -608,8 +613,12 @@ def persist(
     rank's writes and before the commit (its replicas), given this rank's write error and
     returning it (or its own)."""
     meta_tree = encode_metadata(metadata)
+    coord = session.coord if session is not None else coordinator
+    proposal = None  # format v2's grid proposal, sent with the opening (the coordinator's matters)
+    if coord is not None and coord.is_coordinator and coord.world_size > 1:
+        proposal = wire.proposal_out(propose([_describe(it) for it in flat.items if not it.replicated]))
     save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
-                             save_id=save_id, created=created, placement=placement)
+                             save_id=save_id, created=created, placement=placement, proposal=proposal)
     try:
         error = write_state(save, flat, rounds, before_write)
         if after_write is not None:
@@ -694,11 +703,14 @@ def _offer_v1(save: SaveSession, rep_desc: list[PieceDesc], shd_desc: list[Piece
 def _offer_v2(save: SaveSession, shd: list[TensorItem], rep_desc: list[PieceDesc],
               shd_desc: list[PieceDesc]) -> _Offer:
     """Format v2: sharded tensors that form a grid with cell ``k`` on rank ``k`` are agreed on
-    with :mod:`ckptlib.plan.grid` (a proposal shared, a list of exceptions reported, their
-    union shared); only the pieces of the other tensors are reported."""
+    with :mod:`ckptlib.plan.grid`: the coordinator's proposal (shared with the save's opening,
+    :meth:`SaveSession.begin`), each rank's exceptions reported with its replicated digest. The
+    pieces of the tensors that are not a grid (their union) are asked for only when there are
+    any (:func:`_plan`, one more report)."""
     s = save.session
-    proposal = wire.proposal_in(s.share(wire.proposal_out(propose(shd_desc)) if s.is_coordinator else None,
-                                        deadline=save.deadline))
+    raw = save.proposal if save.proposal is not None else s.share(
+        wire.proposal_out(propose(shd_desc)) if s.is_coordinator else None, deadline=save.deadline)
+    proposal = wire.proposal_in(raw)
     odd = conform(proposal, shd_desc, s.rank)
     odd_set = set(odd)
     grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
@@ -706,16 +718,9 @@ def _offer_v2(save: SaveSession, shd: list[TensorItem], rep_desc: list[PieceDesc
                      save.stage_error], deadline=save.deadline)
     everyone = None if sent is None else [[d, wire.pieces_in(r or []), o, g] for d, r, o, g, _e in sent]
     staged = None if sent is None else {r: e for r, (*_x, e) in enumerate(sent) if e}
-    proposed_odd = sorted(set().union(*(e[2] for e in everyone))) if everyone is not None else None
-    union: set[str] = set(s.share(proposed_odd, deadline=save.deadline))
-    mine_odd = [i for i, d in enumerate(shd_desc) if d.name in union]
-    explicit: list[list[PieceDesc]] | None = [[]] * s.world
-    if union:
-        got = s.report(wire.pieces_out(shd_desc[i] for i in mine_odd), deadline=save.deadline)
-        explicit = None if got is None else [wire.pieces_in(x) for x in got]
-    grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
-    return _Offer(everyone, explicit, mine_odd, grid, [e[3] for e in everyone] if everyone is not None else None,
-                  proposal, frozenset(union), staged)
+    union = frozenset().union(*(e[2] for e in everyone)) if everyone is not None else frozenset()
+    return _Offer(everyone, [[]] * s.world, [], [], [e[3] for e in everyone] if everyone is not None else None,
+                  proposal, union, staged)
 
 
 def _plan(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
@@ -723,8 +728,10 @@ def _plan(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     (the coordinator plans) -- and, format v2 (``save.v2``), on the coordinator
     ``save.layout`` (every tensor's sharding for the v2 manifest). What is put up for
     assignment differs by format (:func:`_offer_v1`, :func:`_offer_v2`); the assignment and
-    its distribution (one :meth:`Session.answer_each`) are one. Raises :class:`CommitError` on
-    every rank when planning fails or a node leader could not open its staging folder."""
+    its distribution (one :meth:`Session.answer_each`) are one. Format v2 with tensors that are
+    not a grid: the first answer names them ("more"), every rank reports their pieces, and a
+    second answer carries the plans. Raises :class:`CommitError` on every rank when planning
+    fails or a node leader could not open its staging folder."""
     s = save.session
     if s.world <= 1:
         if save.v2:
@@ -735,8 +742,8 @@ def _plan(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
     rep_desc = [_describe(it) for it in rep]
     shd_desc = [_describe(it) for it in shd]
     offer = _offer_v2(save, shd, rep_desc, shd_desc) if save.v2 else _offer_v1(save, rep_desc, shd_desc)
-    plans: list[Any] | None = None
-    if s.is_coordinator:
+
+    def plans() -> list[Any]:
         everyone, explicit = offer.everyone, offer.explicit
         assert everyone is not None and explicit is not None
         try:
@@ -750,11 +757,24 @@ def _plan(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
                         writer[i] = r
                 chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
                 save.layout = describe(offer.proposal, set(offer.union), everyone[0][1], writer, chosen)
-            plans = [["ok", wire.plan_out(p)] for p in got]
+            return [["ok", wire.plan_out(p)] for p in got]
         except PlanError as e:
             failures = offer.staged or {0: str(e)}
-            plans = [["error", {str(r): m for r, m in failures.items()}]] * s.world
-    status, sent = s.answer_each(plans, deadline=save.deadline)
+            return [["error", {str(r): m for r, m in failures.items()}]] * s.world
+
+    first: list[Any] | None = None
+    if s.is_coordinator:
+        first = [["more", sorted(offer.union)]] * s.world if offer.union and not offer.staged else plans()
+    status, sent = s.answer_each(first, deadline=save.deadline)
+    if save.v2:  # which sharded tensors are not a grid: their pieces, written as assigned
+        union = set(sent) if status == "more" else set()
+        offer.mine = [i for i, d in enumerate(shd_desc) if d.name in union]
+        offer.grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
+        if status == "more":
+            got = s.report(wire.pieces_out(shd_desc[i] for i in offer.mine), deadline=save.deadline)
+            if got is not None:
+                offer.explicit = [wire.pieces_in(x) for x in got]
+            status, sent = s.answer_each(plans() if s.is_coordinator else None, deadline=save.deadline)
     if status == "error":
         save._drop_staging()
         raise _fail(save.storage, save.final, {int(r): m for r, m in sent.items()})

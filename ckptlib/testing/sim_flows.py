@@ -105,7 +105,7 @@ def pick(seed: int, flow: str | None = None, fault: str | None = None) -> tuple[
     f = Fault(kind)
     if kind in ("kill", "freeze", "late"):
         f.rank = rng.randrange(world)
-        f.step = rng.randint(1, 36)
+        f.step = rng.randint(1, 24)
         f.seconds = rng.choice((0.5, 2.0, 50.0)) * 5.0 if kind == "freeze" else rng.uniform(1.0, 12.0)
     return flow, world, f
 

@@ -326,7 +326,8 @@ class World:
             box = self._mail.setdefault((src, me), [])
             while not box:
                 if self.t >= end:
-                    raise CommitTimeoutError(f"peer transfer failed or timed out after {timeout:.0f}s")
+                    raise CommitTimeoutError(f"peer transfer with rank {src} failed or timed out after {timeout:.0f}s",
+                                             {src: "no answer to a peer transfer"})
                 self.park(until=min(end, self.t + self.every))
             out.append(box.pop(0))
         return out
@@ -431,6 +432,9 @@ class SimKV:
                 failures = watch(self)  # inline, as the pulse thread runs it
                 if failures is not None:
                     raise Gone(failures)
+
+    def batch(self, calls: Callable[[KV], Any]) -> Any:
+        return calls(self)
 
     def post(self, calls: Callable[[KV], None], wait: float) -> None:
         """Runs on a thread of this process of its own; the caller waits for it up to ``wait``."""

@@ -141,7 +141,8 @@ def test_the_checks_catch_a_wait_that_ignores_liveness(monkeypatch):
         return real(self, key, deadline, lambda kv: None)
 
     monkeypatch.setattr(simulation.SimKV, "await_key", deaf)
-    found = [p for seed in range(SEED, SEED + 60) for p in run_schedule(seed, "save", "freeze").problems]
+    found = [p for seed in range(SEED, SEED + 12) for p in run_schedule(
+        seed, "save", spec=Fault("freeze", 1 + seed % 3, 2 + seed % 5, 250.0), world=4).problems]
     assert any("after rank" in p and "froze" in p for p in found), found[:5]
 
 
