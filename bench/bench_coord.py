@@ -113,13 +113,14 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     rows = max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
     local = torch.randn(rows // world, 256)
     state = {"w": ckptlib.Shard(local, (rows, 256), (rank * (rows // world), 0)), "b": torch.ones(256), "step": 0}
-    mgr = ckptlib.CheckpointManager(root, keep_last=2)
+    mgr = ckptlib.CheckpointManager(root)  # as shared/tools/count-store-worker.py: no retention
     mgr.save(1, state).wait(timeout=600)  # warm-up: the coordinator is made here
     dist.barrier()
     time.sleep(0.5)
     with lock:
         base = counts.copy()
     t_base = time.monotonic()
+    cpu0 = time.process_time()
     times = []
     for i in range(saves):
         dist.barrier()
@@ -127,12 +128,14 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
         mgr.save(2 + i, state).wait(timeout=600)
         times.append(time.monotonic() - t0)
     window = time.monotonic() - t_base
+    cpu = (time.process_time() - cpu0) / saves
     with lock:
         diff = {k: (counts[k] - base.get(k, 0)) for k in counts}
     meet = _meetings(mgr.coordinator, 20)
     mgr.close()
     per_save = {k: v / saves for k, v in diff.items() if k != "beats"}
     per_save["beats_per_s"] = diff.get("beats", 0) / window
+    per_save["cpu_s"] = cpu
     per_save["connections_total"] = counts["connections"] + 1
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "per_save": per_save, "save_s": times, "meeting_s": meet}, f)
@@ -201,7 +204,8 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
               f"coordinator {coord.get('calls', 0):.0f} calls, {coord.get('bytes', 0) / 1024:.1f} KiB, "
               f"{coord.get('connections', 0):.1f} new conns, {coord.get('threads', 0):.1f} threads | other ranks "
               f"{avg('calls'):.1f} calls, {avg('bytes') / 1024:.1f} KiB, {avg('connections'):.1f} new conns, "
-              f"{avg('threads'):.1f} threads | beats/s/rank {avg('beats_per_s'):.2f}", flush=True)
+              f"{avg('threads'):.1f} threads | beats/s/rank {avg('beats_per_s'):.2f} | CPU s/save: coordinator "
+              f"{coord.get('cpu_s', 0):.3f}, other ranks {avg('cpu_s'):.3f}", flush=True)
     return rows
 
 

@@ -171,9 +171,13 @@ def _write_one(
     pack_bytes: int,
     rank: int = 0,
 ) -> tuple[int, list[WrittenChunk | WrittenPack]]:
-    w = _FileWriter(storage, path, pack_bytes, rank)
+    # The staging buffer need not outsize the file (a small file of a many-rank save: no 4 MiB
+    # zero-filled buffer for 100 kB), nor the scratch the packs.
+    total = sum(j.nbytes + ALIGN for j in jobs)
+    w = _FileWriter(storage, path, max(ALIGN, min(pack_bytes, total)), rank)
     out: list[WrittenChunk | WrittenPack] = []
-    scratch = np.empty(PACK_BYTES + PACK_MEMBER_MAX, dtype=np.uint8)  # reused for every pack
+    packed = max((j.nbytes for j in jobs if isinstance(j, PackJob)), default=0)
+    scratch = np.empty(min(PACK_BYTES + PACK_MEMBER_MAX, packed), dtype=np.uint8)  # reused for every pack
     try:
         for j in jobs:
             w.pad()
