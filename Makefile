@@ -27,7 +27,8 @@ check: venv
 test: check
 	$(VPY) -m pytest -q
 
-# The full chaos matrix (seeded: CKPTLIB_TEST_SEED, default 1234), the 10,000 simulated
+# The full chaos matrix (seeded: CKPTLIB_TEST_SEED, default 1234), the long variants CI leaves
+# out (tests/conftest.py LONG_VARIANTS), the 10,000 simulated
 # coordination schedules, and the scale jobs (16/24 ranks) again beside a CPU hog on both cores
 # (CKPTLIB_TEST_HOG). Every case appends a record
 # (stamped with the commit it runs on) to runs/chaos/results.jsonl; every generated section of
@@ -38,7 +39,7 @@ chaos: venv
 	@git diff --quiet HEAD -- ckptlib tests && test -z "$$(git ls-files --others --exclude-standard -- ckptlib tests)" \
 		|| { echo "make chaos: ckptlib/ or tests/ differ from HEAD; commit first (the report is stamped with the commit)"; exit 2; }
 	rm -f runs/chaos/results.jsonl
-	CKPTLIB_CHAOS_FULL=1 CKPTLIB_CHAOS_RECORD=runs/chaos/results.jsonl $(VPY) -m pytest -q -m chaos tests; \
+	CKPTLIB_CHAOS_FULL=1 CKPTLIB_CHAOS_RECORD=runs/chaos/results.jsonl $(VPY) -m pytest -q -m 'chaos or long' tests; \
 	status=$$?; \
 	CKPTLIB_CHAOS_FULL=1 CKPTLIB_TEST_HOG=1 $(VPY) -m pytest -q tests/distributed/test_scale.py || status=1; \
 	$(VPY) -m tests.chaos.report runs/chaos/results.jsonl docs/reliability.md || status=1; \

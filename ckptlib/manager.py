@@ -14,6 +14,7 @@ Errors: a background failure is raised exactly once, on the caller's thread, by 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -268,6 +269,12 @@ class CheckpointManager:
         self._root_ready = False
         self._final: FinalCheckpoint | None = None
         self._finalizer = weakref.finalize(self, _drain, self._handles)
+        # At interpreter exit an in-flight save must end (commit, or fail on a verdict) while the
+        # coordination threads still run: ckptlib.coord stops its pulses and store workers from
+        # atexit handlers registered when it is imported, and atexit runs the newest first, so
+        # this one (registered now, after them) drains first.
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
         self._init_tiers(local, local_keep_last, replicas, persist_every, replica_jump, drain_rate)
 
     def _init_tiers(self, local: str | os.PathLike[str] | None, keep_last: int, replicas: int, persist_every: int,
@@ -577,6 +584,7 @@ class CheckpointManager:
             if self._thread is None or not self._thread.is_alive():
                 self._stager.release()  # never free memory a stuck writer still reads
             self._finalizer.detach()
+            atexit.unregister(self._finalizer)
             if self._final is not None:
                 self._final.watcher.uninstall()
 

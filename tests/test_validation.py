@@ -116,9 +116,15 @@ def test_load_an_empty_or_unrelated_folder(tmp_path: Path) -> None:
     with pytest.raises(ckptlib.CheckpointNotFoundError, match="is an empty folder"):
         ckptlib.load(tmp_path / "empty")
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "a.safetensors").write_bytes(b"x")
-    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"files ckptlib did not write \(a.safetensors\)"):
+    (tmp_path / "other" / "a.bin").write_bytes(b"x")
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"files ckptlib did not write \(a.bin\)"):
         ckptlib.load(tmp_path / "other")
+    # A safetensors folder is read (docs/read.md), so a broken .safetensors file is a corrupt
+    # checkpoint that says which file and why, not "no checkpoint here".
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "a.safetensors").write_bytes(b"x")
+    with pytest.raises(ckptlib.CorruptCheckpointError, match=r"a.safetensors: .*needs at least 8 bytes"):
+        ckptlib.load(tmp_path / "st")
 
 
 def test_load_a_damaged_checkpoint_keeps_its_own_error(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
@@ -21,8 +21,10 @@ from ckptlib.backends.base import WriteStream
 from ckptlib.coord.session import Session
 from ckptlib.errors import CommitError, ReplicaMismatchError
 from ckptlib.format.manifest import MANIFEST_NAME
-from ckptlib.plan.flatten import TensorItem
 from ckptlib.tiers.node import Topology
+
+if TYPE_CHECKING:  # torch stays out of the CLI's ls/verify/prune --local (tiers.inventory)
+    from ckptlib.plan.flatten import TensorItem
 
 REPLICA_DIR = "replicas"
 

@@ -170,9 +170,14 @@ def test_frozen_peer_in_replica_transfer_fails_the_tier_save_in_time(tmp_path: P
         assert "rank 1" in r0["message"], r0
         assert procs[1].poll() is None  # still frozen: rank 0 did not wait for it to die
         # Frozen mid-stream (rank 0 sends its payload, then its index file): part of the payload's
-        # replica on node 1, no index yet. Read while rank 1 is stopped (woken, it deletes them).
+        # replica on node 1, no index yet; the replicated-pieces file (``r00000rep-*``) node 1
+        # rebuilds from its own memory may be there too. Read while rank 1 is stopped (woken, it
+        # deletes them).
         held = {p.name: p.stat().st_size for p in (tmp_path / "node1").glob("step-*.tmp-*/replicas/*/*.bin")}
-        assert len(held) == 1 and re.fullmatch(r"r00000-\d+\.bin", next(iter(held))) and min(held.values()) > 0, held
+        payload = {n: size for n, size in held.items() if re.fullmatch(r"r00000-\d+\.bin", n)}
+        assert len(payload) == 1 and min(payload.values()) > 0, held
+        assert all(re.fullmatch(r"r00000rep-\d+\.bin", n) for n in set(held) - set(payload)), held
+        assert "r00000-index.bin" not in held, held
     finally:
         _kill(procs[1:])  # rank 0's output was read by finish_job
     assert committed_steps(tmp_path / "node0") == committed_steps(tmp_path / "node1") == []
