@@ -260,6 +260,7 @@ def plot(paths: list[str], out: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = [r for p in paths for r in json.loads(Path(p).read_text())["rows"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -277,6 +278,9 @@ def plot(paths: list[str], out: str) -> None:
     a.set(xscale="log", yscale="log", xlabel="ranks (2-32 real, 256-4,096 simulated)", ylabel="store round trips per save",
           title="Store traffic per save")
     b.set(xscale="log", yscale="log", xlabel="ranks (real, on 2 cores)", ylabel="ms", title="Latency on this machine")
+    worlds = sorted({r["world"] for r in rows if r["source"] == "real"})
+    b.set_xticks(worlds, [str(w) for w in worlds])
+    b.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     for ax in (a, b):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

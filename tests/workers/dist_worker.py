@@ -8,13 +8,10 @@ the expected bytes of any piece.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 import zlib
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -208,23 +205,11 @@ def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
 
 
 def main() -> int:
-    scenario, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    out: dict
-    try:
-        out = globals()[f"sc_{scenario}"](rank, world, root, args)
-    except Exception:
-        out = {"crash": traceback.format_exc()}
-    with open(os.path.join(root, f"result-{scenario}-{rank}.json"), "w") as f:
-        json.dump(out, f)
-    if scenario not in ("fail", "train"):
-        dist.destroy_process_group()
-    return 0
+    """The shared command line over this module's scenarios; publish/overwrite/restore/savewait
+    workers add theirs to this module and call it."""
+    from scenario_main import run  # this file's folder is sys.path[0] (tests import this module too)
+
+    return run(globals(), timeout_s=60, keep_group_for=("fail", "train"))
 
 
 if __name__ == "__main__":

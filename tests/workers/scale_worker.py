@@ -16,12 +16,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 import zlib
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 import ckptlib
 
@@ -80,20 +77,7 @@ def sc_restore(rank: int, world: int, root: str, args: dict) -> dict:
     return {"step": step, "bitwise": same}
 
 
-def main() -> int:
-    scenario, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    try:
-        out = globals()[f"sc_{scenario}"](rank, world, root, args)
-    except Exception:
-        out = {"crash": traceback.format_exc()}
-    with open(os.path.join(root, f"result-{scenario}-{rank}.json"), "w") as f:
-        json.dump(out, f)
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from scenario_main import run  # the shared command line (tests import this module too)
+
+    sys.exit(run(globals(), timeout_s=300, exit_at_once=True))
