@@ -207,7 +207,8 @@ def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
 def main() -> int:
     """The shared command line over this module's scenarios; publish/overwrite/restore/savewait
     workers add theirs to this module and call it."""
-    from scenario_main import run  # this file's folder is sys.path[0] (tests import this module too)
+    # This file's folder is sys.path[0] here (imported by a test, this module needs no scenario_main).
+    from scenario_main import run
 
     return run(globals(), timeout_s=60, keep_group_for=("fail", "train"))
 
