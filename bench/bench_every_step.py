@@ -14,7 +14,9 @@ step; rounds alternate the order of the contenders (``--rounds``):
 * ``dcp.async``      -- ``torch.distributed.checkpoint.async_save(no_dist=True)`` to /dev/shm;
 * ``torch.save``     -- ``torch.save`` to /dev/shm (synchronous).
 
-Per-step overhead = (the loop's time with the saves - the same loop with ``none``) / steps, and
+Every contender first runs ``WARMUP`` (3) untimed steps with its saves (steady state: buffers
+allocated; the memory tier's retention recycles the pages of the step it deletes). Per-step
+overhead = (the loop's time with the saves - the same loop with ``none``) / steps, and
 its ratio to the time of one plain copy (``copy``). The local commit of a memory-tier save is
 compared with the raw write of its bytes to the same file system (one file, no fsync on tmpfs).
 
@@ -105,9 +107,17 @@ class Trainer:
         self._timed_update()
 
 
+WARMUP = 3
+"""Steps each contender runs (and saves) before its clock starts: a run saving every step for
+hours is in its steady state (buffers allocated, retention recycling), not in its first saves."""
+
+
 def _loop(trainer: Trainer, steps: int, save: Any, finish: Any = None) -> float:
+    """The seconds of ``steps`` steps after :data:`WARMUP` untimed ones, ``finish`` included."""
     t0 = time.perf_counter()
-    for step in range(1, steps + 1):
+    for step in range(1, WARMUP + steps + 1):
+        if step == WARMUP + 1:
+            t0 = time.perf_counter()
         trainer.step()
         if save is not None:
             save(step)
@@ -229,7 +239,7 @@ def _rank(rank: int, port: int, root: str, shm: str, mode: str, out: str, gib: f
     full = make_state(gib)
     half = {k: ckptlib.Shard(t.chunk(2)[rank].clone(), tuple(t.shape), (rank * t.chunk(2)[0].shape[0],) +
                              (0,) * (t.dim() - 1)) for k, t in full.items() if t.shape[0] % 2 == 0}
-    mgr = ckptlib.CheckpointManager(root, local=os.path.join(shm, "node{node}"), replicas=1, persist_every=steps,
+    mgr = ckptlib.CheckpointManager(root, local=os.path.join(shm, "node{node}"), replicas=1, persist_every=steps - 1,
                                     local_keep_last=2)
     t0 = time.perf_counter()
     if mode == "train":
@@ -262,7 +272,7 @@ def _job(mode: str, root: str, shm: str, out: str, gib: float, steps: int) -> li
 def recovery(gib: float, steps: int, work: Path, shm: Path) -> dict[str, Any]:
     root, tiers, out = str(work / "rec"), str(shm / "rec"), str(work / "rec-out")
     try:
-        _job("train", root, tiers, out, gib, steps + 1)  # the last step is not drained (persist_every)
+        _job("train", root, tiers, out, gib, steps + 1)  # persist_every=steps: the last step is local only
         shutil.rmtree(Path(tiers) / "node1")
         peer = _job("restore", root, tiers, out, gib, steps + 1)
         shutil.rmtree(tiers, ignore_errors=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,13 @@ class Storage(ABC):
 
     def sync_dir(self, path: str) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make a folder's entries durable (fsync on POSIX; a no-op elsewhere)."""
+
+    def recycle(self, folder: str, keep: Collection[str] = ()) -> None:  # noqa: B027 - optional hook
+        """``folder`` (already invisible: a ``.del-`` folder) is about to be deleted: keep its
+        large files' memory (not those named in ``keep``) for the next files written under the
+        same names (a memory tier,
+        :class:`ckptlib.backends.posix.PosixStorage`); a no-op elsewhere. Called by
+        :func:`ckptlib.engine.retire.delete_step` before it deletes the rest."""
 
     # -- reading
     @abstractmethod

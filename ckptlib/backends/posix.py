@@ -15,7 +15,11 @@ storage option ``visibility_timeout``). See docs/storage.md, "POSIX and parallel
 
 Memory file systems (tmpfs, ramfs: ``/dev/shm``; ``PosixStorage.memory``): nothing is flushed
 (no fsync, no write-back hints); a file there is as durable as the node's memory. The tiers use
-such a root as a memory tier (docs/tiers.md).
+such a root as a memory tier (docs/tiers.md). Pages are reused: a step that retention deletes
+leaves its large files in the root's :data:`SPARE_DIR` (:meth:`PosixStorage.recycle`), and the
+next file written under the same name inside a step folder is that file, overwritten and cut to
+its new length (:meth:`PosixStorage.open_write`). Overwriting pages tmpfs already holds costs
+about two thirds of filling new ones, and a save every step writes the same names every step.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
@@ -79,6 +83,9 @@ _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 _SYNC_FILE_RANGE_WRITE = 2
 WRITEBACK_MIN = 1 << 20  # writes at least this big start their writeback at once
+SPARE_DIR = ".ckptlib-spare"
+"""A memory root's files kept for reuse: at most one per name, all from the step retention deleted last."""
+SPARE_MIN = 1 << 20  # smaller files are not worth keeping
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     _renameat2 = getattr(_libc, "renameat2", None)
@@ -105,11 +112,12 @@ class _PosixWrite(WriteStream):
     are ignored, and durability and I/O errors are still decided by the fsync in ``close()``.
     """
 
-    def __init__(self, fd: int, path: str, durable: bool = True) -> None:
+    def __init__(self, fd: int, path: str, durable: bool = True, reused: bool = False) -> None:
         self.fd = fd
         self.path = path
         self.pos = 0
         self.durable = durable  # False on a memory file system: nothing to flush, no fsync
+        self.reused = reused  # a recycled file (memory root): cut to what was written on close
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -129,6 +137,8 @@ class _PosixWrite(WriteStream):
         if fd < 0:
             return
         try:
+            if self.reused:
+                os.ftruncate(fd, self.pos)
             if self.durable:
                 os.fsync(fd)
         except OSError as e:
@@ -220,6 +230,8 @@ class PosixStorage(Storage):
     # -- writing
     def open_write(self, path: str) -> WriteStream:
         full = self._p(path)
+        if self.memory and (fd := self._reuse(path, full)) >= 0:
+            return _PosixWrite(fd, full, durable=False, reused=True)
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -228,6 +240,60 @@ class PosixStorage(Storage):
                 raise FileExistsError(errno.EEXIST, "already exists", full) from None
             raise _storage_error("create", full, e) from e
         return _PosixWrite(fd, full, durable=not self.memory)
+
+    @staticmethod
+    def _spare_name(path: str) -> str | None:
+        """The spare for a file at ``path``: its own name (payload names are unique inside a
+        step folder: they carry the writing rank); None for a file directly in the root."""
+        parts = [p for p in path.split("/") if p]
+        return parts[-1] if len(parts) > 1 else None
+
+    def _reuse(self, path: str, full: str) -> int:
+        """Move the spare of ``path`` (if any) to ``full`` and open it for overwriting; -1 when
+        there is none (or the kernel cannot rename without replacing). The move refuses an
+        existing ``full`` (``FileExistsError``, as ``O_EXCL`` would); two writers never get the
+        same spare (the loser's rename finds nothing)."""
+        name = self._spare_name(path)
+        if name is None or _renameat2 is None:
+            return -1
+        src = os.path.join(self.root, SPARE_DIR, name)
+        try:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+        except OSError as e:
+            raise _storage_error("create", full, e) from e
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(full), _RENAME_NOREPLACE) != 0:
+            if ctypes.get_errno() == errno.EEXIST:
+                raise FileExistsError(errno.EEXIST, "already exists", full)
+            return -1
+        try:
+            return os.open(full, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            try:
+                os.unlink(full)
+            except OSError:
+                pass
+            return -1
+
+    def recycle(self, folder: str, keep: Collection[str] = ()) -> None:
+        """Memory roots only (retention's :func:`ckptlib.engine.retire.delete_step`, after the
+        step folder became a ``.del-`` folder): replace the spares with ``folder``'s files of
+        at least :data:`SPARE_MIN` bytes, except those named in ``keep``. Spares the
+        last save did not take are removed first, so they hold at most one step. Best effort:
+        an error leaves the rest to the deletion that follows."""
+        if not self.memory or _renameat2 is None:
+            return
+        spare = os.path.join(self.root, SPARE_DIR)
+        try:
+            shutil.rmtree(spare, ignore_errors=True)
+            os.makedirs(spare, exist_ok=True)
+            for d, _, names in os.walk(self._p(folder)):
+                for n in names:
+                    full = os.path.join(d, n)
+                    st = os.lstat(full)
+                    if n not in keep and stat.S_ISREG(st.st_mode) and st.st_size >= SPARE_MIN:
+                        os.rename(full, os.path.join(spare, n))
+        except OSError:
+            return
 
     def put_atomic(self, path: str, data: bytes) -> None:
         full = self._p(path)

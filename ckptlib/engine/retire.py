@@ -59,6 +59,7 @@ def delete_step(storage: Storage, folder: str) -> None:
     if storage.supports_atomic_rename:
         gone = layout.del_dir(folder, uuid.uuid4().hex)
         storage.rename(folder, gone)
+        storage.recycle(gone, keep=(layout.MARKER,))  # a memory tier keeps the payload pages; the marker goes last
         _delete_marker_last(storage, gone)
     else:
         storage.delete(join(folder, MANIFEST_NAME))

@@ -50,8 +50,10 @@ def verify_chunks(
         with storage.open_read(path) as h:
             if h.size != m.files[fidx].size:
                 raise CorruptCheckpointError(f"size is {h.size}, manifest records {m.files[fidx].size}", where)
+            buf = memoryview(bytearray(min(PIECE, max((it[1] for it in items), default=0))))  # reused
             for start, length, digest, codec, raw, label in sorted(items):
-                _verify_range(h, start, length, digest, codec, raw, label, m.checksum_algorithm, where, progress)
+                _verify_range(h, start, length, digest, codec, raw, label, m.checksum_algorithm, where, progress,
+                              buf)
 
 
 def _verify_range(
@@ -65,13 +67,16 @@ def _verify_range(
     algorithm: str,
     where: str,
     progress: Callable[[int], None] | None,
+    buf: memoryview,
 ) -> None:
+    """Check one chunk or pack, read piece by piece into ``buf`` (at least one piece long)."""
     hasher = Hasher(algorithm)
     stored = io.BytesIO() if codec != "raw" else None
     pos = 0
     while pos < length:
         n = min(PIECE, length - pos)
-        data = h.read(start + pos, n)
+        data = buf[:n]
+        h.read_into(start + pos, data)
         hasher.update(data)
         if stored is not None:
             stored.write(data)

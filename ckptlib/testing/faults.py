@@ -355,6 +355,9 @@ class FaultyStorage(_VerifyOnExit, Storage):
     def deadline(self, seconds: float) -> contextlib.AbstractContextManager[Any]:
         return self.inner.deadline(seconds)
 
+    def recycle(self, folder: str, keep: Collection[str] = ()) -> None:
+        self.inner.recycle(folder, keep)
+
     def open_write(self, path: str) -> WriteStream:
         self.injector.before("open_write", path)
         return _FaultyWrite(self, path, self.inner.open_write(path))

@@ -67,9 +67,11 @@ def _put_verified(local: Storage, final: str, mdata: bytes, m: Manifest, path: s
     w = local.open_write(tmp)
     try:
         start = 0
+        buf = memoryview(bytearray(min(COPY_PIECE, src.size)))  # reused for every piece
         while start < src.size:
             n = min(COPY_PIECE, src.size - start)
-            w.write(src.read(start, n))
+            src.read_into(start, buf[:n])
+            w.write(buf[:n])
             if not start:
                 crashpoints.point("write_back", rank)  # a temporary file half-written
             start += n
