@@ -22,7 +22,9 @@ compared with the raw write of its bytes to the same file system (one file, no f
 
 ``--recovery``: 2 ranks as 2 simulated nodes (gloo on 127.0.0.1), every step to the memory tier
 with a replica on the peer, the persistent tier on disk: the restore time after losing node 1
-(from the peer) against after losing both (from the persistent tier), in fresh processes.
+(from the peer) against after losing both (from the persistent tier), in fresh processes; then
+one save of a data-parallel state (half of the bytes sharded, half replicated on both ranks): the
+replica bytes each rank sends, receives and rebuilds from its own memory (the tier's counts).
 
     python bench/bench_every_step.py [--gib 0.5] [--step-s 0.12] [--steps 8] [--rounds 2] [--recovery]
                                      [--json OUT]
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 GIB = 1 << 30
+MIB = 1 << 20
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
@@ -242,7 +245,18 @@ def _rank(rank: int, port: int, root: str, shm: str, mode: str, out: str, gib: f
     mgr = ckptlib.CheckpointManager(root, local=os.path.join(shm, "node{node}"), replicas=1, persist_every=steps - 1,
                                     local_keep_last=2)
     t0 = time.perf_counter()
-    if mode == "train":
+    if mode == "traffic":  # data parallel: half of the bytes sharded, half replicated on both ranks
+        torch.manual_seed(0)  # the replicated half: the same bytes on both ranks (check_replicas compares them)
+        same = make_state(gib)
+        rep = {f"rep.{k}": same[k] for k in list(full)[: len(full) // 2]}
+        dp = {**{k: v for k, v in half.items() if k not in {f[4:] for f in rep}}, **rep}
+        mgr.save(1, dp).wait()
+        st = mgr._tier.stats  # type: ignore[union-attr]  # the tier's own counts of the save
+        assert st is not None
+        Path(f"{out}.{rank}.json").write_text(json.dumps({"sent": st.sent, "received": st.received,
+                                                          "rebuilt": st.rebuilt}))
+        mgr.close(drain=False)
+    elif mode == "train":
         for step in range(1, steps + 1):
             mgr.save(step, half)
         mgr.close()
@@ -266,7 +280,7 @@ def _job(mode: str, root: str, shm: str, out: str, gib: float, steps: int) -> li
     for p in procs:
         if p.wait(timeout=1800) != 0:
             raise SystemExit(f"the {mode} job failed")
-    return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)] if mode == "restore" else []
+    return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)] if mode != "train" else []
 
 
 def recovery(gib: float, steps: int, work: Path, shm: Path) -> dict[str, Any]:
@@ -280,8 +294,14 @@ def recovery(gib: float, steps: int, work: Path, shm: Path) -> dict[str, Any]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(tiers, ignore_errors=True)
+    try:
+        traffic = _job("traffic", root, tiers, out, gib, steps + 1)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(tiers, ignore_errors=True)
     return {"from_peer": {"step": peer[0]["step"], "seconds": max(r["seconds"] for r in peer)},
-            "from_persistent": {"step": persistent[0]["step"], "seconds": max(r["seconds"] for r in persistent)}}
+            "from_persistent": {"step": persistent[0]["step"], "seconds": max(r["seconds"] for r in persistent)},
+            "traffic": traffic}
 
 
 def main() -> None:
@@ -337,6 +357,9 @@ def main() -> None:
             print(f"node loss: restore from the peer {rec['from_peer']['seconds']:.2f} s (step "
                   f"{rec['from_peer']['step']}), all nodes lost: from the persistent tier "
                   f"{rec['from_persistent']['seconds']:.2f} s (step {rec['from_persistent']['step']})")
+            for r, t in enumerate(rec["traffic"]):
+                print(f"data parallel, rank {r}: replica bytes sent {t['sent'] / MIB:.1f} MiB, rebuilt from its own "
+                      f"memory {t['rebuilt'] / MIB:.1f} MiB, received {t['received'] / MIB:.1f} MiB")
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
     finally:

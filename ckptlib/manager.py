@@ -583,6 +583,8 @@ class CheckpointManager:
                 self._drainer.abandon()  # drain=False or a failed close: no drain thread outlives close
             if self._thread is None or not self._thread.is_alive():
                 self._stager.release()  # never free memory a stuck writer still reads
+                if self._tier is not None:
+                    self._tier.storage.release_spares()  # a memory tier's recycled pages
             self._finalizer.detach()
             atexit.unregister(self._finalizer)
             if self._final is not None:

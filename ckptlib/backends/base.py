@@ -61,9 +61,14 @@ class ReadHandle(ABC):
         """Fill ``out`` with bytes from ``start``; a short read is a ``CorruptCheckpointError``."""
 
     def read(self, start: int, length: int) -> bytes:
+        return bytes(self.read_buffer(start, length))
+
+    def read_buffer(self, start: int, length: int) -> bytearray:
+        """The bytes in a new ``bytearray``: one copy fewer than :meth:`read`, for callers that
+        hand them on (peer transfers send a bytearray as it is)."""
         buf = bytearray(length)
         self.read_into(start, memoryview(buf))
-        return bytes(buf)
+        return buf
 
     @abstractmethod
     def close(self) -> None: ...
@@ -138,6 +143,10 @@ class Storage(ABC):
         same names (a memory tier,
         :class:`ckptlib.backends.posix.PosixStorage`); a no-op elsewhere. Called by
         :func:`ckptlib.engine.retire.delete_step` before it deletes the rest."""
+
+    def release_spares(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Free what :meth:`recycle` kept (the manager's ``close()``; ``ckptlib prune``)."""
+
 
     # -- reading
     @abstractmethod

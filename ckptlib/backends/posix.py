@@ -284,7 +284,7 @@ class PosixStorage(Storage):
             return
         spare = os.path.join(self.root, SPARE_DIR)
         try:
-            shutil.rmtree(spare, ignore_errors=True)
+            self.release_spares()
             os.makedirs(spare, exist_ok=True)
             for d, _, names in os.walk(self._p(folder)):
                 for n in names:
@@ -294,6 +294,10 @@ class PosixStorage(Storage):
                         os.rename(full, os.path.join(spare, n))
         except OSError:
             return
+
+    def release_spares(self) -> None:
+        if self.memory:
+            shutil.rmtree(os.path.join(self.root, SPARE_DIR), ignore_errors=True)
 
     def put_atomic(self, path: str, data: bytes) -> None:
         full = self._p(path)

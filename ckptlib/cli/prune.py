@@ -267,6 +267,7 @@ def _prune_local(args: argparse.Namespace) -> dict[str, Any]:
                 node["bytes_freed"] += p["bytes"] or 0
             try:
                 node["debris_removed"] = retire.remove_debris(f.storage, debris)
+                f.storage.release_spares()  # a memory tier's recycled pages (docs/tiers.md)
             except (OSError, CheckpointError) as e:
                 errors.append(f"{f.path}: could not remove debris: {e}")
             node["bytes_freed"] += sum(r["bytes"] or 0 for r in node["debris"] if r["path"] in node["debris_removed"])

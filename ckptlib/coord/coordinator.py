@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from ckptlib.coord.kv import REAL_CLOCK, Clock
 from ckptlib.coord.session import Session
@@ -44,7 +45,8 @@ class Coordinator(ABC):
         """``timeout`` seconds from now, on :attr:`clock`."""
         return self.clock.now() + timeout
 
-    def transfer(self, sends: list[tuple[int, bytes]], recvs: list[tuple[int, int]], timeout: float) -> list[bytes]:
+    def transfer(self, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],
+                 timeout: float) -> list[bytes]:
         """Send each ``(rank, data)`` and receive each ``(rank, size)``, in list order (a pair of
         ranks lists its messages in the same order); the received bytes. Raises
         :class:`~ckptlib.errors.CommitTimeoutError` when a peer does not answer in ``timeout``."""

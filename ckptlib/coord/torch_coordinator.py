@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -93,7 +94,9 @@ class TorchCoordinator(Coordinator):
                              deadline=deadline, dead_after=self.dead_after, label=label, coord=self)
         return self._open
 
-    def transfer(self, sends: list[tuple[int, bytes]], recvs: list[tuple[int, int]], timeout: float) -> list[bytes]:
+    def transfer(self, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],
+                 timeout: float) -> list[bytes]:
+        """See :meth:`Coordinator.transfer`; a ``bytearray`` is sent as it is (no copy)."""
         sends = [(r, d) for r, d in sends if d]
         wanted = [(i, r, n) for i, (r, n) in enumerate(recvs) if n > 0]
         out: list[bytes] = [b""] * len(recvs)
@@ -105,7 +108,7 @@ class TorchCoordinator(Coordinator):
 
         works = []
         for r, data in sends:
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            t = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
             works.append((r, dist.isend(t, dist.get_global_rank(self.group, r), group=self.group)))
         bufs = []
         for i, r, n in wanted:

@@ -54,12 +54,17 @@ MAX_TREE_FILES = 100_000
 """:func:`tree_bytes` stops counting after this many files (and says so with ``None``)."""
 
 
-def delete_step(storage: Storage, folder: str) -> None:
-    """Delete one step folder, invisible first (retention and ``ckptlib prune``)."""
+def delete_step(storage: Storage, folder: str, recycled: Callable[[], None] | None = None) -> None:
+    """Delete one step folder, invisible first (retention and ``ckptlib prune``). With
+    ``recycled`` (the local tier's retention, during a job), a memory tier keeps the large
+    files' pages for the next save (:meth:`Storage.recycle`), then ``recycled()`` runs (a crash
+    point); then the rest goes, the marker last."""
     if storage.supports_atomic_rename:
         gone = layout.del_dir(folder, uuid.uuid4().hex)
         storage.rename(folder, gone)
-        storage.recycle(gone, keep=(layout.MARKER,))  # a memory tier keeps the payload pages; the marker goes last
+        if recycled is not None:
+            storage.recycle(gone, keep=(layout.MARKER,))
+            recycled()
         _delete_marker_last(storage, gone)
     else:
         storage.delete(join(folder, MANIFEST_NAME))

@@ -227,8 +227,10 @@ class SaveSession:
         """What :func:`write_state` checked of this rank's state (:mod:`ckptlib.engine.checks`)."""
         self.proposal: Any = None
         """Format v2: the coordinator's grid proposal, shared with the opening (:func:`persist`)."""
-        self.replicated: tuple[list[tuple[str, int]], list[Any]] | None = None
-        """:attr:`Placement.own_replicated`: this rank's replicated files and their write records."""
+        self.replicated: tuple[list[tuple[str, int]], list[Any], list[str]] | None = None
+        """:attr:`Placement.own_replicated`: this rank's replicated files, their write records and
+        the tensors in the order they were given to the writer (its files group them, so the
+        records' order is not that order: a peer rebuilding the files needs the writer's)."""
 
     @classmethod
     def begin(cls, storage: Storage, final: str, *, step: int | None = None, options: SaveOptions | None = None,
@@ -311,7 +313,7 @@ class SaveSession:
         self._files += files
         self._chunks += written
         if tag == REP_TAG:
-            self.replicated = (files, written)
+            self.replicated = (files, written, list(dict.fromkeys(j.name for j in jobs)))
         return written
 
     def write_index(self) -> dict[str, Any] | None:

@@ -358,6 +358,9 @@ class FaultyStorage(_VerifyOnExit, Storage):
     def recycle(self, folder: str, keep: Collection[str] = ()) -> None:
         self.inner.recycle(folder, keep)
 
+    def release_spares(self) -> None:
+        self.inner.release_spares()
+
     def open_write(self, path: str) -> WriteStream:
         self.injector.before("open_write", path)
         return _FaultyWrite(self, path, self.inner.open_write(path))

@@ -310,12 +310,12 @@ class World:
             w.ready = True
 
     # -- bulk bytes (Coordinator.transfer)
-    def transfer(self, me: int, sends: list[tuple[int, bytes]], recvs: list[tuple[int, int]], timeout: float,
-                 ) -> list[bytes]:
+    def transfer(self, me: int, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],
+                 timeout: float) -> list[bytes]:
         for dst, data in sends:
             if data:
                 self.step()
-                self._mail.setdefault((me, dst), []).append(data)
+                self._mail.setdefault((me, dst), []).append(bytes(data))  # received as bytes, as over gloo
                 self._wake_all()
         out: list[bytes] = []
         end = self.t + timeout
@@ -462,7 +462,8 @@ class SimCoordinator(Coordinator):
         return Session(self.kv, f"ckptlib/c1/s{self._count}/", self.rank, self.world_size, deadline=deadline,
                        dead_after=self.dead_after, label=label, coord=self)
 
-    def transfer(self, sends: list[tuple[int, bytes]], recvs: list[tuple[int, int]], timeout: float) -> list[bytes]:
+    def transfer(self, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],
+                 timeout: float) -> list[bytes]:
         return self.world.transfer(self.rank, sends, recvs, timeout)
 
 

@@ -201,7 +201,8 @@ def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Co
         retire.remove_debris(tier.storage, write_back_debris(tier.storage, set(ACTIVE_WRITE_BACKS)))
         for step in retired_by_local_retention(local_steps(tier.storage), tier.keep_last, protect):
             crashpoints.point("local_retention", rank)
-            retire.delete_step(tier.storage, layout.step_dir(step))
+            retire.delete_step(tier.storage, layout.step_dir(step),
+                               recycled=lambda: crashpoints.point("local_retention", rank))  # mid-deletion
             deleted.append(step)
     except Exception as e:
         log.warning("ckptlib: local retention/cleanup failed (will retry after the next save): %s", e)

@@ -87,13 +87,14 @@ class Rebuild:
 
 def replicate(storage: Storage, s: Session, topo: Topology, *, work: str, mine: list[tuple[str, int]],
               replicas: int, jump: int, deadline: float, piece: int = PIECE,
-              own_replicated: tuple[list[tuple[str, int]], list[Any]] | None = None,
+              own_replicated: tuple[list[tuple[str, int]], list[Any], list[str]] | None = None,
               rebuild: Rebuild | None = None) -> ReplicaStats:
     """Every rank (collective, in session ``s``): make the replicas of its sources' files
     (payloads and v2 index file) durable under ``work``'s ``replicas/`` on ``storage`` (this
     node's local tier), and its own files durable on its peers. ``mine``: this rank's files
     (paths under ``work``, sizes); ``own_replicated``: those of them that hold only its
-    replicated pieces, with their write records (``Placement.own_replicated``).
+    replicated pieces, with their write records and the tensors in the writer's order
+    (``Placement.own_replicated``, ``SaveSession.replicated``).
 
     One consult first: each rank reports its file list (and its replicated files' records);
     the coordinator answers each rank with what it sends to each peer and receives from each
@@ -117,9 +118,8 @@ def replicate(storage: Storage, s: Session, topo: Topology, *, work: str, mine: 
 
     rep = None
     if own_replicated is not None and own_replicated[0]:
-        files, records = own_replicated
-        rep = {"files": [rel(p) for p, _ in files], "sums": [r.checksum for r in records],
-               "items": list(dict.fromkeys(_names(records)))}
+        files, records, order = own_replicated
+        rep = {"files": [rel(p) for p, _ in files], "sums": [r.checksum for r in records], "items": order}
     report = {"files": [(rel(p), n) for p, n in mine], "rep": rep, "rebuild": rebuild is not None}
 
     def plan(reports: list[Any]) -> list[Any]:
@@ -212,17 +212,17 @@ def _folder(storage: Storage, folders: set[str], target: str) -> None:
 
 
 def _read_round(storage: Storage, work: str, sends: dict[int, list[tuple[str, int, int]]], k: int,
-                ) -> list[tuple[int, bytes]]:
+                ) -> list[tuple[int, bytes | bytearray]]:
     """The pieces this rank sends in round ``k`` (the reader thread), each read once."""
-    cache: dict[tuple[str, int, int], bytes] = {}
-    out = []
+    cache: dict[tuple[str, int, int], bytearray] = {}
+    out: list[tuple[int, bytes | bytearray]] = []
     for dst, stream in sorted(sends.items()):
         if k < len(stream):
             key = stream[k]
             if key not in cache:
                 path, start, length = key
                 with storage.open_read(join(work, path)) as h:
-                    cache[key] = h.read(start, length)
+                    cache[key] = h.read_buffer(start, length)
             out.append((dst, cache[key]))
     return out
 
@@ -279,10 +279,15 @@ def _rebuild(storage: Storage, work: str, src: int, info: dict[str, Any], rebuil
 def run_round(s: Session, plan: dict[str, Any], local: Storage, have: dict[str, str],
               mdata: bytes | None, timeout: float) -> dict[str, bytes]:
     """Every rank: run one round of a plan (send what it lists, receive what it lists)."""
-    sends = [(int(dst), (mdata if name == MANIFEST_NAME else local.read(have[name])) or b"")
+    sends = [(int(dst), (mdata if name == MANIFEST_NAME else _read_all(local, have[name])) or b"")
              for dst, name in plan["send"]]
     got = s.coord.transfer(sends, [(int(src), int(size)) for src, _, size in plan["recv"]], timeout)
     return {name: data for (_src, name, _size), data in zip(plan["recv"], got, strict=True)}
+
+
+def _read_all(storage: Storage, path: str) -> bytearray:
+    with storage.open_read(path) as h:
+        return h.read_buffer(0, h.size)
 
 
 def round_timeout(s: Session, plan: dict[str, Any], deadline: float) -> float:

@@ -133,3 +133,23 @@ def test_saving_every_step_to_a_memory_tier_reuses_pages_and_restores_bitwise(tm
         assert torch.equal(got[k], v), k
     node = next(p for p in shm.iterdir())
     assert cli_main(["verify", "--all", str(node)]) == 0  # every chunk's checksum, every kept step
+
+
+def test_close_and_prune_free_the_spares(tmp_path: Path, shm: Path) -> None:
+    """The manager's close() frees the recycled pages; so does ``ckptlib prune --local`` (what a
+    crashed job left)."""
+    st = {"w": torch.randn(1 << 20)}
+    mgr = ckptlib.CheckpointManager(tmp_path / "p", local=str(shm / "{node}"), persist_every=10**6, local_keep_last=1)
+    for step in range(1, 4):
+        mgr.save(step, st).wait()
+    node = next(p for p in shm.iterdir())
+    assert list((node / SPARE_DIR).iterdir())  # the step retention deleted last
+    mgr.close()
+    assert not (node / SPARE_DIR).exists()
+    # As a crashed job leaves them: spares in place, then the CLI.
+    s = PosixStorage(str(node))
+    write(s, "step-9.del-aa/x/r00000-0.bin", pattern(2 * MiB, 1))
+    s.recycle("step-9.del-aa")
+    assert list((node / SPARE_DIR).iterdir())
+    assert cli_main(["prune", str(tmp_path / "p"), "--local", str(shm / "{node}"), "--local-keep-last", "1", "--tier", "local"]) == 0
+    assert not (node / SPARE_DIR).exists()

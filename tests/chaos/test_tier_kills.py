@@ -31,6 +31,7 @@ from distributed.test_tiers import finish_job, flip, payload, start_job
 from test_cli_tiers import cli
 
 from ckptlib.backends import open_storage
+from ckptlib.backends.posix import SPARE_DIR
 from ckptlib.crashpoints import TIER_PHASES
 from ckptlib.engine.scan import scan
 from ckptlib.format import layout
@@ -80,9 +81,13 @@ CASES = [
 IDS = [f"{p}-r{r}-n{n}" for p, r, n, _ in CASES]
 # The same phases with the local tier in memory (tmpfs, no fsync): the memory-tier write and the
 # pipelined replica stream (its replicated files rebuilt by the peer from its own memory).
-MEMORY_CASES = [(p, r, n, a, True) for p, r, n, a in CASES if p in ("local_write", "replica_transfer", "local_commit")]
-MEMORY_IDS = [f"{i}-memory" for (p, r, n, _a), i in zip(CASES, IDS, strict=True)
-              if p in ("local_write", "replica_transfer", "local_commit")]
+# Local retention on a memory tier recycles the deleted step's pages for the next save: a kill
+# before the deletion, and one in the middle of it (its 2nd reach: the payload files already moved
+# to the spares, the ``.del-`` folder and its marker still there).
+IN_MEMORY = ("local_write", "replica_transfer", "local_commit", "local_retention")
+MEMORY_CASES = [(p, r, n, a, True) for p, r, n, a in CASES if p in IN_MEMORY] + [("local_retention", 0, 2, {3}, True)]
+MEMORY_IDS = [f"{i}-memory" for (p, r, n, _a), i in zip(CASES, IDS, strict=True) if p in IN_MEMORY] + [
+    "local_retention-r0-n2-memory"]
 
 
 def test_every_tier_phase_has_a_case() -> None:
@@ -248,7 +253,7 @@ def test_kill_at_tier_phase(tmp_path: Path, phase: str, victim: int, nth: int, a
     if memory:
         request.getfixturevalue("memory_nodes")
     persist = tmp_path / "persist"
-    args = {"url": str(persist), "local": str(tmp_path / "node{node}"), "persist_every": 2}
+    args = {"url": str(persist), "local": str(tmp_path / "node{node}"), "persist_every": 2, "big": memory}
     env = {"CKPTLIB_COORD_TIMEOUT": "5"}
     with recording("tier_kill", f"{phase}-r{victim}-n{nth}" + ("-memory" if memory else ""), SEED) as rec:
         procs, res = start_job(tmp_path, [0, 1], {**args, "mode": "save", "steps": [1, 2, 3]}, env=env,
@@ -260,6 +265,10 @@ def test_kill_at_tier_phase(tmp_path: Path, phase: str, victim: int, nth: int, a
         notes = [account(rec, res, after_kill)]
         seen = _logged(res, "committed")
         assert killed, f"rank {victim} was not killed at {phase}:\n{outcomes[victim].log}"
+        if memory and phase == "local_retention" and nth == 2:  # really in the middle of the deletion
+            node = tmp_path / f"node{victim}"
+            assert [p for p in node.iterdir() if ".del-" in p.name], sorted(p.name for p in node.iterdir())
+            assert list((node / SPARE_DIR).iterdir()), "nothing was recycled before the kill"
         outcome, step, resume = judge_resume(tmp_path, args, allowed, seen)
         rec.observe(HOW_RESUME, resume=outcome)
         rec.observe(HOW_LOST, saves_lost=sum(1 for s in seen if step is None or s > step))

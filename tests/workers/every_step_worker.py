@@ -24,6 +24,10 @@ import torch
 import ckptlib
 
 ROWS, COLS = 64, 32
+BIG_REP = {f"rep.{c}": (6 << 20,) for c in "abcdef"}
+"""``"big_rep": true``: six plain (replicated) tensors of 24 MiB, the same on every rank. Each of
+2 ranks writes three of them (72 MiB): the writer spreads them over two files, balanced by size
+(equal sizes keep the order they came in: what a peer rebuilding the files must reproduce)."""
 
 
 def tensor(name: str, step: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -31,10 +35,11 @@ def tensor(name: str, step: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def state(rank: int, world: int, step: int) -> dict:
+def state(rank: int, world: int, step: int, big_rep: bool = False) -> dict:
     shard = tensor("w", step, (ROWS * world, COLS))[rank * ROWS:(rank + 1) * ROWS].clone()
     return {"w": ckptlib.Shard(shard, (ROWS * world, COLS), (rank * ROWS, 0)), "emb": tensor("emb", step, (128, 16)),
-            "step": step, "rng": ckptlib.PerRank([rank, step])}
+            "step": step, "rng": ckptlib.PerRank([rank, step]),
+            **({k: tensor(k, step, shape) for k, shape in BIG_REP.items()} if big_rep else {})}
 
 
 def manager(root: str, args: dict) -> ckptlib.CheckpointManager:
@@ -51,11 +56,32 @@ def local_steps(args: dict, node: int) -> list[int]:
         if os.path.isdir(folder) else []
 
 
+def replica_traffic(mgr: ckptlib.CheckpointManager, rank: int, args: dict, step: int) -> dict:
+    """What this rank's replica stream moved in the save of ``step`` (the tier's own counts),
+    beside the sizes of this rank's files in its node's step folder: ``single`` (its shards,
+    per-rank values and index: on this node only) and ``replicated`` (``r<rank>rep-*``: the
+    plain tensors every data-parallel rank holds)."""
+    stats = mgr._tier.stats  # type: ignore[union-attr]  # the tier's own counts
+    folder = os.path.join(args["shm"], f"node{os.environ.get('CKPTLIB_NODE', '0')}", f"step-{step:012d}")
+    single = replicated = 0
+    for d, _, names in os.walk(folder):
+        if os.path.basename(d) != "replicas" and "replicas" not in os.path.relpath(d, folder).split(os.sep):
+            for n in names:
+                if n.startswith(f"r{rank:05d}"):
+                    size = os.path.getsize(os.path.join(d, n))
+                    if n.startswith(f"r{rank:05d}rep"):
+                        replicated += size
+                    else:
+                        single += size
+    return {"sent": stats.sent, "received": stats.received, "rebuilt": stats.rebuilt, "single": single,
+            "replicated": replicated}
+
+
 def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
     mgr = manager(root, args)
-    outcomes, held = {}, {}
+    outcomes, held, traffic = {}, {}, {}
     for step in range(1, args["steps"] + 1):
-        st = state(rank, world, step)
+        st = state(rank, world, step, args.get("big_rep", False))
         if step == args.get("flip") and rank == args.get("flip_rank"):
             st["emb"].view(torch.int32)[5, 3] ^= 1 << 7  # a silent fault in this rank's replica
         if step == args.get("nan") and rank == args.get("nan_rank"):
@@ -66,24 +92,28 @@ def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
         except ckptlib.CheckpointError as e:
             outcomes[step] = f"{type(e).__name__}: {e}"
         held[step] = local_steps(args, int(os.environ.get("CKPTLIB_NODE", "0")))
+        if outcomes[step] == "ok":
+            traffic[step] = replica_traffic(mgr, rank, args, step)
     try:
         mgr.close(timeout=300)
     except ckptlib.CheckpointError as e:  # a failure already reported above is raised once more here
         outcomes["close"] = f"{type(e).__name__}: {e}"
-    return {"outcomes": outcomes, "held": held}
+    return {"outcomes": outcomes, "held": held, "traffic": traffic}
 
 
 def sc_restore(rank: int, world: int, root: str, args: dict) -> dict:
     mgr = manager(root, args)
     target = {"w": ckptlib.Shard(torch.zeros(ROWS, COLS), (ROWS * world, COLS), (rank * ROWS, 0)),
-              "emb": torch.zeros(128, 16), "step": 0, "rng": ckptlib.PerRank(None)}
+              "emb": torch.zeros(128, 16), "step": 0, "rng": ckptlib.PerRank(None),
+              **({k: torch.zeros(shape) for k, shape in BIG_REP.items()} if args.get("big_rep") else {})}
     step = mgr.restore(target)
     mgr.close(timeout=300)
     if step is None:
         return {"step": None}
-    want = state(rank, world, step)
+    want = state(rank, world, step, args.get("big_rep", False))
     same = (torch.equal(target["w"].local, want["w"].local) and torch.equal(target["emb"], want["emb"])
-            and target["step"] == step and target["rng"].value == [rank, step])
+            and target["step"] == step and target["rng"].value == [rank, step]
+            and all(torch.equal(target[k], want[k]) for k in BIG_REP if args.get("big_rep")))
     return {"step": step, "bitwise": same}
 
 

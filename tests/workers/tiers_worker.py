@@ -32,6 +32,9 @@ import ckptlib
 from ckptlib.format.layout import MARKER
 
 SHAPES = {"w": (24, 8), "b": (13,), "e": (10, 6)}
+BIG = (4096, 512)
+"""``"big": true`` adds a sharded tensor ``m`` of this shape (8 MiB): payload files large enough
+for a memory tier's retention to recycle (backends/posix.py ``SPARE_MIN``)."""
 
 
 def full(name: str, step: int) -> torch.Tensor:
@@ -55,12 +58,13 @@ def state(world: int, rank: int, step: int | None) -> dict:
         "e": piece("e", world, rank, step),
         "b": full("b", step) if step is not None else torch.zeros(SHAPES["b"]),
         "step": step if step is not None else -1,
+        **({"m": piece("m", world, rank, step)} if "m" in SHAPES else {}),
     }
 
 
 def matches(st: dict, world: int, rank: int, step: int) -> bool:
     want = state(world, rank, step)
-    return all(torch.equal(st[k].local, want[k].local) for k in ("w", "e")) and torch.equal(st["b"], want["b"]) \
+    return all(torch.equal(st[k].local, want[k].local) for k in SHAPES if k != "b") and torch.equal(st["b"], want["b"]) \
         and st["step"] == step
 
 
@@ -97,6 +101,8 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job's stacks (tests/launcher.py)
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     args = json.loads(sys.argv[5])
+    if args.get("big"):
+        SHAPES["m"] = BIG
     result: dict = {"rank": rank, "node": os.environ.get("CKPTLIB_NODE")}
     path = os.path.join(out, f"result-{rank}.json")
     try:
