@@ -13,7 +13,9 @@ on a shared 2-core machine without dropping a scenario from CI.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 from backends.servers import S3_BUCKET, MotoServer, SeaweedServer, weed_binary
@@ -23,6 +25,20 @@ from backends.servers import S3_BUCKET, MotoServer, SeaweedServer, weed_binary
 def memory_url() -> str:
     """A fresh, unique memory:// root (the memory backend is process-global)."""
     return f"memory://ckptlib-test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def shm():
+    """A unique empty folder under /dev/shm (a memory file system: memory-tier tests), removed
+    afterwards; skipped where there is no /dev/shm."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = Path("/dev/shm") / f"ckptlib-test-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

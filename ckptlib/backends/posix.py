@@ -277,7 +277,7 @@ class PosixStorage(Storage):
     def recycle(self, folder: str, keep: Collection[str] = ()) -> None:
         """Memory roots only (retention's :func:`ckptlib.engine.retire.delete_step`, after the
         step folder became a ``.del-`` folder): replace the spares with ``folder``'s files of
-        at least :data:`SPARE_MIN` bytes, except those named in ``keep``. Spares the
+        at least :data:`SPARE_MIN` bytes and one link, except those named in ``keep``. Spares the
         last save did not take are removed first, so they hold at most one step. Best effort:
         an error leaves the rest to the deletion that follows."""
         if not self.memory or _renameat2 is None:
@@ -290,7 +290,8 @@ class PosixStorage(Storage):
                 for n in names:
                     full = os.path.join(d, n)
                     st = os.lstat(full)
-                    if n not in keep and stat.S_ISREG(st.st_mode) and st.st_size >= SPARE_MIN:
+                    # One link only: a file also linked elsewhere (cp -al) must never be overwritten.
+                    if n not in keep and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= SPARE_MIN:
                         os.rename(full, os.path.join(spare, n))
         except OSError:
             return

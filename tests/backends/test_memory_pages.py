@@ -6,8 +6,6 @@ more than one step, and a disk root deletes as before. Real files under a unique
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,16 +17,6 @@ from ckptlib.cli.main import main as cli_main
 from ckptlib.engine import retire
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def shm():
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
-    path = Path("/dev/shm") / f"ckptlib-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def write(storage: PosixStorage, path: str, data: bytes) -> None:
@@ -101,6 +89,19 @@ def test_only_large_files_are_kept_and_the_spares_hold_one_step(shm: Path) -> No
     s.recycle("step-2.del-bb")  # the untaken spare of step 1 goes
     assert os.listdir(shm / SPARE_DIR) == ["r00001-0.bin"]
     assert (shm / "step-1.del-aa/x/r00000-1.bin").exists()  # left for the deletion that follows
+
+
+def test_a_file_linked_elsewhere_is_never_reused(shm: Path) -> None:
+    """A hard link made outside ckptlib (``cp -al`` of the tier) keeps its bytes: such a file is
+    deleted, not recycled."""
+    s = PosixStorage(str(shm))
+    old = pattern(2 * MiB, 1)
+    write(s, "step-1.del-aa/x/r00000-0.bin", old)
+    os.link(shm / "step-1.del-aa/x/r00000-0.bin", shm / "backup.bin")
+    s.recycle("step-1.del-aa")
+    assert not os.listdir(shm / SPARE_DIR)
+    write(s, "step-2.tmp-bb/x/r00000-0.bin", pattern(2 * MiB, 2))
+    assert (shm / "backup.bin").read_bytes() == old
 
 
 def test_a_disk_root_deletes_as_before(tmp_path: Path) -> None:

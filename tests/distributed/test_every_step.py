@@ -5,27 +5,12 @@ on the other node, the persistent tier on disk. Real processes, real files, byte
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 
 import launcher
-import pytest
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "every_step_worker.py"
-
-
-@pytest.fixture
-def shm():
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
-    path = Path("/dev/shm") / f"ckptlib-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def job(scenario: str, root: Path, args: dict) -> list[dict]:
