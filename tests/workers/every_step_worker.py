@@ -65,7 +65,7 @@ def replica_traffic(mgr: ckptlib.CheckpointManager, rank: int, args: dict, step:
     folder = os.path.join(args["shm"], f"node{os.environ.get('CKPTLIB_NODE', '0')}", f"step-{step:012d}")
     single = replicated = 0
     for d, _, names in os.walk(folder):
-        if os.path.basename(d) != "replicas" and "replicas" not in os.path.relpath(d, folder).split(os.sep):
+        if "replicas" not in os.path.relpath(d, folder).split(os.sep):  # this rank's own files only
             for n in names:
                 if n.startswith(f"r{rank:05d}"):
                     size = os.path.getsize(os.path.join(d, n))
