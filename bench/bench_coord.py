@@ -9,6 +9,8 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   ``ckptlib.coord.torch_coordinator``) that counts every round trip by kind and the bytes set
   and read; ``Store.clone`` counts a connection; ``threading.Thread.start`` counts a thread.
   Heartbeats (keys ``ckptlib/hb/``, or the old ``/hb/``) are counted apart, per second.
+  Store memory: the keys the job's store holds (``num_keys`` on rank 0, its host) after the
+  saves minus before, per save (settled: counted after a barrier and half a second).
   Latency: the median seconds of ``save().wait()`` on rank 0 over ``--saves`` saves, and of one
   meeting (an exchange in a session of its own) over 20 meetings. ``--tree DIR`` runs another
   checkout's ckptlib (``PYTHONPATH``) under the same harness: the "before" columns.
@@ -116,7 +118,8 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     mgr = ckptlib.CheckpointManager(root)  # as shared/tools/count-store-worker.py: no retention
     mgr.save(1, state).wait(timeout=600)  # warm-up: the coordinator is made here
     dist.barrier()
-    time.sleep(0.5)
+    time.sleep(2.5)  # as below: the warm-up's spent keys are deleted
+    keys0 = real().num_keys() if rank == 0 else 0  # rank 0 hosts the job's store
     with lock:
         base = counts.copy()
     t_base = time.monotonic()
@@ -129,6 +132,10 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
         times.append(time.monotonic() - t0)
     window = time.monotonic() - t_base
     cpu = (time.process_time() - cpu0) / saves
+    dist.barrier()
+    time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s here)
+    keys = (real().num_keys() - keys0) / saves if rank == 0 else 0.0
+    dist.barrier()  # nobody starts the meetings below before rank 0 has counted
     with lock:
         diff = {k: (counts[k] - base.get(k, 0)) for k in counts}
     meet = _meetings(mgr.coordinator, 20)
@@ -136,6 +143,7 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     per_save = {k: v / saves for k, v in diff.items() if k != "beats"}
     per_save["beats_per_s"] = diff.get("beats", 0) / window
     per_save["cpu_s"] = cpu
+    per_save["store_keys_added"] = keys
     per_save["connections_total"] = counts["connections"] + 1
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "per_save": per_save, "save_s": times, "meeting_s": meet}, f)
@@ -205,7 +213,8 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
               f"{coord.get('connections', 0):.1f} new conns, {coord.get('threads', 0):.1f} threads | other ranks "
               f"{avg('calls'):.1f} calls, {avg('bytes') / 1024:.1f} KiB, {avg('connections'):.1f} new conns, "
               f"{avg('threads'):.1f} threads | beats/s/rank {avg('beats_per_s'):.2f} | CPU s/save: coordinator "
-              f"{coord.get('cpu_s', 0):.3f}, other ranks {avg('cpu_s'):.3f}", flush=True)
+              f"{coord.get('cpu_s', 0):.3f}, other ranks {avg('cpu_s'):.3f} | store keys added per save "
+              f"{coord.get('store_keys_added', 0):.1f}", flush=True)
     return rows
 
 

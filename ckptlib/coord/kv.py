@@ -2,8 +2,10 @@
 over torch.distributed's store.
 
 :class:`KV` is all that :mod:`ckptlib.coord.session` asks of a store: ``set``, ``get``, ``add``,
-``append``, ``check``, ``multi_get``, ``multi_set``, ``delete``, ``await_key`` and ``post``,
-plus a :class:`Clock`. Two implementations: :class:`TorchKV` (here: the job's TCPStore, for
+``append``, ``check``, ``multi_get``, ``multi_set``, ``delete``, ``discard``, ``await_key`` and
+``post``, plus a :class:`Clock`. ``discard`` deletes keys nobody reads any more off the
+caller's path, so that the store holds a bounded number of keys however many sessions a job
+runs (which keys, when: :mod:`ckptlib.coord.session`). Two implementations: :class:`TorchKV` (here: the job's TCPStore, for
 real runs) and the seeded simulation's in-memory store (:mod:`ckptlib.testing.simulation`), so
 the same protocol code runs on both.
 
@@ -16,9 +18,9 @@ a frozen or dead store; torch's store bounds only ``get``/``wait`` by its own ti
 Threads of a :class:`TorchKV` (a fixed few per process, none per call or per wait): one worker
 thread per :class:`TorchKV` runs its calls on a store connection of its own, in order; the
 caller waits for each call's answer with a deadline. The watches of every :class:`TorchKV` of a
-process run on its :class:`ckptlib.coord.liveness.Pulse` thread (which also beats), on a third
-connection, and end a wait by setting the awaited key to :data:`CANCEL` (the key is the
-waiter's own, so nobody else reads it).
+process run on its :class:`ckptlib.coord.liveness.Pulse` thread (which also beats, and deletes
+the keys discarded since its last beat), on a third connection, and end a wait by setting the
+awaited key to :data:`CANCEL` (the key is the waiter's own, so nobody else reads it).
 """
 
 from __future__ import annotations
@@ -110,6 +112,11 @@ class KV(Protocol):
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None: ...
 
     def delete(self, key: str) -> None: ...
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` soon, off the caller's path (a :class:`TorchKV`: the process's pulse
+        thread, at its next beat); a failed delete is dropped (it costs store memory only)."""
+        ...
 
     def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
         """The value of ``key`` once it is set (by ``deadline`` on :attr:`clock`, else
@@ -242,6 +249,9 @@ class TorchKV:
     def delete(self, key: str) -> None:
         self._run(lambda s: s.delete_key(key))
 
+    def discard(self, keys: Sequence[str]) -> None:
+        self.pulse.discard(keys)
+
     def batch(self, calls: Callable[[KV], Any]) -> Any:
         return self._run(lambda store: calls(_Direct(store, self.every)))
 
@@ -333,6 +343,13 @@ class _Direct:
 
     def delete(self, key: str) -> None:
         self._store.delete_key(key)
+
+    def discard(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            try:
+                self._store.delete_key(k)
+            except Exception as e:  # costs store memory only
+                log.debug("ckptlib: deleting a spent store key failed: %s", e)
 
     def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
         raise NotImplementedError("no waits from the worker or pulse threads")

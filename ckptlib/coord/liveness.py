@@ -5,7 +5,7 @@ Every process with a :class:`ckptlib.coord.torch_coordinator.TorchCoordinator` r
 thread, on a store connection of its own, that adds 1 to ``ckptlib/hb/<rank>`` every
 ``every`` seconds for the process's life (a rank still training before a save is alive), and
 runs the watches of the waits in progress (:meth:`ckptlib.coord.kv.KV.await_key`) at the same
-cadence. A watch reads heartbeats and judges them with a :class:`Judge`.
+cadence, and deletes the keys discarded since (:meth:`ckptlib.coord.kv.KV.discard`). A watch reads heartbeats and judges them with a :class:`Judge`.
 
 A :class:`Judge` names a rank silent when its counter has not moved for ``dead_after`` seconds
 *while this process's own counter, read the same way, moved* at least :data:`MIN_BEATS` times:
@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,7 @@ class Pulse:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._watches: list[Ticket] = []
+        self._litter: list[str] = []  # keys to delete at the next beat (KV.discard)
         conn = own_connection(store)
         self._kv = direct(conn, every)
         self._kv.add(hb_key(rank), 1)  # the key exists before anyone reads it (the caller then meets)
@@ -131,6 +133,11 @@ class Pulse:
             if ticket in self._watches:
                 self._watches.remove(ticket)
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` at the next beat (:meth:`ckptlib.coord.kv.KV.discard`)."""
+        with self._lock:
+            self._litter.extend(keys)
+
     def stalled(self) -> bool:
         """No beat has reached the store for ``limit`` seconds (store frozen, gone, or this
         thread stuck in a call to it)."""
@@ -147,6 +154,8 @@ class Pulse:
                 pass
             with self._lock:
                 tickets = [t for t in self._watches if t.failures is None]
+                litter, self._litter = self._litter, []
+            self._kv.discard(litter)
             for t in tickets:
                 try:
                     failures = t.watch(self._kv)

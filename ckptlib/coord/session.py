@@ -23,7 +23,20 @@ Leaving: :meth:`Session.close` (the ``with`` block's end) posts ``left/<rank>`` 
 rank's failures when it leaves on an error). The coordinator leaves last: it waits until every
 rank still alive has left, so no answer of the session vanishes with its process (its store)
 when it returns and exits at once; a coordinator leaving on an error first posts ``abort`` with
-its failures, which ends every wait on it. Every wait is bounded by its deadline and by the
+its failures, which ends every wait on it.
+
+Store memory stays bounded however many sessions a job runs: every key is deleted by the one
+rank that knows nobody reads it any more, right after a read that proves it
+(:meth:`KV.discard`: off the caller's path). The coordinator's wake key and its counter: once it has read
+the wake key (every rank has counted itself in). A key a non-coordinator posts (a report, a read
+receipt, ``left``): the coordinator reads it before it posts its next answer, so the rank
+deletes it once it reads that answer, in this session or the next. A rank's answer key: once it
+reads its next answer, not at once. Torch's TCPStore (libuv) can apply the first keys of a
+``multi_set`` twice when the request reaches it in pieces, so a key deleted right after it was
+read can come back; the coordinator's next answer is posted after that ``multi_set`` is done.
+The rank's list (``spent``) is kept by the coordinator object across its sessions. The
+coordinator deletes a long shared value once every rank has left. After a failure some keys stay
+behind (a few per failed session). Every wait is bounded by its deadline and by the
 liveness of whom it waits for: a rank that died, froze or left fails the others within the
 coordination timeout (``dead_after``), naming it.
 
@@ -68,7 +81,7 @@ class Session:
     """One session on one rank (module docstring). Made by ``Coordinator.session``."""
 
     def __init__(self, kv: KV | None, prefix: str, rank: int, world: int, *, deadline: float, dead_after: float,
-                 label: str, coord: Any = None, clock: Clock | None = None) -> None:
+                 label: str, coord: Any = None, clock: Clock | None = None, spent: list[str] | None = None) -> None:
         self.kv = kv
         self.clock: Clock = clock or (kv.clock if kv is not None else REAL_CLOCK)
         self.prefix, self.rank, self.world, self.label = prefix, rank, world, label
@@ -81,6 +94,11 @@ class Session:
         self._k = 0
         self._left: dict[int, dict[int, str] | None] = {}  # coordinator: who left, with what
         self._judge = Judge(dead_after)  # heartbeats seen in this session's waits (by their watches)
+        self._spent = spent if spent is not None else []
+        """Non-coordinators: the keys to delete once this rank reads its next answer: its last
+        answer key, and the keys it posted since (the coordinator's list, shared by its
+        sessions, so a session's last keys go with the next session's first take)."""
+        self._shared: list[str] = []  # coordinator: long shared values, deleted once every rank left
 
     # -- basics
     @property
@@ -154,6 +172,7 @@ class Session:
                 if b.add(key(f"{m}/n"), 1) == world - 1:
                     b.set(key(f"{m}/in"), b"1")
 
+            self._spent.append(key(f"{m}/r/{self.rank}"))
             try:
                 kv.batch(post)
             except StoreUnreachable:
@@ -161,7 +180,7 @@ class Session:
             return None
         others = list(range(1, self.world))
         self._await_ranks(f"{m}/in", lambda r: f"{m}/r/{r}", deadline, "did not arrive before the deadline",
-                          warn=not patient)
+                          warn=not patient, counter=f"{m}/n")
         got = [json.loads(t) for t in kv.multi_get([self._key(f"{m}/r/{r}") for r in others])]
         astray = {r: f"at another session's meeting ({label!r}, not {self.label!r})"
                   for r, (label, _v) in zip(others, got, strict=True) if label != self.label}
@@ -216,13 +235,14 @@ class Session:
         keys = [self._key(f"{m}/w/{r}") for r in range(1, self.world)]
         if len(set(texts[1:])) == 1 and len(texts[1]) > INLINE:  # one long value: stored once
             kv.set(self._key(f"{m}/all"), texts[1])
+            self._shared.append(self._key(f"{m}/all"))
             kv.multi_set(keys, [b"@"] * len(keys))
         else:
             kv.multi_set(keys, texts[1:])
         if receipts:
             try:
                 self._await_ranks(f"{m}/allread", lambda r: f"{m}/read/{r}", deadline, "did not read the answer",
-                                  until_all=True)
+                                  until_all=True, counter=f"{m}/nread")
             except CommitError as e:  # those ranks failed; the answer is posted all the same
                 log.debug("ckptlib: not every rank read %s: %s", m, e)
 
@@ -239,6 +259,8 @@ class Session:
                     b.set(key(f"{m}/allread"), b"1")
             return got
 
+        if receipts:
+            self._spent.append(key(f"{m}/read/{me}"))
         try:
             if raw == b"@" or receipts:
                 raw = kv.batch(rest)
@@ -271,8 +293,12 @@ class Session:
                 return _failures(json.loads(kv.get(abort))) or {0: "the coordinator left the session"}
             return None
 
+        kv = self._kv()
         try:
-            return self._kv().await_key(self._key(name), deadline or self.deadline, watch)
+            value = kv.await_key(self._key(name), deadline or self.deadline, watch)
+            kv.discard(self._spent)
+            self._spent[:] = [self._key(name)]  # deleted with the next answer (module docstring)
+            return value
         except Late:
             raise CommitTimeoutError(f"the coordinator (rank 0) did not {what} before the deadline",
                                      {0: "alive, but late"}) from None
@@ -284,9 +310,9 @@ class Session:
             raise CommitError(f"coordination failed during {self.label}: {UNREACHABLE}", {0: UNREACHABLE}) from None
 
     def _await_ranks(self, wake: str, posted: Callable[[int], str], deadline: float | None, late: str, *,
-                     warn: bool = False, until_all: bool = False) -> None:
+                     warn: bool = False, until_all: bool = False, counter: str) -> None:
         """Coordinator: wait for key ``wake`` (set by the last of the other ranks to post its
-        key ``posted(rank)``). While it waits, a rank that is silent (:class:`Judge`) or left
+        key ``posted(rank)`` and count itself in ``counter``; both are deleted once read). While it waits, a rank that is silent (:class:`Judge`) or left
         the session without posting is a failure: the wait ends with :class:`CommitError`
         naming it; ``until_all``: only once every rank still missing is such a rank (read
         receipts, leaving). ``warn``: log once when ranks alive but absent kept it waiting
@@ -326,6 +352,7 @@ class Session:
 
         try:
             kv.await_key(self._key(wake), deadline or self.deadline, watch)
+            kv.discard([self._key(wake), self._key(counter)])
         except Late:
             missing = _absent(kv, [self._key(posted(r)) for r in others], others)
             raise CommitTimeoutError(f"ranks {_short(missing)} {late}", {r: "late" for r in missing}) from None
@@ -368,6 +395,7 @@ class Session:
                 if kv.add(key("nleft"), 1) == world - 1:
                     kv.set(key("allleft"), b"1")
 
+            self._spent.append(key(f"left/{me}"))
             self.kv.post(leave, min(1.0, self.dead_after))  # a process exiting next must not lose it
             return
         # Normal end: the others are at the last meeting and leave within moments; wait for
@@ -380,9 +408,13 @@ class Session:
             except Exception:  # the others judge by heartbeats
                 pass
         try:  # the store lives in this process: leave last, so that nobody loses its last answer
-            self._await_ranks("allleft", lambda r: f"left/{r}", bound, "did not leave the session", until_all=True)
+            self._await_ranks("allleft", lambda r: f"left/{r}", bound, "did not leave the session", until_all=True,
+                              counter="nleft")
         except Exception as e:  # those ranks died or froze; nothing is left to tell them
             log.debug("ckptlib: leaving %s without waiting for every rank: %s", self.label, e)
+            return
+        if self._shared and error is None and not self.failed:  # every rank has read them
+            self.kv.discard(self._shared)
 
 
 def _plain(value: Any) -> bool:

@@ -83,6 +83,7 @@ class TorchCoordinator(Coordinator):
         self.kv = TorchKV(store, dead_after, self.pulse, name=f"ckptlib-store-{self.name}", host=_hosts(store))
         self._count = 0
         self._open: Session | None = None
+        self._spent: list[str] = []  # keys this rank posted, deleted with its next take (coord/session.py)
         weakref.finalize(self, _drop, self.pulse, self.kv)
 
     def session(self, label: str, deadline: float) -> Session:
@@ -91,7 +92,8 @@ class TorchCoordinator(Coordinator):
                                f"{label} instead of opening another")
         self._count += 1
         self._open = Session(self.kv, f"ckptlib/{self.name}/s{self._count}/", self.rank, self.world_size,
-                             deadline=deadline, dead_after=self.dead_after, label=label, coord=self)
+                             deadline=deadline, dead_after=self.dead_after, label=label, coord=self,
+                             spent=self._spent)
         return self._open
 
     def transfer(self, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],

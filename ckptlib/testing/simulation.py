@@ -415,6 +415,14 @@ class SimKV:
         self._call("delete")
         self.world.data.pop(key, None)
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Deleted at once (TorchKV's pulse deletes them at its next beat; at once is the
+        stricter schedule for anyone who would still read them); counted as round trips, at no
+        time to the caller."""
+        for k in keys:
+            self.world.calls[(self.rank, "delete")] += 1
+            self.world.data.pop(k, None)
+
     def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
         """One blocking call (as TorchKV's ``get``); the watch runs every heartbeat period,
         inline; a frozen store host blocks it up to the call limit (the pulse's stall check)."""
@@ -456,11 +464,12 @@ class SimCoordinator(Coordinator):
         self.dead_after = world.dead_after
         self.kv = SimKV(world, rank)
         self._count = 0
+        self._spent: list[str] = []
 
     def session(self, label: str, deadline: float) -> Session:
         self._count += 1
         return Session(self.kv, f"ckptlib/c1/s{self._count}/", self.rank, self.world_size, deadline=deadline,
-                       dead_after=self.dead_after, label=label, coord=self)
+                       dead_after=self.dead_after, label=label, coord=self, spent=self._spent)
 
     def transfer(self, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],
                  timeout: float) -> list[bytes]:

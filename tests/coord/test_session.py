@@ -66,8 +66,9 @@ def test_a_non_coordinator_posts_and_reads_a_constant_number_of_keys():
         most.append(max(sum(n for (r, op), n in w.calls.items() if r == q and op != "beat")
                         for q in range(1, world)))
     # At 2 ranks rank 1 is always the last to report (it also sets the coordinator's wake key):
-    # the most any rank does. At 12 ranks, no rank does more.
-    assert most[1] <= most[0] <= 12, most
+    # the most any rank does. At 12 ranks, no rank does more. 15 at most: 11 posts and reads,
+    # and the deletes of the keys it is done with (coord/session.py, "Store memory").
+    assert most[1] <= most[0] <= 15, most
 
 
 def test_a_rank_that_left_on_an_error_is_named_at_once_with_its_failure():

@@ -77,6 +77,25 @@ def sc_save(rank: int, world: int, root: str, args: dict) -> dict:
     return {"elapsed": time.monotonic() - t0}
 
 
+def sc_store_keys(rank: int, world: int, root: str, args: dict) -> dict:
+    """Saves of a manager; rank 0 (the store's host) counts the job store's keys after the first
+    ``args["first"]`` saves and again after all ``args["saves"]`` (tests/distributed/test_store_keys.py)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    state = make_state(world, rank, {})
+    counts = []
+    with ckptlib.CheckpointManager(os.path.join(root, "ck"), keep_last=2) as mgr:
+        for step in range(1, args["saves"] + 1):
+            mgr.save(step, state).wait(timeout=60)
+            if step in (args["first"], args["saves"]):
+                dist.barrier()
+                time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s)
+                counts.append(_get_default_store().num_keys() if rank == 0 else 0)
+                dist.barrier()
+    return {"keys": counts}
+
+
 def sc_load(rank: int, world: int, root: str, args: dict) -> dict:
     dims = args.get("dims", {})
     policy = args.get("per_rank", "error")
