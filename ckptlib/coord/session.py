@@ -31,9 +31,10 @@ rank that knows nobody reads it any more, right after a read that proves it
 the wake key (every rank has counted itself in). A key a non-coordinator posts (a report, a read
 receipt, ``left``): the coordinator reads it before it posts its next answer, so the rank
 deletes it once it reads that answer, in this session or the next. A rank's answer key: once it
-reads its next answer, not at once. Torch's TCPStore (libuv) can apply the first keys of a
-``multi_set`` twice when the request reaches it in pieces, so a key deleted right after it was
-read can come back; the coordinator's next answer is posted after that ``multi_set`` is done.
+reads its next answer, not at once: on busy ranks, an answer key deleted right after it was read
+was seen to come back with the same value though the coordinator's one ``multi_set`` wrote it
+once (torch 2.13's TCPStore; the cause is not known); the next answer comes from a later request
+on the coordinator's connection, after that ``multi_set``.
 The rank's list (``spent``) is kept by the coordinator object across its sessions. The
 coordinator deletes a long shared value once every rank has left. After a failure some keys stay
 behind (a few per failed session). Every wait is bounded by its deadline and by the
