@@ -12,7 +12,9 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   Store memory: the keys the job's store holds (``num_keys`` on rank 0, its host) after the
   saves minus before, per save (settled: counted after a barrier and half a second).
   Latency: the median seconds of ``save().wait()`` on rank 0 over ``--saves`` saves, and of one
-  meeting (an exchange in a session of its own) over 20 meetings. ``--tree DIR`` runs another
+  meeting (an exchange in a session of its own) over 20 meetings, measured in a second job of
+  the same saves without the counting wrapper (``save_s``, ``meeting_s``: what a user sees; the
+  counted job's own are ``counted_save_s``, ``counted_meeting_s``). ``--tree DIR`` runs another
   checkout's ckptlib (``PYTHONPATH``) under the same harness: the "before" columns.
 - ``sim``: the same save on W simulated ranks (ckptlib/testing/simulation.py; W = 256 ...
   4,096): the real save flow's store calls, counted per rank, and its virtual latency with a
@@ -83,7 +85,9 @@ class Counting:
         return call
 
 
-def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str, counted: bool) -> None:
+    """One rank. ``counted``: through the counting store and ``Thread.start``; else plain (the
+    latency a user sees: the counting wrapper adds a Python layer and a lock to every call)."""
     import torch
     import torch.distributed as dist
 
@@ -96,7 +100,6 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
             counts["threads"] += 1
         start_thread(self, *a, **k)
 
-    threading.Thread.start = counted_start  # type: ignore[method-assign]
     import ckptlib
     import ckptlib.coord.torch_coordinator as tc
 
@@ -108,7 +111,9 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
             wrapped["s"] = Counting(real(), counts, lock)
         return wrapped["s"]
 
-    tc._default_store = counted_store
+    if counted:
+        threading.Thread.start = counted_start  # type: ignore[method-assign]
+        tc._default_store = counted_store
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
@@ -174,26 +179,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _job(world: int, saves: int, mib: float, tree: str | None, where: str | None, counted: bool,
+         ) -> list[dict[str, Any]]:
+    """One job of ``world`` ranks: every rank's result (``worker``)."""
+    with tempfile.TemporaryDirectory(dir=where) as d:
+        port = _free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
+        if tree:
+            env["PYTHONPATH"] = os.path.abspath(tree)
+        procs = [subprocess.Popen([sys.executable, __file__, "_worker", str(r), str(world), str(port), d + "/ck",
+                                   str(mib), str(saves), d + "/out", "counted" if counted else "plain"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+        logs = [p.communicate(timeout=1800)[0].decode(errors="replace") for p in procs]
+        results = []
+        for r in range(world):
+            try:
+                with open(f"{d}/out.{r}.json") as f:
+                    results.append(json.load(f))
+            except FileNotFoundError:
+                raise SystemExit(f"world {world}: rank {r} wrote no result:\n{logs[r][-3000:]}") from None
+    return results
+
+
 def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str | None = None,
          ) -> list[dict[str, Any]]:
+    """Per world: the counted job (store traffic, threads, keys; its latencies are through the
+    counting wrapper), then a plain job of the same saves (the latencies a user sees)."""
     rows = []
     for world in worlds:
-        with tempfile.TemporaryDirectory(dir=where) as d:
-            port = _free_port()
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
-            if tree:
-                env["PYTHONPATH"] = os.path.abspath(tree)
-            procs = [subprocess.Popen([sys.executable, __file__, "_worker", str(r), str(world), str(port), d + "/ck",
-                                       str(mib), str(saves), d + "/out"], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT) for r in range(world)]
-            logs = [p.communicate(timeout=1800)[0].decode(errors="replace") for p in procs]
-            results = []
-            for r in range(world):
-                try:
-                    with open(f"{d}/out.{r}.json") as f:
-                        results.append(json.load(f))
-                except FileNotFoundError:
-                    raise SystemExit(f"world {world}: rank {r} wrote no result:\n{logs[r][-3000:]}") from None
+        results = _job(world, saves, mib, tree, where, counted=True)
+        plain = _job(world, saves, mib, tree, where, counted=False)
         coord, others = results[0]["per_save"], [x["per_save"] for x in results[1:]]
 
         def avg(key: str, others: list[dict[str, float]] = others) -> float:
@@ -201,14 +216,19 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
 
         row = {
             "source": "real", "tree": tree or "HEAD", "world": world,
-            "save_s": statistics.median(results[0]["save_s"]),
-            "meeting_s": statistics.median(results[0]["meeting_s"]),
+            "save_s": statistics.median(plain[0]["save_s"]),
+            "meeting_s": statistics.median(plain[0]["meeting_s"]),
+            "counted_save_s": statistics.median(results[0]["save_s"]),
+            "counted_meeting_s": statistics.median(results[0]["meeting_s"]),
+            "cpu_s_plain": {"coordinator": round(plain[0]["per_save"]["cpu_s"], 4),
+                            "other_mean": round(statistics.mean(x["per_save"]["cpu_s"] for x in plain[1:]), 4)},
             "coordinator": {k: round(v, 2) for k, v in coord.items()},
             "other_mean": {k: round(avg(k), 2) for k in sorted({k for o in others for k in o})},
             "other_max_calls": max(o.get("calls", 0) for o in others),
         }
         rows.append(row)
-        print(f"{row['tree']} world={world}: save {row['save_s']:.3f}s, meeting {row['meeting_s'] * 1000:.1f}ms | "
+        print(f"{row['tree']} world={world}: save {row['save_s']:.3f}s, meeting {row['meeting_s'] * 1000:.1f}ms "
+              f"(counted: {row['counted_save_s']:.3f}s, {row['counted_meeting_s'] * 1000:.1f}ms) | "
               f"coordinator {coord.get('calls', 0):.0f} calls, {coord.get('bytes', 0) / 1024:.1f} KiB, "
               f"{coord.get('connections', 0):.1f} new conns, {coord.get('threads', 0):.1f} threads | other ranks "
               f"{avg('calls'):.1f} calls, {avg('bytes') / 1024:.1f} KiB, {avg('connections'):.1f} new conns, "
@@ -284,6 +304,10 @@ def plot(paths: list[str], out: str) -> None:
                label=f"save ({label})")
         b.plot([r["world"] for r in real_rows], [r["meeting_s"] * 1000 for r in real_rows], "s--",
                label=f"one exchange ({label})")
+        counted = [r for r in real_rows if "counted_save_s" in r]
+        if counted:  # like for like with runs that measured latency through the counter only
+            b.plot([r["world"] for r in counted], [r["counted_save_s"] * 1000 for r in counted], "^:",
+                   label=f"save, through the counter ({label})")
     a.set(xscale="log", yscale="log", xlabel="ranks (2-32 real, 256-4,096 simulated)", ylabel="store round trips per save",
           title="Store traffic per save")
     b.set(xscale="log", yscale="log", xlabel="ranks (real, on 2 cores)", ylabel="ms", title="Latency on this machine")
@@ -301,7 +325,7 @@ def plot(paths: list[str], out: str) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         a = sys.argv[2:]
-        worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6])
+        worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6], a[7] == "counted")
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -80,7 +80,9 @@ def _job(
         with open(root / f"log-{scenario}-{env['RANK']}.txt", "w") as log:
             return subprocess.Popen([sys.executable, *cmd], env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    env = {"DS_ACCELERATOR": "cpu", "CKPTLIB_COORD_TIMEOUT": "6", "PYTHONWARNINGS": "ignore"}
+    tmp = root / f"tmp-{scenario}"  # the ranks' temporary files (killed ranks' too) stay in the test's folder
+    tmp.mkdir(exist_ok=True)
+    env = {"DS_ACCELERATOR": "cpu", "CKPTLIB_COORD_TIMEOUT": "6", "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp)}
     procs = launcher.start(argv, world, env=env, spawn=spawn)
     waited = list(range(world)) if survivors is None else survivors
     if not launcher.wait_exit(procs, waited, timeout):
@@ -366,6 +368,27 @@ def test_import_does_not_import_deepspeed():
         "import sys, ckptlib, ckptlib.integrations.deepspeed; assert 'deepspeed' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_load_tokens_leave_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """The empty files standing for a tag's files during ``load_checkpoint`` are removed with
+    their folder when the load ends, not at interpreter exit (which a process killed or leaving
+    with ``os._exit`` after a load never reaches)."""
+    import tempfile
+
+    from ckptlib.coord.coordinator import LocalCoordinator
+    from ckptlib.integrations.deepspeed.engine import EngineMixin
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ce = EngineMixin(None, coordinator=LocalCoordinator(), step_fn=int, previous=None, manager_options={},
+                     storage_options=None)
+    for _load in range(2):
+        ce.forget_views()  # as at the start of load_checkpoint
+        tokens = [ce.token(str(tmp_path / "ckpt"), "global_step4", f"mp_rank_0{i}_model_states.pt") for i in range(2)]
+        assert all(os.path.isfile(t) for t in tokens)
+        assert all(Path(t).is_relative_to(tmp_path) and "ckptlib-deepspeed-" in t for t in tokens)
+        ce.forget_views()  # as at the end
+        assert not list(tmp_path.glob("ckptlib-deepspeed-*")), "a load left its token folder behind"
 
 
 def test_value_conversion_roundtrip():

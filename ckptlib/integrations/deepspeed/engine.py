@@ -94,6 +94,7 @@ class EngineMixin:
     _pending: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _views: dict[tuple[str, str], TagView] = field(default_factory=dict, init=False, repr=False)
     _token_dir: str | None = field(default=None, init=False, repr=False)
+    _token_cleanup: weakref.finalize | None = field(default=None, init=False, repr=False)
     _tokens: dict[str, tuple[str, str, str]] = field(default_factory=dict, init=False, repr=False)
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _into: Any = field(default=None, init=False, repr=False)
@@ -270,11 +271,13 @@ class EngineMixin:
         DeepSpeed's model-state loader asserts ``os.path.exists`` on the paths it is given,
         and ours are not on the local disk. The engine's ``_get_all_ckpt_names`` (patched by
         :func:`install`) hands out these tokens instead, and :meth:`load` maps a token back.
-        They live in a private temporary folder, never in the user's checkpoint folders.
+        They live in a private temporary folder, never in the user's checkpoint folders, which
+        :meth:`forget_views` removes at the end of every ``load_checkpoint`` (and this engine's
+        finalizer, at the latest, at interpreter exit).
         """
         if self._token_dir is None:
             self._token_dir = tempfile.mkdtemp(prefix="ckptlib-deepspeed-")
-            weakref.finalize(self, shutil.rmtree, self._token_dir, True)
+            self._token_cleanup = weakref.finalize(self, shutil.rmtree, self._token_dir, True)
         folder = os.path.join(self._token_dir, str(len(self._tokens)))
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, name)
@@ -297,14 +300,15 @@ class EngineMixin:
 
     def forget_views(self) -> None:
         """Start and end of every ``load_checkpoint``: drop cached manifests, loaded state
-        dicts and old tokens."""
+        dicts and the tokens with their folder (a process that is killed or leaves with
+        ``os._exit`` after a load leaves nothing in the temporary folder)."""
         self._views.clear()
         self._loaded.clear()
         self._reshards.clear()
-        for path in self._tokens:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
         self._tokens.clear()
+        if self._token_cleanup is not None:
+            self._token_cleanup()  # removes the folder once; the next token makes a new one
+            self._token_cleanup = self._token_dir = None
 
     # -- the rest of DeepSpeed's interface
     def is_decoupled(self) -> bool:
