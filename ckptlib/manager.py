@@ -28,11 +28,13 @@ from typing import Any, Literal, overload
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, open_storage
+from ckptlib.backends.posix import PosixStorage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import options as argcheck
 from ckptlib.engine import resume, retire
 from ckptlib.engine import save as save_flow
 from ckptlib.engine.load import LoadResult
+from ckptlib.engine.mapped_arena import Ring
 from ckptlib.engine.overlap import SnapshotGate, deferred_mask
 from ckptlib.engine.preemption import FinalCheckpoint, PreemptionWatcher
 from ckptlib.engine.scan import StepInfo, scan
@@ -293,6 +295,8 @@ class CheckpointManager:
         node = node_index()
         self._tier = tier_local.LocalTier(open_storage(local_root(os.fspath(local), node)), node, replicas, jump,
                                           keep_last)
+        if isinstance(self._tier.storage, PosixStorage) and self._tier.storage.memory:  # one copy per save
+            self._stager.ring = Ring(self._tier.storage.root, self.coordinator.rank, keep_last + 2)
         nice = self.options.persist_nice
         self._drainer = Drainer(self._tier, self.storage, drain_coordinator(self.coordinator),
                                 timeout=self.options.save_timeout, rate=rate,
@@ -400,7 +404,9 @@ class CheckpointManager:
 
         deadline = time.monotonic() + self.options.snapshot_timeout
         deferred = deferred_mask(state, flat) if self.options.overlap else None
-        snap = self._stager.begin(flat, deferred)
+        direct = self._tier is not None and (self.coordinator.world_size == 1 or
+                                             not any(it.replicated for it in flat.items))  # all written here
+        snap = self._stager.begin(flat, deferred, direct)
         handle._snapshot = snap
         self._handles.append(handle)
         self._active_ids.add(save_id)
@@ -461,6 +467,7 @@ class CheckpointManager:
                 tier_local.save_local(
                     self._tier, layout.step_dir(step), flat, step=step, metadata=metadata, options=opts,
                     coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
+                    arena=None if snap is None else snap.arena,
                 )
                 self._after_local_commit(handle, save_id)
             else:

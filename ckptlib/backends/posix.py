@@ -96,6 +96,17 @@ except OSError:  # pragma: no cover - exotic platforms
     _renameat2 = _sync_file_range = None
 
 
+def _rename_noreplace(src: str, dst: str) -> int:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists: 0, or -1 with ``ctypes.get_errno()``."""
+    assert _renameat2 is not None
+    return int(_renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE))
+
+
+rename_noreplace: Callable[[str, str], int] | None = None if _renameat2 is None else _rename_noreplace
+"""Linux ``renameat2(RENAME_NOREPLACE)`` (None where the C library lacks it): the spares'
+moves here and the mapped arenas' (ckptlib/engine/mapped_arena.py)."""
+
+
 def _storage_error(op: str, path: str, e: OSError) -> StorageError:
     err = StorageError(e.errno, f"{op} {path}: {e.strerror or e}")
     err.filename = path
@@ -254,14 +265,14 @@ class PosixStorage(Storage):
         existing ``full`` (``FileExistsError``, as ``O_EXCL`` would); two writers never get the
         same spare (the loser's rename finds nothing)."""
         name = self._spare_name(path)
-        if name is None or _renameat2 is None:
+        if name is None or rename_noreplace is None:
             return -1
         src = os.path.join(self.root, SPARE_DIR, name)
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
         except OSError as e:
             raise _storage_error("create", full, e) from e
-        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(full), _RENAME_NOREPLACE) != 0:
+        if rename_noreplace(src, full) != 0:
             if ctypes.get_errno() == errno.EEXIST:
                 raise FileExistsError(errno.EEXIST, "already exists", full)
             return -1

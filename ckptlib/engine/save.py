@@ -36,13 +36,15 @@ import torch
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, deadline_scope
+from ckptlib.backends.posix import PosixStorage
 from ckptlib.coord.coordinator import Coordinator, LocalCoordinator
 from ckptlib.coord.session import Session, detail
 from ckptlib.engine import commit, wire
 from ckptlib.engine import options as argcheck
 from ckptlib.engine.checks import StateChecks, digests_agree, mismatches
 from ckptlib.engine.gc_pause import paused_gc
-from ckptlib.engine.writer import ChunkJob, split_chunks, write_files, write_index
+from ckptlib.engine.mapped_arena import Arena
+from ckptlib.engine.writer import ChunkJob, adopt_arena, split_chunks, write_files, write_index
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
@@ -296,19 +298,25 @@ class SaveSession:
         chunked by ``options.chunk_bytes``; copied to CPU only when needed."""
         return split_chunks(name, cpu_contiguous(tensor), offset, self.options.chunk_bytes)
 
-    def write(self, jobs: list[ChunkJob], tag: str | None = None) -> list[Any]:
+    def write(self, jobs: list[ChunkJob], tag: str | None = None, arena: Arena | None = None) -> list[Any]:
         """This rank: write ``jobs`` into new payload files (checksummed, compressed per
         ``options``) and remember them for :meth:`collect`; returns their write records.
         ``tag``: the files' tag (default: one per call, so rounds get names of their own).
+        ``arena``: ``jobs`` lie in this mapped arena (all this rank writes): adopted as the file
+        when the storage is its memory root (engine/writer.py ``adopt_arena``).
         Raises on failure; the caller then passes the error to :meth:`finish`/:meth:`collect`,
         which fails the save on every rank."""
         if tag is None:
             tag = f"p{self._writes}" if self._writes else ""
             self._writes += 1
+        st, opts = self.storage, self.options
         with self.bounded():
-            files, written = write_files(
-                self.storage, self.prefix, self.session.rank, jobs, compression=self.options.compression,
-                num_files=self.options.num_files, tag=tag, timeout=self.left(),
+            adopted = adopt_arena(arena, st.root, self.prefix, self.session.rank, jobs) if (
+                arena is not None and tag == "" and isinstance(st, PosixStorage) and st.memory
+                and st.root == arena.ring.root and opts.compression is None) else None
+            files, written = adopted or write_files(
+                st, self.prefix, self.session.rank, jobs, compression=opts.compression,
+                num_files=opts.num_files, tag=tag, timeout=self.left(),
             )
         self._files += files
         self._chunks += written
@@ -603,6 +611,7 @@ def persist(
     placement: Placement | None = None,
     before_write: Callable[[SaveSession, int], None] | None = None,
     after_write: Callable[[SaveSession, BaseException | None], BaseException | None] | None = None,
+    arena: Arena | None = None,
 ) -> SaveResult:
     """The one save flow, every rank: begin, plan who writes what, write, finish.
     ``session``: the caller's flow's (else the save opens its own on ``coordinator``).
@@ -613,7 +622,7 @@ def persist(
     bytes go; what runs once the plan is known, given the bytes this rank will write (collective:
     the memory tier's room check; what it raises fails the save); and what runs after this
     rank's writes and before the commit (its replicas), given this rank's write error and
-    returning it (or its own)."""
+    returning it (or its own). ``arena``: see :func:`write_state`."""
     meta_tree = encode_metadata(metadata)
     coord = session.coord if session is not None else coordinator
     proposal = None  # format v2's grid proposal, sent with the opening (the coordinator's matters)
@@ -622,7 +631,7 @@ def persist(
     save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
                              save_id=save_id, created=created, placement=placement, proposal=proposal)
     try:
-        error = write_state(save, flat, rounds, before_write)
+        error = write_state(save, flat, rounds, before_write, arena)
         if after_write is not None:
             error = after_write(save, error)
         shapes = {it.name: it.global_shape for it in flat.items}
@@ -634,10 +643,12 @@ def persist(
 
 
 def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[TensorItem]] | None = None,
-                before_write: Callable[[SaveSession, int], None] | None = None) -> BaseException | None:
+                before_write: Callable[[SaveSession, int], None] | None = None,
+                arena: Arena | None = None) -> BaseException | None:
     """Every rank (collective: the plan), between ``begin`` and ``finish``: plan who writes
     what and write this rank's part (``rounds``: see :func:`persist`). Returns this rank's
-    write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save."""
+    write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save.
+    ``arena``: ``flat`` lies in this mapped arena; adopted when this rank writes all of it."""
     session.v2 = session.options.writes_v2(session.session.world)
     items = _plan(session, flat.items)
     mine = {it.name for it in items}
@@ -654,7 +665,8 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
                         for j in session.split(it.name, it.tensor, it.global_offset)]
                 rep = [j for it in rnd if apart and it.replicated and it.name in mine
                        for j in session.split(it.name, it.tensor, it.global_offset)]
-            session.write(jobs)
+            whole = arena is not None and rounds is None and not rep and len(jobs) and len(items) == len(flat.items)
+            session.write(jobs, arena=arena if whole else None)
             if rep:
                 session.write(rep, tag=REP_TAG)
     except Exception as e:  # any failure must still reach the commit protocol and abort

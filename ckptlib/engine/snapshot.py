@@ -27,6 +27,7 @@ import torch
 
 from ckptlib.engine import hugepages, staging_cuda
 from ckptlib.engine.gc_pause import paused_gc
+from ckptlib.engine.mapped_arena import Arena, Ring
 from ckptlib.errors import CheckpointError, CommitTimeoutError
 from ckptlib.plan.flatten import FlatState, TensorItem
 
@@ -79,20 +80,29 @@ class Stager:
         self._arena: torch.Tensor | None = None
         self._plan_key: tuple | None = None
         self._plan: _Plan | None = None
+        self.ring: Ring | None = None
+        """A memory tier's mapped arenas (set by the manager; ckptlib/engine/mapped_arena.py)."""
+        self._sized: tuple[tuple | None, bool, int] = (None, False, 0)
+        """(plan key, mappable, arena bytes) of the last plan asked for a mapped arena."""
 
     @property
     def nbytes(self) -> int:
-        """Bytes of staging memory currently held."""
-        return 0 if self._arena is None else self._arena.numel()
+        """Bytes of staging memory currently held (mapped arenas not adopted by a step included)."""
+        return (0 if self._arena is None else self._arena.numel()) + (0 if self.ring is None else self.ring.held)
 
     def release(self) -> None:
         """Drop the arena (``close()``). A later save allocates a new one."""
         self._arena = self._plan = self._plan_key = None
+        if self.ring is not None:
+            self.ring.release()
 
     # ------------------------------------------------------------------ planning
-    def begin(self, flat: FlatState, deferred: Sequence[bool] | None = None) -> Snapshot:
+    def begin(self, flat: FlatState, deferred: Sequence[bool] | None = None, direct: bool = False) -> Snapshot:
         """Plan this save's staging and return its :class:`Snapshot` (nothing copied yet;
-        training thread). ``deferred[i]``: staged after ``save()`` returns (overlap mode)."""
+        training thread). ``deferred[i]``: staged after ``save()`` returns (overlap mode).
+        ``direct``: the save may adopt its staging memory as its payload file (a memory tier,
+        this rank writing all it stages): staged in a mapped arena of :attr:`ring` when the
+        state is on the CPU and fits the budget (:attr:`Snapshot.arena`), else as usual."""
         items = flat.items
         defer = list(deferred) if deferred is not None else [False] * len(items)
         with paused_gc():  # a few objects per tensor: see engine/gc_pause.py
@@ -104,12 +114,22 @@ class Stager:
                     for t in (it.tensor,)
                 ],
             )
-            if key != self._plan_key or self._plan is None:
-                self._plan = None  # let a replaced arena go before allocating a new one
-                plan = self._make_plan(items, defer)
-                self._attach(plan, items)
-                self._plan, self._plan_key = plan, key
-            plan = self._plan
+            arena = self._mapped(key, items, defer) if direct and self.ring is not None else None
+            if arena is not None:
+                if arena.plan is None or arena.plan[0] != key:  # its first use with this layout
+                    arena.plan = None
+                    fresh = self._make_plan(items, defer)
+                    self._attach(fresh, items, arena.tensor)
+                    arena.plan = (key, fresh)
+                plan = arena.plan[1]
+                self._arena = self._plan = self._plan_key = None  # no ordinary arena beside it
+            else:
+                if key != self._plan_key or self._plan is None:
+                    self._plan = None  # let a replaced arena go before allocating a new one
+                    plan = self._make_plan(items, defer)
+                    self._attach(plan, items, self._ordinary(plan))
+                    self._plan, self._plan_key = plan, key
+                plan = self._plan
             srcs: list[list[torch.Tensor]] = []
             for rnd in plan.rounds:
                 row: list[torch.Tensor] = []
@@ -123,6 +143,7 @@ class Stager:
         else:
             staged_flat = FlatState(flat.tree, staged_items, flat.per_rank)
         snap = Snapshot(plan, srcs, staged_flat)
+        snap.arena = arena
         if plan.pinned:
             devices = sorted({it.tensor.device for it in items if it.tensor.device.type == "cuda"}, key=str)
             snap.ready = staging_cuda.mark_ready(devices)
@@ -168,12 +189,24 @@ class Stager:
                 p.offset += (k % 2) * region
         return _Plan(rounds, sync_rounds, 2 * region, True, pinned, [], [])
 
-    def _attach(self, plan: _Plan, items: list[TensorItem]) -> None:
-        """Point the plan's pieces at arena views (reusing the arena when big enough)."""
+    def _mapped(self, key: tuple, items: list[TensorItem], defer: list[bool]) -> Arena | None:
+        """A mapped arena for this layout (None: pinned or streamed staging, or no room)."""
+        assert self.ring is not None
+        if self._sized[0] != key:
+            p = self._make_plan(items, defer)
+            self._sized = (key, not (p.pinned or p.streaming), p.arena_bytes)
+        return self.ring.take(self._sized[2]) if self._sized[1] else None
+
+    def _ordinary(self, plan: _Plan) -> torch.Tensor:
+        """The ordinary arena, reused when big enough and of the right kind."""
         arena = self._arena
         if arena is None or arena.numel() < plan.arena_bytes or arena.is_pinned() != plan.pinned:
             self._arena = None
             arena = self._arena = _alloc(plan.arena_bytes, plan.pinned)
+        return arena
+
+    def _attach(self, plan: _Plan, items: list[TensorItem], arena: torch.Tensor) -> None:
+        """Point the plan's pieces at views of ``arena``."""
         for rnd in plan.rounds:
             dsts: list[torch.Tensor] = []
             staged: list[TensorItem] = []
@@ -240,6 +273,8 @@ class Snapshot:
         self._error: BaseException | None = None
         self._writer_done = False
         self.copy_seconds = 0.0
+        self.arena: Arena | None = None
+        """The mapped arena this snapshot lies in (:meth:`Stager.begin` with ``direct``), else None."""
         self.ready: dict[torch.device, object] | None = None
         """CUDA only: per device, an event recorded on the training thread's stream in
         ``save()``; copies from any thread start after it."""

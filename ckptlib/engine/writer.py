@@ -8,11 +8,14 @@ balances units over ``num_files`` files; :func:`write_files` writes them concurr
 thread per file, small writes gathered in a reused staging buffer (``pack_bytes`` per thread),
 large raw chunks straight from tensor memory, everything checksummed and 64-byte aligned.
 ``close()`` makes each file durable; any failure aborts the file and propagates.
+:func:`adopt_arena` is the other way to a payload file, for a memory tier whose snapshot lies in
+a mapped arena already (ckptlib/engine/mapped_arena.py): checksum in place, then rename.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,6 +25,7 @@ import torch
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join
 from ckptlib.engine.bytes_view import Box, as_bytes
+from ckptlib.engine.mapped_arena import Arena
 from ckptlib.engine.pool import cpu_share, run_all
 from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
@@ -249,6 +253,29 @@ def write_files(
     return files, chunks
 
 
+def adopt_arena(
+    arena: Arena, root: str, prefix: str, rank: int, jobs: list[ChunkJob], *, algorithm: str = "xxh3_64"
+) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]] | None:
+    """Make ``arena`` this rank's payload file 0 under ``prefix`` (``root``: the storage root on
+    the arena's memory file system), ``jobs`` (split from views of the arena) recorded where they
+    lie, each checksummed there (one read pass, no write). Same names and records as
+    :func:`write_files` with raw chunks, one chunk per job (no packs). None, with nothing done,
+    when a job's bytes are not in the arena (the caller then writes them with
+    :func:`write_files`). Called by ``SaveSession.write`` on the persist thread; raises
+    :class:`~ckptlib.errors.StorageError` when the staging folder is gone."""
+    path = join(prefix, layout.payload_name(rank, "", 0))
+    base, size = arena.base, arena.nbytes
+    out: list[WrittenChunk | WrittenPack] = []
+    for j in jobs:
+        start = j.tensor.data_ptr() - base if j.nbytes else 0
+        if not (start >= 0 and start + j.nbytes <= size and j.tensor.is_contiguous()):
+            return None
+        out.append(WrittenChunk(j.name, path, start, j.nbytes, checksum(as_bytes(j.tensor), algorithm), j.offset,
+                                j.shape, "raw", j.dtype))
+    crashpoints.point("write", rank)  # checksummed, not adopted: the file is still the arena's
+    arena.ring.adopt(arena, os.path.join(root, path))
+    crashpoints.point("write", rank)
+    return [(path, size)], out
 
 
 def write_index(

@@ -37,6 +37,7 @@ from ckptlib.backends.posix import free_bytes
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import retire
+from ckptlib.engine.mapped_arena import Arena
 from ckptlib.engine.save import Placement, SaveOptions, SaveResult, SaveSession, persist
 from ckptlib.errors import CommitError
 from ckptlib.format import layout
@@ -94,11 +95,13 @@ def save_local(
     created: float,
     rounds: Iterable[list[TensorItem]] | None = None,
     metrics: dict[str, float] | None = None,
+    arena: Arena | None = None,
 ) -> SaveResult:
     """Save ``flat`` as ``final`` on the local tier (module docstring): the one save flow
     (:func:`ckptlib.engine.save.persist`) on this node's local storage, placed across the nodes
     and with the replica stream after the writes. Every rank. ``metrics``: recorded in the
-    manifest (``keep_best``)."""
+    manifest (``keep_best``). ``arena``: the memory tier's mapped arena ``flat`` lies in
+    (ckptlib/engine/mapped_arena.py), adopted as this rank's payload file when it writes all."""
     coord, local = coordinator, tier.storage
     with coord.session("tier save", coord.deadline(options.timeout)) as s:
         topo = tier.topo(s, options.timeout)
@@ -141,33 +144,38 @@ def save_local(
 
         def room(save: SaveSession, planned: int) -> None:
             if not tier.room_checked:
-                check_room(tier, s, topo, planned)
+                check_room(tier, s, topo, planned, 0 if arena is None else arena.nbytes)
                 tier.room_checked = True
 
         return persist(local, final, flat, step=step, metadata=metadata, options=opts, session=s, save_id=save_id,
                        created=created, rounds=rounds, metrics=metrics, placement=placement, before_write=room,
-                       after_write=replicate)
+                       after_write=replicate, arena=arena)
 
 
-def check_room(tier: LocalTier, s: Session, topo: Topology, planned: int) -> None:
+def check_room(tier: LocalTier, s: Session, topo: Topology, planned: int, held: int = 0) -> None:
     """Every rank (collective: one consult), in the first tier save, once the plan is known
-    (``planned``: the bytes this rank writes): every node whose local root is a memory file
-    system (tmpfs) must have room for ``local_keep_last + 1`` copies of what it holds per step
-    (its ranks' files and the replicas it keeps for its peers). Raises :class:`CommitError`
-    on every rank, saying what is missing where, before anything is written."""
+    (``planned``: the bytes this rank writes; ``held``: the bytes of its mapped arena, already
+    on the memory root and counted as the step in flight): every node whose local root is a
+    memory file system (tmpfs) must have room for ``local_keep_last + 1`` copies of what it
+    holds per step (its ranks' files and the replicas it keeps for its peers). Raises
+    :class:`CommitError` on every rank, saying what is missing where, before anything is written."""
     mine = [planned, free_bytes(tier.storage.url) if topo.is_leader(s.rank) and tier.storage.memory else None,
-            tier.storage.url]
+            tier.storage.url, held]
     copies = tier.keep_last + 1
 
     def decide(reports: list[Any]) -> list[Any]:
         need: dict[int, int] = {}
-        for r, (nbytes, _free, _url) in enumerate(reports):
+        held_on: dict[int, int] = {}
+        for r, (nbytes, _free, _url, arena) in enumerate(reports):
             need[topo.nodes[r]] = need.get(topo.nodes[r], 0) + int(nbytes)
+            held_on[topo.nodes[r]] = held_on.get(topo.nodes[r], 0) + int(arena)
         for src, dst in topo.pairs(tier.replicas, tier.jump):
             need[topo.nodes[dst]] += int(reports[src][0])
         short = []
-        for r, (_n, free, url) in enumerate(reports):
+        for r, (_n, free, url, _h) in enumerate(reports):
             node = topo.nodes[r]
+            if free is not None:
+                free += held_on[node]
             if free is not None and need[node] * copies > free:
                 short.append(f"node {node}'s memory tier {url} has {_gib(free)} free; local_keep_last + 1 = {copies} "
                              f"copies of what it holds per step ({_gib(need[node])}: its ranks' files and the "

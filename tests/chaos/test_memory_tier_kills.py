@@ -1,0 +1,77 @@
+"""Kills while a memory tier adopts its snapshot as the payload file (ckptlib/engine/mapped_arena.py).
+
+One rank, one node, local tier under /dev/shm, a state with an 8 MiB shard (tests/workers/tiers_worker.py,
+``big``): every save's snapshot lands in a mapped arena file that the save renames into its staging
+folder. The rank is SIGKILLed at a phase of its 2nd (or 3rd) save; a fresh process then restores the
+newest committed step bit for bit, every committed copy passes ``ckptlib verify``, and the next save
+commits and leaves neither a staging folder nor the dead process's arena file behind."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+from distributed.test_tiers import finish_job, start_job
+
+from ckptlib.engine.mapped_arena import ARENA_DIR
+
+from .test_tier_kills import scan_tiers
+
+pytestmark = pytest.mark.chaos
+
+CASES = [("snapshot", 2), ("write", 1), ("write", 2), ("write", 3), ("write", 4), ("local_write", 2),
+         ("local_commit", 2), ("local_retention", 1), ("local_retention", 2)]
+"""``write`` is reached twice per save: checksummed but not adopted (odd), then adopted (even)."""
+
+
+@pytest.fixture
+def shm_node(tmp_path: Path):
+    shm = Path("/dev/shm") / f"ckptlib-chaos-{uuid.uuid4().hex[:10]}"
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    (shm / "node0").mkdir(parents=True)
+    (tmp_path / "node0").symlink_to(shm / "node0")
+    try:
+        yield tmp_path / "node0"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _job(tmp_path: Path, args: dict, kill: str | None = None) -> list:
+    env = {0: {"CKPTLIB_TEST_KILL_AT": kill}} if kill else None
+    return finish_job(*start_job(tmp_path, [0], args, rank_env=env))
+
+
+@pytest.mark.parametrize(("phase", "nth"), CASES, ids=[f"{p}-n{n}" for p, n in CASES])
+def test_kill_while_the_memory_tier_adopts_its_snapshot(tmp_path: Path, shm_node: Path, phase: str, nth: int) -> None:
+    persist = tmp_path / "persist"
+    args = {"url": str(persist), "local": str(tmp_path / "node{node}"), "persist_every": 2, "big": True}
+    (o,) = _job(tmp_path, {**args, "mode": "save", "steps": [1, 2, 3]}, kill=f"{phase}:0::{nth}")
+    assert o.result is None and o.returncode == -signal.SIGKILL, f"not killed at {phase}:\n{o.log}"
+    committed = [int(s) for s in (next(tmp_path.glob("job-*")) / "committed-0.txt").read_text().split()] \
+        if (next(tmp_path.glob("job-*")) / "committed-0.txt").exists() else []
+    left_arenas = list((shm_node / ARENA_DIR).iterdir()) if (shm_node / ARENA_DIR).exists() else []
+    if phase == "write":
+        assert bool(left_arenas) == (nth % 2 == 1), left_arenas  # killed holding its arena, or after adopting it
+    after_kill = scan_tiers(tmp_path, persist)
+    assert not after_kill.half_visible and not after_kill.not_whole, (after_kill.half_visible, after_kill.not_whole)
+
+    (r,) = _job(tmp_path, {**args, "mode": "resume"})
+    assert r.result is not None and "crash" not in r.result, r.log
+    got = r.result["restored"]
+    if committed:  # the newest step the killed job saw committed, or the one it was saving
+        assert got is not None and got >= max(committed) and r.result["bitwise"], (r.result, committed)
+    else:  # killed in its first save: nothing, or that save if it committed before the kill
+        assert got is None or r.result["bitwise"], r.result
+
+    (s,) = _job(tmp_path, {**args, "mode": "save", "steps": [4]})
+    assert s.result is not None and "crash" not in s.result, s.log
+    after = scan_tiers(tmp_path, persist)
+    assert not after.half_visible and not after.not_whole
+    left = [p.name for p in shm_node.iterdir() if ".tmp-" in p.name or ".del-" in p.name]
+    assert not left, left
+    arenas = sorted(p.name for p in (shm_node / ARENA_DIR).iterdir()) if (shm_node / ARENA_DIR).exists() else []
+    assert not arenas, arenas  # the dead process's arena went; the clean job's own went with its close()
