@@ -78,7 +78,9 @@ def test_cpu_smoke_writes_every_figure(tmp_path: Path) -> None:
         for row in x["saves"]:
             assert set(ROW) <= set(row), (name, row)
             assert row["durable_s"] >= 0 and row["blocked_s"] >= row["save_s"] >= 0, (name, row)
-        reuses = name.startswith("ckptlib")
+        # On the CPU the memory tier's snapshot lands in its files (ckptlib/engine/mapped_arena.py):
+        # it holds no staging arena to reuse or free. A CUDA state still stages through pinned memory.
+        reuses = name.startswith("ckptlib") and name != "ckptlib+tier"
         expect = True if reuses else None
         assert x["summary"]["arena_reused"] is x["summary"]["reuse_ok"] is x["summary"]["staging_freed_on_close"] \
             is expect, name

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import mmap
 import os
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from ckptlib.backends.posix import SPARE_DIR, rename_noreplace
 from ckptlib.errors import StorageError
 
 ARENA_DIR = ".ckptlib-arena"
+_SEQ = itertools.count(1)  # file names unique in this process, across its rings (managers)
 
 
 def _move(src: str, dst: str) -> bool:
@@ -88,7 +90,6 @@ class Ring:
         self.keep = max(2, keep)
         self.folder = os.path.join(self.root, ARENA_DIR)
         self._arenas: list[Arena] = []
-        self._seq = 0
         self._swept = False
 
     @property
@@ -163,8 +164,7 @@ class Ring:
             self._sweep()
         except OSError:
             return None
-        self._seq += 1
-        name = f"r{self.rank:05d}-{os.getpid()}-{self._seq}"
+        name = f"r{self.rank:05d}-{os.getpid()}-{next(_SEQ)}"
         path = os.path.join(self.folder, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
