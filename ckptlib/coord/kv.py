@@ -25,6 +25,7 @@ awaited key to :data:`CANCEL` (the key is the waiter's own, so nobody else reads
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import logging
 import queue
@@ -118,10 +119,13 @@ class KV(Protocol):
         thread, at its next beat); a failed delete is dropped (it costs store memory only)."""
         ...
 
-    def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
+    def await_key(self, key: str, deadline: float, watch: Watch, first: Callable[[KV], None] | None = None,
+                  ) -> bytes:
         """The value of ``key`` once it is set (by ``deadline`` on :attr:`clock`, else
         :class:`Late`); ``watch`` runs every :attr:`every` seconds meanwhile, and its verdict
-        raises :class:`Gone`. Only the caller may wait on ``key``."""
+        raises :class:`Gone`. Only the caller may wait on ``key``. ``first``: calls made right
+        before the wait, in the same hand-off to the store (a report the session held back,
+        :meth:`ckptlib.coord.session.Session.report`); a failure of theirs ends the wait."""
         ...
 
     def batch(self, calls: Callable[[KV], Any]) -> Any:
@@ -146,13 +150,34 @@ def own_connection(store: Any) -> Any:
 
 
 class _Call:
-    __slots__ = ("done", "error", "fn", "value")
+    """One call handed to a :class:`TorchKV`'s worker: the worker runs ``fn`` and calls
+    :meth:`finish`; the caller waits with :meth:`wait`. A bare lock, held until the call is
+    finished, rather than a ``threading.Event`` (a condition and two locks per call, in Python):
+    the hand-off is most of a rank's coordination CPU on a busy machine."""
+
+    __slots__ = ("_held", "error", "finished", "fn", "value")
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn = fn
-        self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
+        self.finished = False
+        self._held = _thread.allocate_lock()
+        self._held.acquire()
+
+    def finish(self) -> None:
+        """The worker, once ``value`` or ``error`` is set."""
+        self.finished = True
+        self._held.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the call finished, waiting for it at most ``timeout`` seconds."""
+        if self.finished:
+            return True
+        if self._held.acquire(timeout=max(0.0, timeout)):
+            self._held.release()  # later waits return at once
+            return True
+        return self.finished
 
 
 class TorchKV:
@@ -186,13 +211,14 @@ class TorchKV:
                 call.value = call.fn(self._store)
             except BaseException as e:  # handed to the caller
                 call.error = e
-            call.done.set()
+            call.finish()
 
     def _submit(self, fn: Callable[[Any], Any]) -> _Call:
-        with self._lock:
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._serve, name=self._name, daemon=True)
-                self._worker.start()
+        if self._worker is None:
+            with self._lock:
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                    self._worker.start()
         call = _Call(fn)
         self._queue.put(call)
         return call
@@ -204,7 +230,7 @@ class TorchKV:
             except Exception as e:
                 raise _unreachable(e) from e
         call = self._submit(fn)
-        if not call.done.wait(self.limit + extra):
+        if not call.wait(self.limit + extra):
             raise StoreUnreachable(f"store call unanswered for {self.limit + extra:.0f}s")
         if call.error is not None:
             raise _unreachable(call.error)
@@ -265,13 +291,16 @@ class TorchKV:
         if self.host:
             run(self._store)
             return
-        self._submit(run).done.wait(wait)
+        self._submit(run).wait(wait)
 
-    def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
+    def await_key(self, key: str, deadline: float, watch: Watch, first: Callable[[KV], None] | None = None,
+                  ) -> bytes:
         def wait(store: Any) -> bytes:
             # Blocks on the server until the key is set: no polling. (Every get of this
             # connection is either such a wait or of a key known to exist.)
             store.set_timeout(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            if first is not None:
+                first(_Direct(store, self.every))
             return bytes(store.get(key))
 
         ticket = self.pulse.watch(key, watch)
@@ -289,8 +318,8 @@ class TorchKV:
             return value
         try:
             call = self._submit(wait)
-            while not call.done.wait(self.every):
-                if ticket.failures is not None and not call.done.wait(self.every):
+            while not call.wait(self.every):
+                if ticket.failures is not None and not call.wait(self.every):
                     raise Gone(ticket.failures)  # the cancel did not reach the store
                 if self.pulse.stalled():
                     raise StoreUnreachable(f"store calls unanswered for {self.limit:.0f}s (heartbeat stalled)")
@@ -351,7 +380,8 @@ class _Direct:
             except Exception as e:  # costs store memory only
                 log.debug("ckptlib: deleting a spent store key failed: %s", e)
 
-    def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
+    def await_key(self, key: str, deadline: float, watch: Watch, first: Callable[[KV], None] | None = None,
+                  ) -> bytes:
         raise NotImplementedError("no waits from the worker or pulse threads")
 
     def batch(self, calls: Callable[[KV], Any]) -> Any:

@@ -100,6 +100,7 @@ class Session:
         answer key, and the keys it posted since (the coordinator's list, shared by its
         sessions, so a session's last keys go with the next session's first take)."""
         self._shared: list[str] = []  # coordinator: long shared values, deleted once every rank left
+        self._held: Callable[[KV], None] | None = None  # others: a report held back (report(hold=True))
 
     # -- basics
     @property
@@ -156,11 +157,15 @@ class Session:
             return json.loads(texts[0])["v"]
         return self._take(m, deadline, what, receipts)
 
-    def report(self, value: Any, *, deadline: float | None = None, patient: bool = False) -> list[Any] | None:
+    def report(self, value: Any, *, deadline: float | None = None, patient: bool = False,
+               hold: bool = False) -> list[Any] | None:
         """Coordinator: every rank's ``value`` in rank order (raises :class:`CommitError` naming
         ranks that died, froze, left the session, or came to another session's meeting);
         others: post it and return None at once. ``patient``: a long wait is expected (ranks
-        writing), so no warning for ranks that are alive but absent."""
+        writing), so no warning for ranks that are alive but absent. ``hold`` (others; for a
+        caller whose next step is this session's next meeting): the post is made with this
+        rank's next store call of the session (its next wait for an answer, or its leave), in
+        the same hand-off to the store; a failure to post is then raised by that call."""
         m = self._next()
         if self.world == 1:
             return [value]
@@ -174,8 +179,11 @@ class Session:
                     b.set(key(f"{m}/in"), b"1")
 
             self._spent.append(key(f"{m}/r/{self.rank}"))
+            self._hold(post)
+            if hold:
+                return None
             try:
-                kv.batch(post)
+                kv.batch(self._release())
             except StoreUnreachable:
                 raise CommitError(f"coordination failed: {UNREACHABLE}", {0: UNREACHABLE}) from None
             return None
@@ -231,6 +239,25 @@ class Session:
             pass
 
     # -- posting and taking answers
+    def _hold(self, calls: Callable[[KV], None]) -> None:
+        """Others: ``calls`` run with this rank's next store call of the session, after those
+        held before them."""
+        held = self._held
+        if held is None:
+            self._held = calls
+            return
+
+        def both(b: KV) -> None:
+            held(b)
+            calls(b)
+
+        self._held = both
+
+    def _release(self) -> Callable[[KV], None]:
+        """Others: the calls held (:meth:`_hold`) and no longer held; a no-op when none are."""
+        held, self._held = self._held, None
+        return held if held is not None else _nothing
+
     def _post(self, m: str, texts: list[bytes], receipts: bool, deadline: float | None) -> None:
         kv = self._kv()
         keys = [self._key(f"{m}/w/{r}") for r in range(1, self.world)]
@@ -296,7 +323,8 @@ class Session:
 
         kv = self._kv()
         try:
-            value = kv.await_key(self._key(name), deadline or self.deadline, watch)
+            first, self._held = self._held, None  # posted once, whatever the wait's fate
+            value = kv.await_key(self._key(name), deadline or self.deadline, watch, first=first)
             kv.discard(self._spent)
             self._spent[:] = [self._key(name)]  # deleted with the next answer (module docstring)
             return value
@@ -391,7 +419,10 @@ class Session:
             text = _dumps({str(r): m for r, m in failures.items()} if error is not None else None)
             me, world, key = self.rank, self.world, self._key
 
+            held = self._release()  # a report not posted yet goes first
+
             def leave(kv: KV) -> None:
+                held(kv)
                 kv.set(key(f"left/{me}"), text)
                 if kv.add(key("nleft"), 1) == world - 1:
                     kv.set(key("allleft"), b"1")
@@ -416,6 +447,10 @@ class Session:
             return
         if self._shared and error is None and not self.failed:  # every rank has read them
             self.kv.discard(self._shared)
+
+
+def _nothing(_kv: KV) -> None:
+    return None
 
 
 def _plain(value: Any) -> bool:

@@ -167,7 +167,7 @@ class Ring:
         name = f"r{self.rank:05d}-{os.getpid()}-{next(_SEQ)}"
         path = os.path.join(self.folder, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)  # as any payload file
         except OSError:
             return None
         try:

@@ -370,7 +370,7 @@ class SaveSession:
         failures: dict[int, str] = {}
         results: list[dict[str, Any]] | None = None
         try:
-            got = s.report([msg, mine], deadline=self.deadline, patient=True)
+            got = s.report([msg, mine], deadline=self.deadline, patient=True, hold=True)
         except CommitError as e:
             if not s.is_coordinator:
                 raise  # the store is unreachable: the results may still arrive (finish settles)
@@ -464,7 +464,7 @@ class SaveSession:
                     return self._settle(e.failures or {0: str(e)}, e)
             failures = {int(k): v for k, v in outcome["failures"].items()}
             if outcome.get("replicas") == "differ":  # the copies' checksums, to name the culprits
-                got = s.report(self.checks.sums, deadline=self.deadline)
+                got = s.report(self.checks.sums, deadline=self.deadline, hold=True)
                 found = s.share(None if got is None else {str(r): m for r, m in mismatches(got).items()},
                                 deadline=self.deadline, what="compare the replicas")
                 failures = {int(r): m for r, m in found.items()} or {0: "ReplicaMismatchError: replicas differ"}
@@ -707,7 +707,7 @@ def _offer_v1(save: SaveSession, rep_desc: list[PieceDesc], shd_desc: list[Piece
     """Format v1: every sharded piece is reported (one report)."""
     s = save.session
     sent = s.report([digest(rep_desc), wire.pieces_out(rep_desc) if s.is_coordinator else None,
-                     wire.pieces_out(shd_desc), save.stage_error], deadline=save.deadline)
+                     wire.pieces_out(shd_desc), save.stage_error], deadline=save.deadline, hold=True)
     everyone = None if sent is None else [[d, wire.pieces_in(r or []), wire.pieces_in(x)] for d, r, x, _e in sent]
     staged = None if sent is None else {r: e for r, (_d, _r, _x, e) in enumerate(sent) if e}
     return _Offer(everyone, [e[2] for e in everyone] if everyone is not None else None, list(range(len(shd_desc))), [],
@@ -729,7 +729,7 @@ def _offer_v2(save: SaveSession, shd: list[TensorItem], rep_desc: list[PieceDesc
     odd_set = set(odd)
     grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
     sent = s.report([digest(rep_desc), wire.pieces_out(rep_desc) if s.is_coordinator else None, odd, grid_bytes,
-                     save.stage_error], deadline=save.deadline)
+                     save.stage_error], deadline=save.deadline, hold=True)
     everyone = None if sent is None else [[d, wire.pieces_in(r or []), o, g] for d, r, o, g, _e in sent]
     staged = None if sent is None else {r: e for r, (*_x, e) in enumerate(sent) if e}
     union = frozenset().union(*(e[2] for e in everyone)) if everyone is not None else frozenset()
@@ -785,7 +785,7 @@ def _plan(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
         offer.mine = [i for i, d in enumerate(shd_desc) if d.name in union]
         offer.grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
         if status == "more":
-            got = s.report(wire.pieces_out(shd_desc[i] for i in offer.mine), deadline=save.deadline)
+            got = s.report(wire.pieces_out(shd_desc[i] for i in offer.mine), deadline=save.deadline, hold=True)
             if got is not None:
                 offer.explicit = [wire.pieces_in(x) for x in got]
             status, sent = s.answer_each(plans() if s.is_coordinator else None, deadline=save.deadline)

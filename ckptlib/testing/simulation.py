@@ -423,10 +423,14 @@ class SimKV:
             self.world.calls[(self.rank, "delete")] += 1
             self.world.data.pop(k, None)
 
-    def await_key(self, key: str, deadline: float, watch: Watch) -> bytes:
-        """One blocking call (as TorchKV's ``get``); the watch runs every heartbeat period,
-        inline; a frozen store host blocks it up to the call limit (the pulse's stall check)."""
+    def await_key(self, key: str, deadline: float, watch: Watch, first: Callable[[KV], None] | None = None,
+                  ) -> bytes:
+        """One blocking call (as TorchKV's ``get``), after ``first``'s calls; the watch runs every
+        heartbeat period, inline; a frozen store host blocks it up to the call limit (the
+        pulse's stall check)."""
         w = self.world
+        if first is not None:
+            first(self)
         self._call("get")
         while True:
             w._store_ready(w.t)

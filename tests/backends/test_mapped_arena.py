@@ -57,6 +57,9 @@ def test_every_save_adopts_its_snapshot_and_retention_hands_the_pages_back(tmp_p
             mapped = {a.ident for a in ring._arenas}
             st = newest.stat()
             assert (st.st_dev, st.st_ino) in mapped  # the snapshot's own file, adopted
+            manifest = newest.parent.parent / "manifest.json"
+            # readable like the save's other files (an operator's `ckptlib verify` on the node)
+            assert st.st_mode & 0o777 == manifest.stat().st_mode & 0o777, (oct(st.st_mode), oct(manifest.stat().st_mode))
             inodes.add(st.st_ino)
         for step in (7, 8):
             got = zeros()

@@ -138,8 +138,8 @@ def test_the_checks_catch_a_wait_that_ignores_liveness(monkeypatch):
 
     real = simulation.SimKV.await_key
 
-    def deaf(self, key, deadline, watch):
-        return real(self, key, deadline, lambda kv: None)
+    def deaf(self, key, deadline, watch, first=None):
+        return real(self, key, deadline, lambda kv: None, first)
 
     monkeypatch.setattr(simulation.SimKV, "await_key", deaf)
     found = [p for seed in range(SEED, SEED + 12) for p in run_schedule(
