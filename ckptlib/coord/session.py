@@ -17,7 +17,9 @@ non-coordinator posts one key and one counter per report and reads one key of it
 or answer, blocking on it in the store (no polling); the coordinator reads reports and writes
 answers in batches (:data:`~ckptlib.coord.kv.BATCH` keys per round trip) and blocks on one key
 per report (set by the last rank to post). Liveness is read only while a wait lasts longer than
-a heartbeat period (:mod:`ckptlib.coord.liveness`).
+a heartbeat period (:mod:`ckptlib.coord.liveness`). A report whose next step is the session's
+next meeting can be held (``hold=True``): the rank posts it with its wait for that meeting's
+answer, one hand-off to the store's worker thread instead of two (docs/distributed.md).
 
 Leaving: :meth:`Session.close` (the ``with`` block's end) posts ``left/<rank>`` (with this
 rank's failures when it leaves on an error). The coordinator leaves last: it waits until every
