@@ -11,6 +11,12 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   Heartbeats (keys ``ckptlib/hb/``, or the old ``/hb/``) are counted apart, per second.
   Store memory: the keys the job's store holds (``num_keys`` on rank 0, its host) after the
   saves minus before, per save (settled: counted after a barrier and half a second).
+  CPU floor (``cpu_floor_s``): the CPU seconds every process of the plain job spent per save
+  (the benchmark's barrier included), summed and divided by the machine's cores: the least wall
+  time the save can take here. A summary after the last world gives each save as a multiple of
+  the smallest world's and of its floor: where save/floor is near 1, the save is bound by CPU
+  on this machine, and its ratio to a 2-rank save (bound by writing its bytes) moves with how
+  busy the machine is (docs/scale.md, "On a quiet machine").
   Latency: the median seconds of ``save().wait()`` on rank 0 over ``--saves`` saves, and of one
   meeting (an exchange in a session of its own) over 20 meetings, measured in a second job of
   the same saves without the counting wrapper (``save_s``, ``meeting_s``: what a user sees; the
@@ -226,6 +232,12 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
             "other_mean": {k: round(avg(k), 2) for k in sorted({k for o in others for k in o})},
             "other_max_calls": max(o.get("calls", 0) for o in others),
         }
+        # What the save's CPU alone needs on this machine: every process's CPU per save (plain job,
+        # the benchmark's barrier included) summed and spread over the cores. A save near this
+        # floor is bound by CPU, not by waiting; its ratio to a small world's save then measures
+        # the cores, and how busy the machine is, more than the protocol.
+        cpu_all = plain[0]["per_save"]["cpu_s"] + sum(x["per_save"]["cpu_s"] for x in plain[1:])
+        row["cpu_floor_s"] = round(cpu_all / (os.cpu_count() or 1), 4)
         rows.append(row)
         print(f"{row['tree']} world={world}: save {row['save_s']:.3f}s, meeting {row['meeting_s'] * 1000:.1f}ms "
               f"(counted: {row['counted_save_s']:.3f}s, {row['counted_meeting_s'] * 1000:.1f}ms) | "
@@ -235,7 +247,17 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
               f"{avg('threads'):.1f} threads | beats/s/rank {avg('beats_per_s'):.2f} | CPU s/save: coordinator "
               f"{coord.get('cpu_s', 0):.3f}, other ranks {avg('cpu_s'):.3f} | store keys added per save "
               f"{coord.get('store_keys_added', 0):.1f}", flush=True)
+    _summary(rows)
     return rows
+
+
+def _summary(rows: list[dict[str, Any]]) -> None:
+    """Each world's plain save against the smallest world's, and against its CPU floor."""
+    base = rows[0]
+    print(f"\n{'ranks':>6} {'save':>8} {'x ' + str(base['world']) + ' ranks':>10} {'CPU floor':>10} {'save/floor':>10}")
+    for r in rows:
+        print(f"{r['world']:>6} {r['save_s']:>7.3f}s {r['save_s'] / base['save_s']:>9.1f}x "
+              f"{r['cpu_floor_s']:>9.3f}s {r['save_s'] / max(r['cpu_floor_s'], 1e-9):>9.1f}x")
 
 
 def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[dict[str, Any]]:
