@@ -431,6 +431,7 @@ class Campaign:
                     problems.append(f"survivor rank {o.rank} failed with {last}")
                 if faulted:
                     rec.death_to_error_s.append(round(o.result["error_time"] - fault.death_time, 4))
+                    rec.death_errors.append(f"rank {o.rank}: {last[:200]}")  # read with the time it took
                     rec.checked(HOW_DEATH, "death_to_error_s")
             elif self._full_run and o.result["digest"] != self.digest:
                 problems.append(f"rank {o.rank} finished with a digest other than the reference")

@@ -94,6 +94,7 @@ class Record:
     s3_retries: int = 0
     s3_giveups: int = 0
     death_to_error_s: list[float] = field(default_factory=list)  # a rank's death -> peers' error
+    death_errors: list[str] = field(default_factory=list)  # each survivor's last error line, as above
     kills: int = 0  # processes SIGKILLed (or SIGSTOPped) by the case's fault, seen dead
     schedules: int = 0  # seeded simulation schedules run (tests/coord/test_simulation.py)
     violations: int = 0  # invariant violations the schedules found: must be 0

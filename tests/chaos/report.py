@@ -273,6 +273,7 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
         for name, vals in timed:
             p50, p99 = _pcts(vals)
             lines.append(f"| {name} | {len(vals)} | {p50:.2f} | {p99:.2f} | {max(vals):.2f} |")
+        lines += slowest_deaths(rows)
     lines += ["", "### Must be zero", ""]
     for what, n, ok, where in checks(records):
         if where.startswith("0 "):
@@ -288,6 +289,21 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
             lines.append(f"- `{r.scenario}` `{r.case}` seed {r.seed}: {note[:300]}")
     lines.append("")
     return "\n".join(lines)
+
+
+def slowest_deaths(rows: Sequence[tuple[str, Sequence[Record]]]) -> list[str]:
+    """Per scenario, the slowest survivor's error after a death: its case, seconds and the
+    survivor's last error line (``Record.death_errors``), so that an outlier can be read after
+    the run. Records without the lines (older results files) are skipped."""
+    out: list[str] = []
+    for name, rs in rows:
+        slow = [(t, r.case, err) for r in rs if len(r.death_errors) == len(r.death_to_error_s)
+                for t, err in zip(r.death_to_error_s, r.death_errors, strict=True)]
+        if slow:
+            t, case, err = max(slow, key=lambda x: x[0])
+            err = " ".join(err.split()).replace("`", "'")
+            out.append(f"- slowest in {name}: `{case}`, {t:.2f} s: `{err}`")
+    return ["", *out] if out else []
 
 
 def not_run(scenario: str, records: Sequence[Record], date: str | None) -> str:

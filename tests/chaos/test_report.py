@@ -138,6 +138,21 @@ def test_refusals_leave_the_document_alone(tmp_path: Path, monkeypatch: pytest.M
     assert f"commit {C1}+dirty" in doc.read_text()
 
 
+def test_slowest_death_names_the_survivors_error() -> None:
+    """The slowest survivor of each scenario is named with its case and its last error line;
+    records of older results files (times, no lines) are left out of that line."""
+    slow = _rec("phase_kill", "restore-1", c={"death_to_error_s": [0.2, 97.98]})
+    slow.death_errors = ["rank 1: CommitError: rank 0 died", "rank 2: StoreError: `get` timed out\nafter 5 s"]
+    quick = _rec("phase_kill", "save-3", c={"death_to_error_s": [0.1]})
+    quick.death_errors = ["rank 0: CommitError: rank 1 died"]
+    old = _rec("phase_kill", "older", c={"death_to_error_s": [120.0]})  # no lines: skipped
+    text = render([slow, quick, old], "d")
+    assert "| phase_kill | 4 |" in text and "| 120.00 |" in text  # the table still counts every time
+    assert "- slowest in phase_kill: `restore-1`, 97.98 s: `rank 2: StoreError: 'get' timed out after 5 s`" in text
+    assert "older" not in text.split("### Time from", 1)[1].split("### Must be zero", 1)[0]
+    assert "slowest in" not in render([old], "d")
+
+
 def test_update_and_bad_input(tmp_path: Path) -> None:
     assert update(f"a\n{BEGIN}\nx\n{END}\nb", "S") == f"a\n{BEGIN}\nS\n{END}\nb"
     # runs table only: nothing observed, no resume outcome, no deaths
