@@ -40,6 +40,8 @@ BEGIN = "<!-- chaos-report:begin -->"
 END = "<!-- chaos-report:end -->"
 SECTION_RE = re.compile(r"<!-- chaos-report:(?:([\w-]+):)?begin -->(.*?)<!-- chaos-report:(?:[\w-]+:)?end -->", re.S)
 STAMP_RE = re.compile(r"\bcommit `?([0-9a-f]{7,40}(?:\+[\w-]+)?|unknown)`?")
+TOTAL = "**total**"
+"""The name of the row that sums every scenario, in the tables that have one."""
 
 
 def markers(scenario: str | None = None) -> tuple[str, str]:
@@ -249,7 +251,7 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
         "| scenario | runs | failed runs | resumes judged | wall s |",
         "|---|---|---|---|---|",
     ]
-    rows = list(groups.items()) + ([("**total**", list(records))] if len(groups) > 1 else [])
+    rows = list(groups.items()) + ([(TOTAL, list(records))] if len(groups) > 1 else [])
     for name, rs in rows:
         judged = sum(1 for r in rs if r.resume is not None)
         wall = sum(r.duration_s or 0.0 for r in rs)
@@ -273,7 +275,7 @@ def render(records: Sequence[Record], date: str | None = None) -> str:
         for name, vals in timed:
             p50, p99 = _pcts(vals)
             lines.append(f"| {name} | {len(vals)} | {p50:.2f} | {p99:.2f} | {max(vals):.2f} |")
-        lines += slowest_deaths(rows)
+        lines += slowest_deaths([(name, rs) for name, rs in rows if name != TOTAL])
     lines += ["", "### Must be zero", ""]
     for what, n, ok, where in checks(records):
         if where.startswith("0 "):

@@ -151,6 +151,11 @@ def test_slowest_death_names_the_survivors_error() -> None:
     assert "- slowest in phase_kill: `restore-1`, 97.98 s: `rank 2: StoreError: 'get' timed out after 5 s`" in text
     assert "older" not in text.split("### Time from", 1)[1].split("### Must be zero", 1)[0]
     assert "slowest in" not in render([old], "d")
+    other = _rec("sigstop", "freeze", c={"death_to_error_s": [10.0]})
+    other.death_errors = ["rank 2: RuntimeError: timed out"]
+    both = render([slow, other], "d")  # two scenarios: a total row in the table, not among the slowest
+    assert "| **total** | 3 |" in both and "- slowest in sigstop: `freeze`, 10.00 s" in both
+    assert "slowest in **total**" not in both
 
 
 def test_update_and_bad_input(tmp_path: Path) -> None:
