@@ -17,6 +17,16 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   the smallest world's and of its floor: where save/floor is near 1, the save is bound by CPU
   on this machine, and its ratio to a 2-rank save (bound by writing its bytes) moves with how
   busy the machine is (docs/scale.md, "On a quiet machine").
+  Bare floor (``bare_save_s``, ``bare_cpu_s``): a third job of the same ranks and bytes doing
+  the least a sharded save must do, with no library: each rank writes its shard to a file of
+  its own and fsyncs it, counts itself in on the store (one ``add``), rank 0 then writes a
+  manifest (fsync, rename, folder fsync) and sets a key every rank waits on. Its ratio across
+  worlds is what this machine allows a save to scale by; ours against it is the library's cost.
+  Breakdown (``--breakdown``, ``breakdown``): a fourth job, plain, whose ranks wrap the save's
+  steps (``BREAKDOWN``) to add up each step's thread CPU (``time.thread_time``: user and kernel
+  time of the thread running it) and read every live thread's CPU from ``/proc`` (the store's
+  server thread on rank 0 is ``pt_tcpstore_uv``; Python threads are all ``python``): where each
+  rank's CPU per save goes, the coordinator apart (docs/scale.md, "Where a rank's CPU goes").
   Latency: the median seconds of ``save().wait()`` on rank 0 over ``--saves`` saves, and of one
   meeting (an exchange in a session of its own) over 20 meetings, measured in a second job of
   the same saves without the counting wrapper (``save_s``, ``meeting_s``: what a user sees; the
@@ -91,9 +101,61 @@ class Counting:
         return call
 
 
-def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str, counted: bool) -> None:
-    """One rank. ``counted``: through the counting store and ``Thread.start``; else plain (the
-    latency a user sees: the counting wrapper adds a Python layer and a lock to every call)."""
+BREAKDOWN = [  # (module, owner, attribute, label): the steps --breakdown times; they nest as indented
+    ("ckptlib.manager", "CheckpointManager", "save", "save() on the caller's thread"),
+    ("ckptlib.engine.snapshot", "Snapshot", "stage", "  of which the snapshot copy"),
+    ("ckptlib.manager", "CheckpointManager", "_persist", "the persist thread"),
+    ("ckptlib.engine.save", "SaveSession", "begin", "  open the save (staging folder, one share)"),
+    ("ckptlib.engine.save", None, "_plan", "  plan (one report, one answer)"),
+    ("ckptlib.engine.save", "SaveSession", "write", "  payload file: create, write, checksum, fsync"),
+    ("ckptlib.engine.save", "SaveSession", "finish", "  finish: index, report done, commit, share the outcome"),
+    ("ckptlib.engine.save", "SaveSession", "write_index", "    of which the piece index: build, write, fsync"),
+    ("ckptlib.engine.save", "SaveSession", "close", "  leave the session"),
+    ("ckptlib.manager", "CheckpointManager", "_after_commit", "  retention and clean-up (coordinator)"),
+]
+
+
+def _time_steps(acc: collections.defaultdict[str, float]) -> None:
+    """Wrap each ``BREAKDOWN`` step so that the thread CPU it takes is added to ``acc[label]``."""
+    import importlib
+
+    for module, owner, attr, label in BREAKDOWN:
+        obj: Any = importlib.import_module(module)
+        obj = getattr(obj, owner) if owner else obj
+        found = obj.__dict__.get(attr) if isinstance(obj, type) else None
+        fn = found.__func__ if isinstance(found, classmethod) else getattr(obj, attr)
+
+        def timed(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_label] += time.thread_time() - t
+
+        setattr(obj, attr, classmethod(timed) if isinstance(found, classmethod) else timed)
+
+
+def _thread_cpu() -> dict[str, tuple[str, float]]:
+    """Every live thread of this process: id -> (name, CPU seconds, user and kernel)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str, mode: str) -> None:
+    """One rank. ``mode``: ``counted``, through the counting store and ``Thread.start``; ``plain``
+    (the latency a user sees: the counting wrapper adds a Python layer and a lock to every
+    call); ``breakdown``, plain with each step's CPU added up (module docstring)."""
+    counted = mode == "counted"
     import torch
     import torch.distributed as dist
 
@@ -133,6 +195,10 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     keys0 = real().num_keys() if rank == 0 else 0  # rank 0 hosts the job's store
     with lock:
         base = counts.copy()
+    steps: collections.defaultdict[str, float] = collections.defaultdict(float)
+    if mode == "breakdown":
+        _time_steps(steps)
+    threads0 = _thread_cpu()
     t_base = time.monotonic()
     cpu0 = time.process_time()
     times = []
@@ -143,6 +209,8 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
         times.append(time.monotonic() - t0)
     window = time.monotonic() - t_base
     cpu = (time.process_time() - cpu0) / saves
+    for tid, (name, used) in _thread_cpu().items():  # threads alive now; each save's persist thread has ended
+        steps[f"thread {name}"] += used - threads0.get(tid, (name, 0.0))[1]
     dist.barrier()
     time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s here)
     keys = (real().num_keys() - keys0) / saves if rank == 0 else 0.0
@@ -154,10 +222,67 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     per_save = {k: v / saves for k, v in diff.items() if k != "beats"}
     per_save["beats_per_s"] = diff.get("beats", 0) / window
     per_save["cpu_s"] = cpu
+    per_save.update({f"step:{k}": v / saves for k, v in steps.items()})
     per_save["store_keys_added"] = keys
     per_save["connections_total"] = counts["connections"] + 1
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "per_save": per_save, "save_s": times, "meeting_s": meet}, f)
+    dist.barrier()
+    os._exit(0)
+
+
+def bare_worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str) -> None:
+    """One rank of the bare floor job (module docstring): the same shard bytes as ``worker``,
+    the least a committed sharded save needs, timed and barriered like ``worker``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    store = dist.distributed_c10d._get_default_store()
+    rows = max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
+    payload = torch.randn(rows // world, 256).numpy().tobytes() + (torch.ones(256).numpy().tobytes() if rank == 0 else b"")
+
+    def save(step: int) -> None:
+        folder = f"{root}/step-{step}"
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(f"{folder}/rank-{rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if store.add(f"bare/in/{step}", 1) == world:
+            store.set(f"bare/all/{step}", "1")
+        if rank == 0:
+            store.wait([f"bare/all/{step}"])
+            with open(f"{folder}/.manifest.tmp", "w") as f:
+                json.dump({"step": step, "world": world, "files": world}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(f"{folder}/.manifest.tmp", f"{folder}/manifest.json")
+            dfd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            store.set(f"bare/commit/{step}", "1")
+        else:
+            store.wait([f"bare/commit/{step}"])
+
+    save(1)  # warm-up, as ``worker``
+    dist.barrier()
+    cpu0 = time.process_time()
+    times = []
+    for i in range(saves):
+        dist.barrier()
+        t0 = time.monotonic()
+        save(2 + i)
+        times.append(time.monotonic() - t0)
+    cpu = (time.process_time() - cpu0) / saves
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({"rank": rank, "per_save": {"cpu_s": cpu}, "save_s": times}, f)
     dist.barrier()
     os._exit(0)
 
@@ -185,16 +310,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(world: int, saves: int, mib: float, tree: str | None, where: str | None, counted: bool,
+def _job(world: int, saves: int, mib: float, tree: str | None, where: str | None, mode: str,
          ) -> list[dict[str, Any]]:
-    """One job of ``world`` ranks: every rank's result (``worker``)."""
+    """One job of ``world`` ranks: every rank's result. ``mode``: ``counted`` or ``plain``
+    (``worker``), or ``bare`` (``bare_worker``: no library)."""
     with tempfile.TemporaryDirectory(dir=where) as d:
         port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
         if tree:
             env["PYTHONPATH"] = os.path.abspath(tree)
         procs = [subprocess.Popen([sys.executable, __file__, "_worker", str(r), str(world), str(port), d + "/ck",
-                                   str(mib), str(saves), d + "/out", "counted" if counted else "plain"], env=env,
+                                   str(mib), str(saves), d + "/out", mode], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
         logs = [p.communicate(timeout=1800)[0].decode(errors="replace") for p in procs]
         results = []
@@ -208,13 +334,15 @@ def _job(world: int, saves: int, mib: float, tree: str | None, where: str | None
 
 
 def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str | None = None,
-         ) -> list[dict[str, Any]]:
+         breakdown: bool = False) -> list[dict[str, Any]]:
     """Per world: the counted job (store traffic, threads, keys; its latencies are through the
-    counting wrapper), then a plain job of the same saves (the latencies a user sees)."""
+    counting wrapper), then a plain job of the same saves (the latencies a user sees), then the
+    bare floor job (no library), then with ``breakdown`` the breakdown job."""
     rows = []
     for world in worlds:
-        results = _job(world, saves, mib, tree, where, counted=True)
-        plain = _job(world, saves, mib, tree, where, counted=False)
+        results = _job(world, saves, mib, tree, where, "counted")
+        plain = _job(world, saves, mib, tree, where, "plain")
+        bare = _job(world, saves, mib, None, where, "bare")
         coord, others = results[0]["per_save"], [x["per_save"] for x in results[1:]]
 
         def avg(key: str, others: list[dict[str, float]] = others) -> float:
@@ -238,6 +366,22 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
         # the cores, and how busy the machine is, more than the protocol.
         cpu_all = plain[0]["per_save"]["cpu_s"] + sum(x["per_save"]["cpu_s"] for x in plain[1:])
         row["cpu_floor_s"] = round(cpu_all / (os.cpu_count() or 1), 4)
+        row["bare_save_s"] = statistics.median(bare[0]["save_s"])
+        row["bare_cpu_s"] = {"coordinator": round(bare[0]["per_save"]["cpu_s"], 4),
+                             "other_mean": round(statistics.mean(x["per_save"]["cpu_s"] for x in bare[1:]), 4)}
+        if breakdown:
+            steps = _job(world, saves, mib, tree, where, "breakdown")
+
+            def step_ms(res: list[dict[str, Any]]) -> dict[str, float]:
+                keys = {k for x in res for k in x["per_save"] if k.startswith("step:")}
+                return {k[5:]: round(1000 * statistics.mean(x["per_save"].get(k, 0.0) for x in res), 3)
+                        for k in sorted(keys)}
+
+            row["breakdown_ms"] = {"coordinator": step_ms(steps[:1]), "other_mean": step_ms(steps[1:]),
+                                   "cpu_ms": {"coordinator": round(1000 * steps[0]["per_save"]["cpu_s"], 3),
+                                              "other_mean": round(1000 * statistics.mean(
+                                                  x["per_save"]["cpu_s"] for x in steps[1:]), 3)}}
+            _print_breakdown(row)
         rows.append(row)
         print(f"{row['tree']} world={world}: save {row['save_s']:.3f}s, meeting {row['meeting_s'] * 1000:.1f}ms "
               f"(counted: {row['counted_save_s']:.3f}s, {row['counted_meeting_s'] * 1000:.1f}ms) | "
@@ -251,13 +395,30 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
     return rows
 
 
+def _print_breakdown(row: dict[str, Any]) -> None:
+    """One world's CPU per save by step (ms): the coordinator, and the mean of every other rank."""
+    b = row["breakdown_ms"]
+    print(f"\nworld={row['world']}: CPU per save (ms) {'coordinator':>14} {'other ranks':>12}")
+    labels = [label for *_, label in BREAKDOWN]
+    labels += sorted({k for side in ("coordinator", "other_mean") for k in b[side]} - set(labels))
+    for label in labels:
+        print(f"  {label:<52} {b['coordinator'].get(label, 0.0):>8.3f} {b['other_mean'].get(label, 0.0):>12.3f}")
+    print(f"  {'all of the process (user + kernel)':<52} {b['cpu_ms']['coordinator']:>8.3f} {b['cpu_ms']['other_mean']:>12.3f}")
+
+
 def _summary(rows: list[dict[str, Any]]) -> None:
-    """Each world's plain save against the smallest world's, and against its CPU floor."""
+    """Each world's plain save against the smallest world's, against its CPU floor, and the bare
+    floor job's save (no library) against the smallest world's bare save."""
     base = rows[0]
-    print(f"\n{'ranks':>6} {'save':>8} {'x ' + str(base['world']) + ' ranks':>10} {'CPU floor':>10} {'save/floor':>10}")
+    print(f"\n{'ranks':>6} {'save':>8} {'x ' + str(base['world']) + ' ranks':>10} {'CPU floor':>10} {'save/floor':>10}"
+          f" {'bare':>8} {'bare x ' + str(base['world']):>9} {'save/bare':>10} {'CPU/rank':>9} {'bare':>7}")
     for r in rows:
+        bare = r.get("bare_save_s")
+        tail = "" if bare is None else (
+            f" {bare:>7.4f}s {bare / base['bare_save_s']:>8.1f}x {r['save_s'] / bare:>9.1f}x "
+            f"{r['cpu_s_plain']['other_mean'] * 1e3:>6.2f}ms {r['bare_cpu_s']['other_mean'] * 1e3:>5.2f}ms")
         print(f"{r['world']:>6} {r['save_s']:>7.3f}s {r['save_s'] / base['save_s']:>9.1f}x "
-              f"{r['cpu_floor_s']:>9.3f}s {r['save_s'] / max(r['cpu_floor_s'], 1e-9):>9.1f}x")
+              f"{r['cpu_floor_s']:>9.3f}s {r['save_s'] / max(r['cpu_floor_s'], 1e-9):>9.1f}x" + tail)
 
 
 def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[dict[str, Any]]:
@@ -347,7 +508,10 @@ def plot(paths: list[str], out: str) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         a = sys.argv[2:]
-        worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6], a[7] == "counted")
+        if a[7] == "bare":
+            bare_worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6])
+        else:
+            worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6], a[7])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -357,6 +521,7 @@ def main() -> None:
     r.add_argument("--mib", type=float, default=4.0)
     r.add_argument("--tree", default=None, help="another checkout to measure (the 'before' columns)")
     r.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp folder)")
+    r.add_argument("--breakdown", action="store_true", help="one more job: each step's CPU per save")
     r.add_argument("--json", default=None)
     s = sub.add_parser("sim")
     s.add_argument("--worlds", type=int, nargs="+", default=[256, 1024, 4096])
@@ -371,7 +536,7 @@ def main() -> None:
     if args.cmd == "plot":
         plot(args.paths, args.out)
         return
-    rows = real(args.worlds, args.saves, args.mib, args.tree, args.dir) if args.cmd == "real" else sim(
+    rows = real(args.worlds, args.saves, args.mib, args.tree, args.dir, args.breakdown) if args.cmd == "real" else sim(
         args.worlds, args.service, args.per_key, args.rtt)
     if args.json:
         with open(args.json, "w") as f:
