@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -296,7 +297,7 @@ def _meetings(coord: Any, n: int) -> list[float]:
             with coord.session("bench", coord.deadline(60)) as s:
                 s.exchange(s.rank)
         else:
-            from ckptlib.coord.coordinator import liveness_session
+            from ckptlib.coord.coordinator import liveness_session  # type: ignore[attr-defined]  # old trees (--tree)
 
             with liveness_session(coord, "bench"):
                 coord.exchange(coord.rank, time.monotonic() + 60)
@@ -442,17 +443,17 @@ def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[d
             return persist(storage, layout.step_dir(1), flats[r], step=1, options=SaveOptions(num_files=1),
                            coordinator=coords[r])
 
-        threads = [w.spawn(r, lambda r=r: save(r)) for r in range(world)]
+        threads = [w.spawn(r, partial(save, r)) for r in range(world)]
         w.run(until=3600)
         errors = [t.error for t in threads if t.error is not None]
         if errors:
             raise SystemExit(f"simulated save at {world} ranks failed: {errors[0]}")
-        calls = collections.Counter()
+        calls: collections.Counter[int] = collections.Counter()
         for (r, op), n in w.calls.items():
             if op != "beat":
                 calls[r] += n
         others = [calls[r] for r in range(1, world)]
-        row = {"source": "sim", "tree": "HEAD", "world": world, "save_s": max(t.ended_at or 0 for t in threads),
+        row: dict[str, Any] = {"source": "sim", "tree": "HEAD", "world": world, "save_s": max(t.ended_at or 0 for t in threads),
                "coordinator": {"calls": calls[0], "bytes": w.bytes_in[0] + w.bytes_out[0], "connections": 0,
                                "threads": 0},
                "other_mean": {"calls": statistics.mean(others),
