@@ -152,6 +152,11 @@ def _thread_cpu() -> dict[str, tuple[str, float]]:
     return out
 
 
+def _shard_rows(world: int, mib: float) -> int:
+    """Rows of the ``(rows, 256)`` float32 tensor sharded over ``world`` ranks (``mib`` in all)."""
+    return max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
+
+
 def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str, mode: str) -> None:
     """One rank. ``mode``: ``counted``, through the counting store and ``Thread.start``; ``plain``
     (the latency a user sees: the counting wrapper adds a Python layer and a lock to every
@@ -186,7 +191,7 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    rows = max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
+    rows = _shard_rows(world, mib)
     local = torch.randn(rows // world, 256)
     state = {"w": ckptlib.Shard(local, (rows, 256), (rank * (rows // world), 0)), "b": torch.ones(256), "step": 0}
     mgr = ckptlib.CheckpointManager(root)  # as shared/tools/count-store-worker.py: no retention
@@ -197,9 +202,10 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     with lock:
         base = counts.copy()
     steps: collections.defaultdict[str, float] = collections.defaultdict(float)
+    threads0: dict[str, tuple[str, float]] = {}
     if mode == "breakdown":
         _time_steps(steps)
-    threads0 = _thread_cpu()
+        threads0 = _thread_cpu()
     t_base = time.monotonic()
     cpu0 = time.process_time()
     times = []
@@ -210,8 +216,9 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
         times.append(time.monotonic() - t0)
     window = time.monotonic() - t_base
     cpu = (time.process_time() - cpu0) / saves
-    for tid, (name, used) in _thread_cpu().items():  # threads alive now; each save's persist thread has ended
-        steps[f"thread {name}"] += used - threads0.get(tid, (name, 0.0))[1]
+    if mode == "breakdown":  # threads alive now (each save's persist thread has ended: counted in its steps)
+        for tid, (name, used) in _thread_cpu().items():
+            steps[f"thread {name}"] += used - threads0.get(tid, (name, 0.0))[1]
     dist.barrier()
     time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s here)
     keys = (real().num_keys() - keys0) / saves if rank == 0 else 0.0
@@ -242,7 +249,7 @@ def bare_worker(rank: int, world: int, port: int, root: str, mib: float, saves: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     store = dist.distributed_c10d._get_default_store()
-    rows = max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
+    rows = _shard_rows(world, mib)
     payload = torch.randn(rows // world, 256).numpy().tobytes() + (torch.ones(256).numpy().tobytes() if rank == 0 else b"")
 
     def save(step: int) -> None:
@@ -313,8 +320,8 @@ def _free_port() -> int:
 
 def _job(world: int, saves: int, mib: float, tree: str | None, where: str | None, mode: str,
          ) -> list[dict[str, Any]]:
-    """One job of ``world`` ranks: every rank's result. ``mode``: ``counted`` or ``plain``
-    (``worker``), or ``bare`` (``bare_worker``: no library)."""
+    """One job of ``world`` ranks: every rank's result. ``mode``: ``counted``, ``plain`` or
+    ``breakdown`` (``worker``), or ``bare`` (``bare_worker``: no library)."""
     with tempfile.TemporaryDirectory(dir=where) as d:
         port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
@@ -414,12 +421,11 @@ def _summary(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'ranks':>6} {'save':>8} {'x ' + str(base['world']) + ' ranks':>10} {'CPU floor':>10} {'save/floor':>10}"
           f" {'bare':>8} {'bare x ' + str(base['world']):>9} {'save/bare':>10} {'CPU/rank':>9} {'bare':>7}")
     for r in rows:
-        bare = r.get("bare_save_s")
-        tail = "" if bare is None else (
-            f" {bare:>7.4f}s {bare / base['bare_save_s']:>8.1f}x {r['save_s'] / bare:>9.1f}x "
-            f"{r['cpu_s_plain']['other_mean'] * 1e3:>6.2f}ms {r['bare_cpu_s']['other_mean'] * 1e3:>5.2f}ms")
+        bare = r["bare_save_s"]
         print(f"{r['world']:>6} {r['save_s']:>7.3f}s {r['save_s'] / base['save_s']:>9.1f}x "
-              f"{r['cpu_floor_s']:>9.3f}s {r['save_s'] / max(r['cpu_floor_s'], 1e-9):>9.1f}x" + tail)
+              f"{r['cpu_floor_s']:>9.3f}s {r['save_s'] / max(r['cpu_floor_s'], 1e-9):>9.1f}x"
+              f" {bare:>7.4f}s {bare / base['bare_save_s']:>8.1f}x {r['save_s'] / bare:>9.1f}x "
+              f"{r['cpu_s_plain']['other_mean'] * 1e3:>6.2f}ms {r['bare_cpu_s']['other_mean'] * 1e3:>5.2f}ms")
 
 
 def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[dict[str, Any]]:
@@ -453,7 +459,8 @@ def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[d
             if op != "beat":
                 calls[r] += n
         others = [calls[r] for r in range(1, world)]
-        row: dict[str, Any] = {"source": "sim", "tree": "HEAD", "world": world, "save_s": max(t.ended_at or 0 for t in threads),
+        row: dict[str, Any] = {
+               "source": "sim", "tree": "HEAD", "world": world, "save_s": max(t.ended_at or 0 for t in threads),
                "coordinator": {"calls": calls[0], "bytes": w.bytes_in[0] + w.bytes_out[0], "connections": 0,
                                "threads": 0},
                "other_mean": {"calls": statistics.mean(others),
