@@ -243,9 +243,13 @@ class PosixStorage(Storage):
         full = self._p(path)
         if self.memory and (fd := self._reuse(path, full)) >= 0:
             return _PosixWrite(fd, full, durable=False, reused=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:  # the folder is there nearly always (the save's staging folder): no mkdir per file
+                fd = os.open(full, flags, 0o644)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                fd = os.open(full, flags, 0o644)
         except OSError as e:
             if e.errno == errno.EEXIST:
                 raise FileExistsError(errno.EEXIST, "already exists", full) from None

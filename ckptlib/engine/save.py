@@ -7,7 +7,7 @@ on one thread, inside one coordination session (the caller's flow's, or the save
 1. :meth:`~SaveSession.begin`: a share -- the coordinator picks the save id and opens the
    staging folder (:func:`ckptlib.engine.commit.begin`); a tier save's other node leaders open
    their node's copy;
-2. the plan (:func:`write_state`, :func:`_plan`): reports of what each rank holds, the
+2. the plan (:func:`write_state`, :func:`ckptlib.engine.save_plan.plan_items`): reports of what each rank holds, the
    coordinator's assignment answered to each rank (format v2: the grid proposal shared first);
 3. :meth:`~SaveSession.write` (local, any number of times);
 4. :meth:`~SaveSession.finish`: one report ("done" or this rank's error, with its results),
@@ -44,6 +44,7 @@ from ckptlib.engine import options as argcheck
 from ckptlib.engine.checks import StateChecks, digests_agree, mismatches
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.mapped_arena import Arena
+from ckptlib.engine.save_plan import describe_item, plan_items
 from ckptlib.engine.writer import ChunkJob, adopt_arena, split_chunks, write_files, write_index
 from ckptlib.errors import (
     CheckpointError,
@@ -59,10 +60,8 @@ from ckptlib.errors import (
 from ckptlib.format import jsonio
 from ckptlib.format import manifest as mf
 from ckptlib.format.build import build_body, encode_body
-from ckptlib.format.dtypes import dtype_name
-from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
-from ckptlib.plan.grid import conform, describe, propose
+from ckptlib.plan.grid import propose
 from ckptlib.plan.trees import TreeMismatch
 from ckptlib.plan.trees import join as join_trees
 from ckptlib.plan.trees import merge as merge_trees
@@ -221,7 +220,7 @@ class SaveSession:
         """Format v2 (set by :func:`persist` on every rank): each rank writes a piece index file
         and the report carries per-rank summaries, not chunks."""
         self.layout: dict[str, dict[str, Any]] | None = None
-        """v2, coordinator: every tensor's dtype, shape and sharding (from :func:`_plan`)."""
+        """v2, coordinator: every tensor's dtype, shape and sharding (from :func:`ckptlib.engine.save_plan.plan_items`)."""
         self.payload_bytes = 0
         """Bytes in payload files, after a successful :meth:`publish` (coordinator)."""
         self._index: tuple[dict[str, Any] | None] | None = None  # v2: written early (write_index)
@@ -559,6 +558,12 @@ class SaveSession:
         self._drop_staging()
         self.close(error)
 
+    def plan_failed(self, failures: dict[int, str]) -> CommitError:
+        """Every rank, when the plan's answer is an error (:func:`~ckptlib.engine.save_plan.plan_items`):
+        drops the staging folder (the coordinator) and returns the error to raise."""
+        self._drop_staging()
+        return _fail(self.storage, self.final, failures)
+
     def _drop_staging(self) -> None:
         """Remove this rank's staging area (best effort), once."""
         if self._staging is not None:
@@ -627,7 +632,7 @@ def persist(
     coord = session.coord if session is not None else coordinator
     proposal = None  # format v2's grid proposal, sent with the opening (the coordinator's matters)
     if coord is not None and coord.is_coordinator and coord.world_size > 1:
-        proposal = wire.proposal_out(propose([_describe(it) for it in flat.items if not it.replicated]))
+        proposal = wire.proposal_out(propose([describe_item(it) for it in flat.items if not it.replicated]))
     save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
                              save_id=save_id, created=created, placement=placement, proposal=proposal)
     try:
@@ -650,7 +655,7 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
     write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save.
     ``arena``: ``flat`` lies in this mapped arena; adopted when this rank writes all of it."""
     session.v2 = session.options.writes_v2(session.session.world)
-    items = _plan(session, flat.items)
+    items = plan_items(session, flat.items)
     mine = {it.name for it in items}
     if before_write is not None:
         before_write(session, sum(it.tensor.numel() * it.tensor.element_size() for it in items))
@@ -672,125 +677,3 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
     except Exception as e:  # any failure must still reach the commit protocol and abort
         return e
     return checks.error()
-
-
-def _describe(it: TensorItem) -> PieceDesc:
-    t = it.tensor
-    return PieceDesc(it.name, it.global_offset, tuple(t.shape), t.numel() * t.element_size(),
-                     dtype_name(t.dtype), it.global_shape)
-
-
-@dataclass(slots=True)
-class _Offer:
-    """What the ranks put up for assignment (:func:`_offer_v1` or :func:`_offer_v2`), for
-    :func:`_plan`. Coordinator-only fields are None elsewhere."""
-
-    everyone: list[Any] | None
-    """Coordinator: per rank ``(replica digest, replicated pieces (rank 0 only), ...)``."""
-    explicit: list[list[PieceDesc]] | None
-    """Coordinator: per rank, its sharded pieces to assign (sent piece by piece)."""
-    mine: list[int]
-    """This rank's entries in ``explicit``, as positions in its sharded items."""
-    grid: list[TensorItem]
-    """v2: this rank's sharded items written as its own grid cells (never gathered)."""
-    base_load: list[int] | None = None
-    """Coordinator, v2: bytes each rank writes as grid cells (balanced against)."""
-    proposal: Any = None
-    """v2: the agreed grid proposal (:mod:`ckptlib.plan.grid`)."""
-    union: frozenset[str] = frozenset()
-    """v2: the sharded tensors that are not a grid (their pieces are ``explicit``)."""
-    staged: dict[int, str] | None = None
-    """Coordinator: node leaders that could not open their staging folder (rank -> why)."""
-
-
-def _offer_v1(save: SaveSession, rep_desc: list[PieceDesc], shd_desc: list[PieceDesc]) -> _Offer:
-    """Format v1: every sharded piece is reported (one report)."""
-    s = save.session
-    sent = s.report([digest(rep_desc), wire.pieces_out(rep_desc) if s.is_coordinator else None,
-                     wire.pieces_out(shd_desc), save.stage_error], deadline=save.deadline, hold=True)
-    everyone = None if sent is None else [[d, wire.pieces_in(r or []), wire.pieces_in(x)] for d, r, x, _e in sent]
-    staged = None if sent is None else {r: e for r, (_d, _r, _x, e) in enumerate(sent) if e}
-    return _Offer(everyone, [e[2] for e in everyone] if everyone is not None else None, list(range(len(shd_desc))), [],
-                  staged=staged)
-
-
-def _offer_v2(save: SaveSession, shd: list[TensorItem], rep_desc: list[PieceDesc],
-              shd_desc: list[PieceDesc]) -> _Offer:
-    """Format v2: sharded tensors that form a grid with cell ``k`` on rank ``k`` are agreed on
-    with :mod:`ckptlib.plan.grid`: the coordinator's proposal (shared with the save's opening,
-    :meth:`SaveSession.begin`), each rank's exceptions reported with its replicated digest. The
-    pieces of the tensors that are not a grid (their union) are asked for only when there are
-    any (:func:`_plan`, one more report)."""
-    s = save.session
-    raw = save.proposal if save.proposal is not None else s.share(
-        wire.proposal_out(propose(shd_desc)) if s.is_coordinator else None, deadline=save.deadline)
-    proposal = wire.proposal_in(raw)
-    odd = conform(proposal, shd_desc, s.rank)
-    odd_set = set(odd)
-    grid_bytes = sum(d.nbytes for d in shd_desc if d.name not in odd_set)
-    sent = s.report([digest(rep_desc), wire.pieces_out(rep_desc) if s.is_coordinator else None, odd, grid_bytes,
-                     save.stage_error], deadline=save.deadline, hold=True)
-    everyone = None if sent is None else [[d, wire.pieces_in(r or []), o, g] for d, r, o, g, _e in sent]
-    staged = None if sent is None else {r: e for r, (*_x, e) in enumerate(sent) if e}
-    union = frozenset().union(*(e[2] for e in everyone)) if everyone is not None else frozenset()
-    return _Offer(everyone, [[]] * s.world, [], [], [e[3] for e in everyone] if everyone is not None else None,
-                  proposal, union, staged)
-
-
-def _plan(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
-    """Every rank (collective): this rank's items -- replicas deduplicated, bytes balanced
-    (the coordinator plans) -- and, format v2 (``save.v2``), on the coordinator
-    ``save.layout`` (every tensor's sharding for the v2 manifest). What is put up for
-    assignment differs by format (:func:`_offer_v1`, :func:`_offer_v2`); the assignment and
-    its distribution (one :meth:`Session.answer_each`) are one. Format v2 with tensors that are
-    not a grid: the first answer names them ("more"), every rank reports their pieces, and a
-    second answer carries the plans. Raises :class:`CommitError` on every rank when planning
-    fails or a node leader could not open its staging folder."""
-    s = save.session
-    if s.world <= 1:
-        if save.v2:
-            save.layout = describe([], set(), [], [], [(0, _describe(it)) for it in items])
-        return items
-    rep = [it for it in items if it.replicated]
-    shd = [it for it in items if not it.replicated]
-    rep_desc = [_describe(it) for it in rep]
-    shd_desc = [_describe(it) for it in shd]
-    offer = _offer_v2(save, shd, rep_desc, shd_desc) if save.v2 else _offer_v1(save, rep_desc, shd_desc)
-
-    def plans() -> list[Any]:
-        everyone, explicit = offer.everyone, offer.explicit
-        assert everyone is not None and explicit is not None
-        try:
-            if offer.staged:
-                raise PlanError(detail(offer.staged))
-            got = assign(everyone[0][1], [e[0] for e in everyone], explicit, offer.base_load)
-            if save.v2:
-                writer = [0] * len(rep_desc)
-                for r, p in enumerate(got):
-                    for i in p.replicated:
-                        writer[i] = r
-                chosen = [(r, explicit[r][i]) for r, p in enumerate(got) for i in p.sharded]
-                save.layout = describe(offer.proposal, set(offer.union), everyone[0][1], writer, chosen)
-            return [["ok", wire.plan_out(p)] for p in got]
-        except PlanError as e:
-            failures = offer.staged or {0: str(e)}
-            return [["error", {str(r): m for r, m in failures.items()}]] * s.world
-
-    first: list[Any] | None = None
-    if s.is_coordinator:
-        first = [["more", sorted(offer.union)]] * s.world if offer.union and not offer.staged else plans()
-    status, sent = s.answer_each(first, deadline=save.deadline)
-    if save.v2:  # which sharded tensors are not a grid: their pieces, written as assigned
-        union = set(sent) if status == "more" else set()
-        offer.mine = [i for i, d in enumerate(shd_desc) if d.name in union]
-        offer.grid = [it for it, d in zip(shd, shd_desc, strict=True) if d.name not in union and all(d.shape)]
-        if status == "more":
-            got = s.report(wire.pieces_out(shd_desc[i] for i in offer.mine), deadline=save.deadline, hold=True)
-            if got is not None:
-                offer.explicit = [wire.pieces_in(x) for x in got]
-            status, sent = s.answer_each(plans() if s.is_coordinator else None, deadline=save.deadline)
-    if status == "error":
-        save._drop_staging()
-        raise _fail(save.storage, save.final, {int(r): m for r, m in sent.items()})
-    plan = wire.plan_in(sent)
-    return [rep[i] for i in plan.replicated] + offer.grid + [shd[offer.mine[i]] for i in plan.sharded]

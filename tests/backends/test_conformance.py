@@ -59,3 +59,36 @@ def test_posix_fsync_failure_is_raised(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", bad_fsync)
     with pytest.raises(OSError, match="fsync"):
         w.close()
+
+
+def test_posix_open_write_makes_folders_only_when_missing(tmp_path, monkeypatch):
+    """A file in an existing folder is created with one open (no mkdir: on a parallel file system
+    each is a metadata round trip, per file per rank); a missing folder is still made; an existing
+    file is still refused, and a file where a folder should be is a clear error."""
+    s = open_storage(tmp_path)
+    made: list[str] = []
+    real = os.makedirs
+
+    def counting(path, *a, **k):
+        made.append(str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "makedirs", counting)
+    w = s.open_write("a/b/f.bin")
+    w.write(b"one")
+    w.close()
+    assert made and made[0] == str(tmp_path / "a" / "b")  # (os.makedirs recurses for "a")
+    before = len(made)
+    w = s.open_write("a/b/g.bin")
+    w.write(b"two")
+    w.close()
+    assert len(made) == before  # the folder was there: no mkdir
+    assert (tmp_path / "a" / "b" / "f.bin").read_bytes() == b"one"
+    assert (tmp_path / "a" / "b" / "g.bin").read_bytes() == b"two"
+    with pytest.raises(FileExistsError):
+        s.open_write("a/b/f.bin")
+    assert (tmp_path / "a" / "b" / "f.bin").read_bytes() == b"one"
+    (tmp_path / "plain").write_bytes(b"x")
+    with pytest.raises(OSError):
+        s.open_write("plain/sub/h.bin")
+    assert (tmp_path / "plain").read_bytes() == b"x"
