@@ -21,7 +21,7 @@ import torch
 
 import ckptlib
 from ckptlib import crashpoints
-from ckptlib.engine import save as save_flow
+from ckptlib.engine import save_plan
 from ckptlib.format import layout
 from ckptlib.testing.faults import Fault, FaultyStorage
 
@@ -43,13 +43,13 @@ def freeze(log: str, phase: str) -> BaseException:
 def slow_assign(delay: float) -> None:
     """The coordinator's write plan (``assign``, between the plan's gather and its scatter)
     takes ``delay`` seconds more: the others wait in the plan's last meeting."""
-    real = save_flow.assign
+    real = save_plan.assign
 
     def assign(*a: Any, **kw: Any) -> Any:
         time.sleep(delay)
         return real(*a, **kw)
 
-    save_flow.assign = assign  # type: ignore[assignment]
+    save_plan.assign = assign  # type: ignore[assignment]
 
 
 def sc_savewait(rank: int, world: int, root: str, args: dict) -> dict:
