@@ -102,12 +102,13 @@ class Counting:
         return call
 
 
-BREAKDOWN = [  # (module, owner, attribute, label): the steps --breakdown times; they nest as indented
+BREAKDOWN = [  # (module, owner, attribute, label): the steps --breakdown times (those the tree has); they nest as indented
     ("ckptlib.manager", "CheckpointManager", "save", "save() on the caller's thread"),
     ("ckptlib.engine.snapshot", "Snapshot", "stage", "  of which the snapshot copy"),
     ("ckptlib.manager", "CheckpointManager", "_persist", "the persist thread"),
     ("ckptlib.engine.save", "SaveSession", "begin", "  open the save (staging folder, one share)"),
-    ("ckptlib.engine.save", None, "_plan", "  plan (one report, one answer)"),
+    ("ckptlib.engine.save", None, "plan_items", "  plan (one report, one answer)"),
+    ("ckptlib.engine.save", None, "_plan", "  plan (one report, one answer)"),  # its name before 1ed59de (--tree)
     ("ckptlib.engine.save", "SaveSession", "write", "  payload file: create, write, checksum, fsync"),
     ("ckptlib.engine.save", "SaveSession", "finish", "  finish: index, report done, commit, share the outcome"),
     ("ckptlib.engine.save", "SaveSession", "write_index", "    of which the piece index: build, write, fsync"),
@@ -123,6 +124,8 @@ def _time_steps(acc: collections.defaultdict[str, float]) -> None:
     for module, owner, attr, label in BREAKDOWN:
         obj: Any = importlib.import_module(module)
         obj = getattr(obj, owner) if owner else obj
+        if not hasattr(obj, attr):
+            continue  # a name another tree (--tree) does not have
         found = obj.__dict__.get(attr) if isinstance(obj, type) else None
         fn = found.__func__ if isinstance(found, classmethod) else getattr(obj, attr)
 
@@ -407,7 +410,7 @@ def _print_breakdown(row: dict[str, Any]) -> None:
     """One world's CPU per save by step (ms): the coordinator, and the mean of every other rank."""
     b = row["breakdown_ms"]
     print(f"\nworld={row['world']}: CPU per save (ms) {'coordinator':>14} {'other ranks':>12}")
-    labels = [label for *_, label in BREAKDOWN]
+    labels = list(dict.fromkeys(label for *_, label in BREAKDOWN))
     labels += sorted({k for side in ("coordinator", "other_mean") for k in b[side]} - set(labels))
     for label in labels:
         print(f"  {label:<52} {b['coordinator'].get(label, 0.0):>8.3f} {b['other_mean'].get(label, 0.0):>12.3f}")
