@@ -30,7 +30,9 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   Latency: the median seconds of ``save().wait()`` on rank 0 over ``--saves`` saves, and of one
   meeting (an exchange in a session of its own) over 20 meetings, measured in a second job of
   the same saves without the counting wrapper (``save_s``, ``meeting_s``: what a user sees; the
-  counted job's own are ``counted_save_s``, ``counted_meeting_s``). ``--tree DIR`` runs another
+  counted job's own are ``counted_save_s``, ``counted_meeting_s``), and how long ``save()``
+  itself held the training thread (``call_s``: the median over every rank's saves in the plain
+  job; the summary's ``save()`` column). ``--tree DIR`` runs another
   checkout's ckptlib (``PYTHONPATH``) under the same harness: the "before" columns.
 - ``sim``: the same save on W simulated ranks (ckptlib/testing/simulation.py; W = 256 ...
   4,096): the real save flow's store calls, counted per rank, and its virtual latency with a
@@ -211,11 +213,13 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
         threads0 = _thread_cpu()
     t_base = time.monotonic()
     cpu0 = time.process_time()
-    times = []
+    times, calls = [], []
     for i in range(saves):
         dist.barrier()
         t0 = time.monotonic()
-        mgr.save(2 + i, state).wait(timeout=600)
+        handle = mgr.save(2 + i, state)
+        calls.append(time.monotonic() - t0)  # how long save() held the training thread
+        handle.wait(timeout=600)
         times.append(time.monotonic() - t0)
     window = time.monotonic() - t_base
     cpu = (time.process_time() - cpu0) / saves
@@ -237,7 +241,7 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     per_save["store_keys_added"] = keys
     per_save["connections_total"] = counts["connections"] + 1
     with open(f"{out}.{rank}.json", "w") as f:
-        json.dump({"rank": rank, "per_save": per_save, "save_s": times, "meeting_s": meet}, f)
+        json.dump({"rank": rank, "per_save": per_save, "save_s": times, "call_s": calls, "meeting_s": meet}, f)
     dist.barrier()
     os._exit(0)
 
@@ -364,6 +368,8 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
             "save_s": statistics.median(plain[0]["save_s"]),
             "meeting_s": statistics.median(plain[0]["meeting_s"]),
             "counted_save_s": statistics.median(results[0]["save_s"]),
+            # save() on the training thread (until it returns), median over every rank's saves
+            "call_s": statistics.median(c for x in plain for c in x.get("call_s", [0.0])),
             "counted_meeting_s": statistics.median(results[0]["meeting_s"]),
             "cpu_s_plain": {"coordinator": round(plain[0]["per_save"]["cpu_s"], 4),
                             "other_mean": round(statistics.mean(x["per_save"]["cpu_s"] for x in plain[1:]), 4)},
@@ -422,13 +428,15 @@ def _summary(rows: list[dict[str, Any]]) -> None:
     floor job's save (no library) against the smallest world's bare save."""
     base = rows[0]
     print(f"\n{'ranks':>6} {'save':>8} {'x ' + str(base['world']) + ' ranks':>10} {'CPU floor':>10} {'save/floor':>10}"
-          f" {'bare':>8} {'bare x ' + str(base['world']):>9} {'save/bare':>10} {'CPU/rank':>9} {'bare':>7}")
+          f" {'bare':>8} {'bare x ' + str(base['world']):>9} {'save/bare':>10} {'CPU/rank':>9} {'bare':>7}"
+          f" {'save()':>8}")
     for r in rows:
         bare = r["bare_save_s"]
         print(f"{r['world']:>6} {r['save_s']:>7.3f}s {r['save_s'] / base['save_s']:>9.1f}x "
               f"{r['cpu_floor_s']:>9.3f}s {r['save_s'] / max(r['cpu_floor_s'], 1e-9):>9.1f}x"
               f" {bare:>7.4f}s {bare / base['bare_save_s']:>8.1f}x {r['save_s'] / bare:>9.1f}x "
-              f"{r['cpu_s_plain']['other_mean'] * 1e3:>6.2f}ms {r['bare_cpu_s']['other_mean'] * 1e3:>5.2f}ms")
+              f"{r['cpu_s_plain']['other_mean'] * 1e3:>6.2f}ms {r['bare_cpu_s']['other_mean'] * 1e3:>5.2f}ms"
+              f" {r.get('call_s', 0.0) * 1e3:>6.2f}ms")
 
 
 def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[dict[str, Any]]:

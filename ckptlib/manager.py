@@ -2,7 +2,8 @@
 work is in the engine (save, resume, overlap, preemption, retire). Threads (docs/async.md):
 
 - ``save()`` runs on the training thread: flatten, plan staging (:class:`Stager`), start the
-  persist thread ``ckptlib-save-<step>`` (write + commit + retention), copy the state into the
+  manager's persist thread (:mod:`ckptlib.engine.persist_worker`; ``ckptlib-save-<step>`` while
+  it writes, commits and applies retention), copy the state into the
   staging arena, return a :class:`SaveHandle`. In overlap mode parameters and optimizer state
   are copied by ``ckptlib-snapshot-<step>`` and the next optimizer step waits for it.
 - One save is in flight at a time: a new ``save()`` waits for the previous one or skips
@@ -36,6 +37,7 @@ from ckptlib.engine import save as save_flow
 from ckptlib.engine.load import LoadResult
 from ckptlib.engine.mapped_arena import Ring
 from ckptlib.engine.overlap import SnapshotGate, deferred_mask
+from ckptlib.engine.persist_worker import PersistWorker, lower_priority
 from ckptlib.engine.preemption import FinalCheckpoint, PreemptionWatcher
 from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager
@@ -264,7 +266,7 @@ class CheckpointManager:
         self.coordinator = coordinator or default_coordinator()
         self._stager = Stager(staging_budget)
         self._handles: list[SaveHandle] = []
-        self._thread: threading.Thread | None = None
+        self._worker = PersistWorker(self.options.persist_nice)  # runs async saves; started by the first
         self._overlap = SnapshotGate(snapshot_timeout)
         self._active_ids: set[str] = set()
         self._closed = False
@@ -300,7 +302,7 @@ class CheckpointManager:
         nice = self.options.persist_nice
         self._drainer = Drainer(self._tier, self.storage, drain_coordinator(self.coordinator),
                                 timeout=self.options.save_timeout, rate=rate,
-                                on_start=lambda: _lower_priority(nice))
+                                on_start=lambda: lower_priority(nice))
         if self.coordinator.is_coordinator:
             self._drainer.after = self._after_drain
 
@@ -373,7 +375,7 @@ class CheckpointManager:
             handle._tiered = True
             if self._persist_next:
                 handle._drain = DrainTicket(step)
-        if self._thread is not None and self._thread.is_alive():
+        if self._worker.busy():
             if self.options.in_flight == "skip":
                 warnings.warn(
                     f"ckptlib: skipping save of step {step}: the previous save is still persisting",
@@ -410,13 +412,8 @@ class CheckpointManager:
         handle._snapshot = snap
         self._handles.append(handle)
         self._active_ids.add(save_id)
-        self._thread = threading.Thread(
-            target=self._persist,
-            args=(handle, snap, step, metadata, save_id, created, metrics),
-            name=f"ckptlib-save-{step}",
-            daemon=True,
-        )
-        self._thread.start()
+        self._worker.submit(self._persist, (handle, snap, step, metadata, save_id, created, metrics),
+                            f"ckptlib-save-{step}")
         sync_upto = snap.sync_rounds if self.options.overlap else snap.nrounds
         try:
             snap.stage(sync_upto, deadline)
@@ -454,7 +451,6 @@ class CheckpointManager:
         rounds: Iterable[list[TensorItem]] | None = None
         try:
             if snap is not None:
-                _lower_priority(self.options.persist_nice)
                 deadline = time.monotonic() + self.options.save_timeout
                 if snap.streaming:
                     rounds = snap.rounds(deadline)
@@ -540,13 +536,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ waiting
     def _join_thread(self, timeout: float | None = None) -> None:
-        t = self._thread
-        if t is not None:
-            limit = self.options.save_timeout + 30.0 if timeout is None else timeout
-            t.join(limit)
-            if t.is_alive():
-                raise CommitTimeoutError(f"background save still running after {limit:.0f}s")
-            self._thread = None
+        self._worker.join(self.options.save_timeout + 30.0 if timeout is None else timeout)
 
     def _raise_pending(self) -> None:
         for h in list(self._handles):
@@ -588,7 +578,9 @@ class CheckpointManager:
             self._closed = True
             if self._drainer is not None:
                 self._drainer.abandon()  # drain=False or a failed close: no drain thread outlives close
-            if self._thread is None or not self._thread.is_alive():
+            stuck = self._worker.busy()
+            self._worker.stop(0.0 if stuck else 5.0)  # idle: it ends at once
+            if not stuck:
                 self._stager.release()  # never free memory a stuck writer still reads
                 if self._tier is not None:
                     self._tier.storage.release_spares()  # a memory tier's recycled pages
@@ -707,17 +699,6 @@ def _drain(handles: list[SaveHandle]) -> None:
     """At interpreter exit: give an in-flight save the chance to commit (bounded)."""
     for h in list(handles):
         h._event.wait(h._timeout)
-
-
-def _lower_priority(nice: int | None) -> None:
-    """Persist thread: raise this thread's niceness (Linux applies it per thread)."""
-    if not nice or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        pass
 
 
 def _failed_rounds(error: BaseException) -> Iterator[list[TensorItem]]:

@@ -364,7 +364,8 @@ def test_fifty_saves_keep_rss_and_threads_flat(tmp_path):
                 mgr.wait()
                 rss.append(_rss())
         mgr.wait()
-        assert threading.active_count() <= baseline_threads
+        assert threading.active_count() <= baseline_threads + 1  # the manager's one persist thread
+    assert threading.active_count() <= baseline_threads  # close ended it
     grown = rss[1] - rss[0]
     assert grown < 24 << 20, f"RSS grew by {grown / 2**20:.1f} MiB over 40 saves"
     assert [i.step for i in ckptlib.CheckpointManager(tmp_path).steps()] == [49]
@@ -576,8 +577,9 @@ def test_persist_thread_runs_at_lower_priority(tmp_path, monkeypatch):
     monkeypatch.setattr(PosixStorage, "open_write", spy)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     with ckptlib.CheckpointManager(tmp_path, persist_nice=5) as mgr:
-        mgr.save(1, make_state()).wait(timeout=60)
-    assert seen and all(p == min(19, mine + 5) for p in seen)  # writer threads inherit it
+        for step in (1, 2, 3):  # one persist thread for all three: lowered once, not once per save
+            mgr.save(step, make_state()).wait(timeout=60)
+    assert len(seen) >= 3 and all(p == min(19, mine + 5) for p in seen), seen  # writer threads inherit it
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 

@@ -148,7 +148,7 @@ def test_background_failure_raised_once(tmp_path, monkeypatch):
     # The next failure surfaces on the next save() instead.
     monkeypatch.setattr(PosixStorage, "open_write", broken)
     mgr.save(2, make_state())
-    mgr._thread.join(60)
+    mgr._worker.join(60)
     monkeypatch.undo()
     with pytest.raises(ckptlib.CommitError):
         mgr.save(3, make_state())

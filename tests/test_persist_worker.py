@@ -1,0 +1,149 @@
+"""The manager's one persist thread (ckptlib/engine/persist_worker.py): every async save of a
+manager runs on the same thread, no thread is started per save, a failed save does not lose the
+thread, an idle thread ends and a forked child gets a new one; each save's bytes come back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from helpers import assert_same
+
+import ckptlib
+from ckptlib.backends.posix import PosixStorage
+from ckptlib.engine.persist_worker import PersistWorker
+from ckptlib.errors import CommitTimeoutError
+
+
+def state_of(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(7, generator=g), "step": step}
+
+
+def loaded(root, step: int) -> dict:
+    out = {"w": torch.zeros(64, 32), "b": torch.zeros(7), "step": 0}
+    assert ckptlib.CheckpointManager(root).restore(out, step=step) == step
+    return out
+
+
+def persist_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(("ckptlib-persist", "ckptlib-save-"))]
+
+
+def test_saves_share_one_thread_and_start_none(tmp_path, monkeypatch):
+    writers: list[tuple[int, str]] = []
+    real_open = PosixStorage.open_write
+
+    def spy(self, path):
+        writers.append((threading.get_ident(), threading.current_thread().name))
+        return real_open(self, path)
+
+    monkeypatch.setattr(PosixStorage, "open_write", spy)
+    with ckptlib.CheckpointManager(tmp_path, keep_last=10) as mgr:
+        mgr.save(1, state_of(1)).wait(timeout=60)
+        started: list[str] = []
+        real_start = threading.Thread.start
+
+        def counted(self):
+            started.append(self.name)
+            return real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", counted)
+        for step in range(2, 7):
+            mgr.save(step, state_of(step)).wait(timeout=60)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert started == [], started  # five saves, no thread started
+        assert len({ident for ident, _ in writers}) == 1  # all six on one thread
+        assert {name for _, name in writers} == {f"ckptlib-save-{s}" for s in range(1, 7)}  # named per save
+        assert [t.name for t in persist_threads()] == ["ckptlib-persist"]  # idle between saves
+    assert persist_threads() == []  # close ended it
+    for step in range(1, 7):
+        assert_same(loaded(tmp_path, step), state_of(step))
+
+
+def test_failed_save_keeps_the_thread_and_the_next_commits(tmp_path, monkeypatch):
+    real_open = PosixStorage.open_write
+
+    def full(self, path):
+        raise OSError(28, "No space left on device")
+
+    with ckptlib.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state_of(1)).wait(timeout=60)
+        before = persist_threads()
+        monkeypatch.setattr(PosixStorage, "open_write", full)
+        with pytest.raises(ckptlib.CommitError, match="No space left"):
+            mgr.save(2, state_of(2)).wait(timeout=60)
+        monkeypatch.setattr(PosixStorage, "open_write", real_open)
+        mgr.save(3, state_of(3)).wait(timeout=60)
+        assert persist_threads() == before  # the same thread went on
+    assert [i.step for i in mgr.steps() if i.status == "committed"] == [1, 3]
+    assert_same(loaded(tmp_path, 3), state_of(3))
+
+
+def test_idle_thread_ends_and_the_next_save_starts_another(tmp_path, monkeypatch):
+    monkeypatch.setattr(PersistWorker, "IDLE_S", 0.2)
+    with ckptlib.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state_of(1)).wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while persist_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert persist_threads() == []  # idle: ended by itself
+        mgr.save(2, state_of(2)).wait(timeout=60)
+    assert_same(loaded(tmp_path, 2), state_of(2))
+
+
+def test_forked_child_saves_on_a_thread_of_its_own(tmp_path):
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    mgr.save(1, state_of(1)).wait(timeout=60)
+    assert persist_threads()  # the parent's idle persist thread, which the child will not have
+    pid = os.fork()
+    if pid == 0:  # the child: save once, exit 0 only if it committed
+        code = 1
+        try:
+            mgr.save(2, state_of(2)).wait(timeout=60)
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's save hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    mgr.close()
+    assert_same(loaded(tmp_path, 2), state_of(2))
+
+
+def test_worker_join_is_bounded_and_a_raising_job_does_not_end_the_thread():
+    w = PersistWorker()
+    gate = threading.Event()
+    ran: list[int] = []
+    w.submit(gate.wait, (30,), "ckptlib-save-1")
+    assert w.busy()
+    with pytest.raises(CommitTimeoutError, match="still running"):
+        w.join(0.1)
+    gate.set()
+    w.join(30)
+    assert not w.busy()
+    first = w._thread
+
+    def boom() -> None:
+        raise SystemExit("escaped the job")
+
+    w.submit(boom, (), "ckptlib-save-2")
+    w.join(30)
+    w.submit(lambda: ran.append(threading.get_ident()), (), "ckptlib-save-3")
+    w.join(30)
+    assert first is not None and ran == [first.ident] and w._thread is first
+    w.stop(30)
+    assert not first.is_alive()
+
