@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 
 def describe_item(it: TensorItem) -> PieceDesc:
+    """What a rank tells the others about one of its pieces (name, where it sits in its global
+    tensor, shape, bytes, dtype): no tensor data. Persist thread, every rank: built for the plan's
+    offer (:func:`plan_items`) and for the grid proposal (``engine.save.persist``)."""
     t = it.tensor
     return PieceDesc(it.name, it.global_offset, tuple(t.shape), t.numel() * t.element_size(),
                      dtype_name(t.dtype), it.global_shape)
