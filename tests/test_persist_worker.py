@@ -1,9 +1,10 @@
 """The manager's one persist thread (ckptlib/engine/persist_worker.py): every async save of a
 manager runs on the same thread, no thread is started per save, a failed save does not lose the
-thread, an idle thread ends and a forked child gets a new one; each save's bytes come back."""
+thread, a manager dropped without close leaves no thread and a forked child gets a new one; each save's bytes come back."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -84,16 +85,32 @@ def test_failed_save_keeps_the_thread_and_the_next_commits(tmp_path, monkeypatch
     assert_same(loaded(tmp_path, 3), state_of(3))
 
 
-def test_idle_thread_ends_and_the_next_save_starts_another(tmp_path, monkeypatch):
-    monkeypatch.setattr(PersistWorker, "IDLE_S", 0.2)
-    with ckptlib.CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, state_of(1)).wait(timeout=60)
-        deadline = time.monotonic() + 30
-        while persist_threads() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert persist_threads() == []  # idle: ended by itself
-        mgr.save(2, state_of(2)).wait(timeout=60)
-    assert_same(loaded(tmp_path, 2), state_of(2))
+def test_manager_dropped_without_close_leaves_no_thread(tmp_path):
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    mgr.save(1, state_of(1)).wait(timeout=60)
+    thread = persist_threads()
+    assert len(thread) == 1
+    del mgr  # never closed: its idle persist thread must not outlive it
+    deadline = time.monotonic() + 30
+    while thread[0].is_alive() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert not thread[0].is_alive()
+    assert_same(loaded(tmp_path, 1), state_of(1))
+
+
+def test_a_save_after_close_and_reopen_runs_on_a_new_thread(tmp_path):
+    w = PersistWorker()
+    seen: list[int] = []
+    w.submit(lambda: seen.append(threading.get_ident()), (), "ckptlib-save-1")
+    w.join(30)
+    first = w._thread
+    w.stop(30)
+    assert first is not None and not first.is_alive()
+    w.submit(lambda: seen.append(threading.get_ident()), (), "ckptlib-save-2")
+    w.join(30)
+    assert len(seen) == 2 and w._thread is not first and w._thread is not None and w._thread.is_alive()
+    w.stop(30)
 
 
 def test_forked_child_saves_on_a_thread_of_its_own(tmp_path):

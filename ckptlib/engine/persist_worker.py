@@ -17,9 +17,11 @@ Before, every async save started a thread: about 0.1 ms of CPU per save per rank
 training thread's ``save()`` waited until the new thread had been scheduled (on a busy node,
 most of ``save()``'s time: ``docs/scale.md``, "One persist thread per manager").
 
-A thread that has been idle for :attr:`IDLE_S` ends by itself (a manager never closed leaves no
-thread behind for long) and the next submit starts a new one; so does a submit in a forked child,
-where the parent's thread does not exist.
+The thread ends with :meth:`PersistWorker.stop` (``close``) or, for a manager dropped without
+``close``, when its worker is garbage-collected (a finalizer wakes the thread to end: the thread
+holds no reference to the worker or the manager between saves). A forked child does not have the
+parent's thread: its first submit starts one of its own. Only the training thread calls
+``submit`` and ``stop``, so no lock is taken that a fork could leave held.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,35 +46,31 @@ _Jobs = queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], str] | None
 class PersistWorker:
     """One persist thread, reused by every save of one manager (module docstring)."""
 
-    IDLE_S = 60.0
-    """Seconds without a job after which the thread ends (the next submit starts another)."""
-
     def __init__(self, nice: int | None = None) -> None:
         self._nice = nice
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._jobs: _Jobs = queue.SimpleQueue()  # the current thread's own queue
-        self._runner: threading.Thread | None = None  # the thread given the last job
         self._done = threading.Event()
         self._done.set()
 
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> None:
         """Training thread: run ``fn(*args)`` on the persist thread (``name`` while it runs).
         The caller makes sure the previous job is over (:meth:`busy` is False)."""
+        t = self._thread
+        if t is None or not t.is_alive():  # the first save, after stop, or in a forked child
+            jobs: _Jobs = queue.SimpleQueue()
+            self._jobs = jobs
+            self._done = done = threading.Event()
+            t = threading.Thread(target=_serve, args=(jobs, done, self._nice), name=IDLE_NAME, daemon=True)
+            weakref.finalize(self, jobs.put, None).atexit = False  # dropped without stop: end the thread
+            self._thread = t
+            t.start()
         self._done.clear()
-        with self._lock:
-            t = self._thread
-            if t is None or not t.is_alive():  # first save, idle spell over, or a forked child
-                self._jobs = queue.SimpleQueue()
-                t = threading.Thread(target=self._run, args=(self._jobs,), name=IDLE_NAME, daemon=True)
-                self._thread = t
-                t.start()
-            self._runner = t
-            self._jobs.put((fn, args, name))
+        self._jobs.put((fn, args, name))
 
     def busy(self) -> bool:
         """Is a submitted job not yet finished? (False in a forked child: its thread is gone.)"""
-        t = self._runner
+        t = self._thread
         return not self._done.is_set() and t is not None and t.is_alive()
 
     def join(self, limit: float) -> None:
@@ -82,32 +81,24 @@ class PersistWorker:
     def stop(self, wait: float) -> None:
         """``close``: let the thread end after the job it runs, if any, waiting for it at most
         ``wait`` seconds. A later submit starts a new thread."""
-        with self._lock:
-            t, self._thread = self._thread, None
-            if t is not None:
-                self._jobs.put(None)
-        if t is not None and wait > 0 and t is not threading.current_thread():
+        t, self._thread = self._thread, None
+        if t is None:
+            return
+        self._jobs.put(None)
+        if wait > 0:
             t.join(wait)
 
-    def _run(self, jobs: _Jobs) -> None:
-        lower_priority(self._nice)
-        me = threading.current_thread()
-        while True:
-            try:
-                job = jobs.get(timeout=self.IDLE_S)
-            except queue.Empty:
-                with self._lock:  # a submit puts under this lock: no job is left behind
-                    if jobs.empty():
-                        if self._thread is me:
-                            self._thread = None
-                        return
-                continue
-            if job is None:
-                return
-            self._one(me, *job)
-            job = None  # hold no state of a finished save while idle
 
-    def _one(self, me: threading.Thread, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> None:
+def _serve(jobs: _Jobs, done: threading.Event, nice: int | None) -> None:
+    """The persist thread's loop: run each job, mark it done, until ``None``."""
+    lower_priority(nice)
+    me = threading.current_thread()
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, args, name = job
+        job = None
         me.name = name
         try:
             fn(*args)
@@ -115,7 +106,8 @@ class PersistWorker:
             log.exception("ckptlib: the persist thread's job failed")
         finally:
             me.name = IDLE_NAME
-            self._done.set()
+            del fn, args  # hold no state of a finished save while idle
+            done.set()
 
 
 def lower_priority(nice: int | None) -> None:
