@@ -223,9 +223,12 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
         times.append(time.monotonic() - t0)
     window = time.monotonic() - t_base
     cpu = (time.process_time() - cpu0) / saves
-    if mode == "breakdown":  # threads alive now (each save's persist thread has ended: counted in its steps)
+    if mode == "breakdown":  # threads alive now, but the persist thread: its saves are counted in their steps
+        worker = getattr(mgr, "_worker", None)  # older trees: a thread per save, ended by now
+        persist = getattr(getattr(worker, "_thread", None), "native_id", None)
         for tid, (name, used) in _thread_cpu().items():
-            steps[f"thread {name}"] += used - threads0.get(tid, (name, 0.0))[1]
+            if persist is None or int(tid) != persist:
+                steps[f"thread {name}"] += used - threads0.get(tid, (name, 0.0))[1]
     dist.barrier()
     time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s here)
     keys = (real().num_keys() - keys0) / saves if rank == 0 else 0.0
