@@ -372,7 +372,7 @@ def real(worlds: list[int], saves: int, mib: float, tree: str | None, where: str
             "meeting_s": statistics.median(plain[0]["meeting_s"]),
             "counted_save_s": statistics.median(results[0]["save_s"]),
             # save() on the training thread (until it returns), median over every rank's saves
-            "call_s": statistics.median(c for x in plain for c in x.get("call_s", [0.0])),
+            "call_s": statistics.median(c for x in plain for c in x["call_s"]),
             "counted_meeting_s": statistics.median(results[0]["meeting_s"]),
             "cpu_s_plain": {"coordinator": round(plain[0]["per_save"]["cpu_s"], 4),
                             "other_mean": round(statistics.mean(x["per_save"]["cpu_s"] for x in plain[1:]), 4)},
@@ -439,7 +439,7 @@ def _summary(rows: list[dict[str, Any]]) -> None:
               f"{r['cpu_floor_s']:>9.3f}s {r['save_s'] / max(r['cpu_floor_s'], 1e-9):>9.1f}x"
               f" {bare:>7.4f}s {bare / base['bare_save_s']:>8.1f}x {r['save_s'] / bare:>9.1f}x "
               f"{r['cpu_s_plain']['other_mean'] * 1e3:>6.2f}ms {r['bare_cpu_s']['other_mean'] * 1e3:>5.2f}ms"
-              f" {r.get('call_s', 0.0) * 1e3:>6.2f}ms")
+              f" {r['call_s'] * 1e3:>6.2f}ms")
 
 
 def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[dict[str, Any]]:
