@@ -194,21 +194,26 @@ class TorchKV:
         self.limit = limit
         self.pulse = pulse  # ckptlib.coord.liveness.Pulse: runs the watches
         self.every: float = pulse.every
-        self._store = own_connection(store)
+        # A host's connection is to its own process: made here. Anyone else's is made by the
+        # worker, as its first act: connecting to a frozen host's store blocks for the store's
+        # own timeout (minutes), and only the worker may block; callers wait ``limit`` at most.
+        self._source = store
+        self._store = own_connection(store) if host else None
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._name = name
+        self.name = name  # the worker thread's (:meth:`rename`)
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
         _WORKERS.add(self)
 
     # -- the worker
     def _serve(self) -> None:
+        store = self._store if self._store is not None else own_connection(self._source)
         while True:
             call = self._queue.get()
             if call is None:
                 return
             try:
-                call.value = call.fn(self._store)
+                call.value = call.fn(store)
             except BaseException as e:  # handed to the caller
                 call.error = e
             call.finish()
@@ -217,7 +222,7 @@ class TorchKV:
         if self._worker is None:
             with self._lock:
                 if self._worker is None:
-                    self._worker = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                    self._worker = threading.Thread(target=self._serve, name=self.name, daemon=True)
                     self._worker.start()
         call = _Call(fn)
         self._queue.put(call)
@@ -235,6 +240,12 @@ class TorchKV:
         if call.error is not None:
             raise _unreachable(call.error)
         return call.value
+
+    def rename(self, name: str) -> None:
+        """Name the worker thread (now, or when it starts)."""
+        self.name = name
+        if self._worker is not None:
+            self._worker.name = name
 
     def stop(self, wait: float = 0.0) -> None:
         """Let the worker end after the calls queued (a dropped coordinator, interpreter exit),

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptlib.coord.kv import CANCEL, KV, Watch, direct, own_connection
+from ckptlib.coord.kv import CANCEL, KV, StoreUnreachable, Watch, direct, own_connection
 
 log = logging.getLogger("ckptlib")
 
@@ -103,12 +103,16 @@ class Pulse:
         self._lock = threading.Lock()
         self._watches: list[Ticket] = []
         self._litter: list[str] = []  # keys to delete at the next beat (KV.discard)
-        conn = own_connection(store)
-        self._kv = direct(conn, every)
-        self._kv.add(hb_key(rank), 1)  # the key exists before anyone reads it (the caller then meets)
         self._last = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="ckptlib-pulse", daemon=True)
+        # The thread connects and beats once before the caller goes on (the key exists before
+        # anyone reads it: the caller then meets); connecting to a frozen store blocks for the
+        # store's own timeout (minutes), so the caller waits ``limit`` at most.
+        first = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(store, first), name="ckptlib-pulse", daemon=True)
         self._thread.start()
+        if not first.wait(limit):
+            self._stop.set()  # the thread ends once its first call returns
+            raise StoreUnreachable(f"the job's store did not take this rank's first heartbeat within {limit:.0f}s")
         _PULSES.add(self)
 
     def release(self) -> None:
@@ -143,29 +147,39 @@ class Pulse:
         thread stuck in a call to it)."""
         return time.monotonic() - self._last > self.limit
 
-    def _run(self) -> None:
+    def _run(self, store: Any, first: threading.Event) -> None:
         key = hb_key(self.rank)
+        kv = direct(own_connection(store), self.every)
+        try:
+            kv.add(key, 1)
+            self._last = time.monotonic()
+        except Exception as e:  # the constructor gives up at its deadline
+            log.debug("ckptlib: the first heartbeat failed: %s", e)
+            self._stop.set()
+            return
+        first.set()
+        self._stop.wait(self.every)
         while not self._stop.is_set():
             start = time.monotonic()
             try:
-                self._kv.add(key, 1)
+                kv.add(key, 1)
                 self._last = time.monotonic()
             except Exception:  # a busy or restarting store: the others judge by what they see
                 pass
             with self._lock:
                 tickets = [t for t in self._watches if t.failures is None]
                 litter, self._litter = self._litter, []
-            self._kv.discard(litter)
+            kv.discard(litter)
             for t in tickets:
                 try:
-                    failures = t.watch(self._kv)
+                    failures = t.watch(kv)
                 except Exception as e:  # store trouble: the stall check decides
                     log.debug("ckptlib: a liveness watch failed: %s", e)
                     continue
                 if failures is not None:  # {}: the wait is over without a failure
                     t.failures = failures
                     try:
-                        self._kv.set(t.key, CANCEL)  # the waiter's own key: wakes its wait
+                        kv.set(t.key, CANCEL)  # the waiter's own key: wakes its wait
                     except Exception:
                         pass  # the waiter sees t.failures within a period
             self._stop.wait(max(0.0, self.every - (time.monotonic() - start)))

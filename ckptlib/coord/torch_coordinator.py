@@ -11,6 +11,11 @@ thread's, without a group). What it holds, all made once (docs/scale.md, the per
   the same store): one connection and one thread, for heartbeats and the watches of waits;
 - the gloo group (``bulk=True``) that :meth:`TorchCoordinator.transfer` sends bytes over.
 
+Making one waits on the job's store (connecting, the first heartbeat, the ranks' meeting) at
+most the coordination timeout per step: the connections are made on the threads that use them,
+the meeting's calls go through the worker, and a frozen store host fails the creation with
+:class:`~ckptlib.errors.CommitError` (docs/distributed.md, "Connecting is bounded too").
+
 Sessions (:meth:`TorchCoordinator.session`) are numbered per coordinator, so the n-th has the
 same keys on every rank, ``ckptlib/c<coordinator>/s<n>/``; one is open at a time.
 """
@@ -26,10 +31,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptlib.coord.coordinator import Coordinator
-from ckptlib.coord.kv import TorchKV
+from ckptlib.coord.kv import StoreUnreachable, TorchKV
 from ckptlib.coord.liveness import Pulse, heartbeat_period
-from ckptlib.coord.session import Session
-from ckptlib.errors import CheckpointError, CommitTimeoutError
+from ckptlib.coord.session import UNREACHABLE, Session
+from ckptlib.errors import CheckpointError, CommitError, CommitTimeoutError
 
 DEFAULT_DEAD_AFTER = 30.0
 
@@ -46,16 +51,18 @@ ALIGN_TIMEOUT = 120.0
 _generation = [0]
 
 
-def _meet(store: Any, world: int, timeout: float) -> int:
+def _meet(kv: TorchKV, world: int, timeout: float) -> int:
     """Store barrier before a :class:`TorchCoordinator` is made (collective, in the same order on
     every rank, so the n-th call on each rank uses the same key). Returns that number: the
-    coordinator's name in the store, the same on every rank."""
+    coordinator's name in the store, the same on every rank. Its calls go through ``kv``: a
+    frozen store host fails them within the coordination timeout
+    (:class:`ckptlib.coord.kv.StoreUnreachable`)."""
     _generation[0] += 1
     key = f"ckptlib/coordinator-init/{_generation[0]}"
-    store.add(key, 1)
+    kv.add(key, 1)
     end = time.monotonic() + timeout
     pause = 0.005
-    while store.add(key, 0) < world:
+    while kv.add(key, 0) < world:
         if time.monotonic() > end:
             raise CommitTimeoutError(f"ranks did not all create the checkpoint coordinator within {timeout:.0f}s")
         time.sleep(pause)
@@ -73,14 +80,22 @@ class TorchCoordinator(Coordinator):
         self.dead_after = dead_after
         store = _default_store()
         self.every = heartbeat_period(dead_after)
-        self.pulse = Pulse.of(store, self.rank, self.every, dead_after)  # beats before the meeting below
-        # Ranks reach this point seconds apart (whatever each did since init_process_group);
-        # gloo's connect timeout is the group timeout (dead_after), so meet first.
-        self.name = f"c{_meet(store, self.world_size, max(ALIGN_TIMEOUT, dead_after))}"
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after)) if bulk else None
+        try:
+            self.pulse = Pulse.of(store, self.rank, self.every, dead_after)  # beats before the meeting below
+        except StoreUnreachable as e:
+            raise _unreachable(e) from None
         # Rank 0 hosts the job's store (init_process_group without an agent store): its calls
         # need no worker to bound them.
-        self.kv = TorchKV(store, dead_after, self.pulse, name=f"ckptlib-store-{self.name}", host=_hosts(store))
+        self.kv = TorchKV(store, dead_after, self.pulse, name="ckptlib-store", host=_hosts(store))
+        try:
+            # Ranks reach this point seconds apart (whatever each did since init_process_group);
+            # gloo's connect timeout is the group timeout (dead_after), so meet first.
+            self.name = f"c{_meet(self.kv, self.world_size, max(ALIGN_TIMEOUT, dead_after))}"
+        except StoreUnreachable as e:
+            _drop(self.pulse, self.kv)
+            raise _unreachable(e) from None
+        self.kv.rename(f"ckptlib-store-{self.name}")
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after)) if bulk else None
         self._count = 0
         self._open: Session | None = None
         self._spent: list[str] = []  # keys this rank posted, deleted with its next take (coord/session.py)
@@ -128,6 +143,11 @@ class TorchCoordinator(Coordinator):
         for i, t in bufs:
             out[i] = t.numpy().tobytes()
         return out
+
+
+def _unreachable(e: StoreUnreachable) -> CommitError:
+    return CommitError(f"creating the checkpoint coordinator failed: {UNREACHABLE} ({e}); every rank's save and "
+                       f"restore needs it: restart the job", {0: UNREACHABLE})
 
 
 def _drop(pulse: Pulse, kv: TorchKV) -> None:

@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 from backends.conftest import s3_root
@@ -62,7 +63,8 @@ def _poll(path: Path, procs, rank: int, timeout: float) -> dict:
         if procs[rank].poll() is not None and not path.exists():
             out = procs[rank].communicate(timeout=10)[0].decode(errors="replace")
             raise AssertionError(f"rank {rank} exited ({procs[rank].returncode}) without {path.name}:\n{out}")
-        assert time.monotonic() < end, f"no {path.name} within {timeout:.0f}s"
+        if time.monotonic() >= end:  # a hang: every rank's stacks and output in the failure
+            raise launcher.Hang(f"no {path.name} within {timeout:.0f}s; every rank's output:\n{launcher.kill_all(procs)}")
         time.sleep(0.1)
     return json.loads(path.read_text())
 

@@ -21,6 +21,7 @@ import torch
 
 import ckptlib
 from ckptlib import crashpoints
+from ckptlib.coord import kv
 from ckptlib.engine import save_plan
 from ckptlib.format import layout
 from ckptlib.testing.faults import Fault, FaultyStorage
@@ -40,6 +41,18 @@ def freeze(log: str, phase: str) -> BaseException:
     return OSError("resumed after SIGSTOP")
 
 
+def slow_connect(delay: float) -> None:
+    """This rank's coordinator connects to the job's store ``delay`` seconds late (the
+    connection of its :class:`ckptlib.coord.kv.TorchKV`; the pulse's is left alone)."""
+    real = kv.own_connection
+
+    def own_connection(store: Any) -> Any:
+        time.sleep(delay)
+        return real(store)
+
+    kv.own_connection = own_connection  # type: ignore[assignment]
+
+
 def slow_assign(delay: float) -> None:
     """The coordinator's write plan (``assign``, between the plan's gather and its scatter)
     takes ``delay`` seconds more: the others wait in the plan's last meeting."""
@@ -57,13 +70,19 @@ def sc_savewait(rank: int, world: int, root: str, args: dict) -> dict:
     ``slow_stage``: rank 0's staging creation ``args["delay"]`` seconds slow; ``late``: rank 1
     calls ``save`` ``args["delay"]`` seconds after rank 0; ``slow_plan``: rank 0's write plan
     ``args["delay"]`` seconds slow; ``stop_snapshot``: rank 1 SIGSTOPs at the ``snapshot`` crash
-    point (the start of ``save``); ``stop_stage``: rank 0 SIGSTOPs in its staging creation.
+    point (the start of ``save``); ``stop_stage``: rank 0 SIGSTOPs in its staging creation;
+    ``stop_init``: rank 0 SIGSTOPs once its manager is made, while rank 1's coordinator still
+    connects to the job's store (2 s late: :func:`slow_connect`).
     A save that commits is restored into zeros on every rank (``exact``: bytes as saved)."""
     mode, delay = args["mode"], float(args.get("delay", 0.0))
     if mode == "stop_snapshot" and rank == 1:
         os.environ["CKPTLIB_TEST_KILL_AT"] = "snapshot:1:STOP"
         crashpoints.configure()
+    if mode == "stop_init" and rank == 1:
+        slow_connect(2.0)
     mgr = ckptlib.CheckpointManager(args["url"], async_save=False, save_timeout=args.get("save_timeout", 120.0))
+    if mode == "stop_init" and rank == 0:
+        freeze(os.environ["CKPTLIB_TEST_KILL_LOG"], "init")
     if rank == 0 and mode == "slow_stage":
         mgr.storage = FaultyStorage(mgr.storage, [Fault("open_write", STAGING_MARKER, kind="slow", delay=delay)])
     elif rank == 0 and mode == "stop_stage":

@@ -11,8 +11,10 @@ with ``os._exit(0)``, as a job that exits the instant its work returned does.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Collection
@@ -29,6 +31,7 @@ def run(scenarios: dict[str, Any], *, timeout_s: float, exit_at_once: bool = Fal
     ``keep_group_for``: scenarios after which the group is not destroyed (a peer is gone)."""
     scenario, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     args = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung job's stacks (tests/launcher.py)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
