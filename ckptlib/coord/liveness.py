@@ -108,11 +108,14 @@ class Pulse:
         # anyone reads it: the caller then meets); connecting to a frozen store blocks for the
         # store's own timeout (minutes), so the caller waits ``limit`` at most.
         first = threading.Event()
+        self._failed: BaseException | None = None  # the first heartbeat's error
         self._thread = threading.Thread(target=self._run, args=(store, first), name="ckptlib-pulse", daemon=True)
         self._thread.start()
         if not first.wait(limit):
             self._stop.set()  # the thread ends once its first call returns
             raise StoreUnreachable(f"the job's store did not take this rank's first heartbeat within {limit:.0f}s")
+        if self._failed is not None:
+            raise StoreUnreachable(f"the job's store refused this rank's first heartbeat: {self._failed}")
         _PULSES.add(self)
 
     def release(self) -> None:
@@ -153,9 +156,10 @@ class Pulse:
         try:
             kv.add(key, 1)
             self._last = time.monotonic()
-        except Exception as e:  # the constructor gives up at its deadline
-            log.debug("ckptlib: the first heartbeat failed: %s", e)
+        except Exception as e:  # the constructor raises it
+            self._failed = e
             self._stop.set()
+            first.set()
             return
         first.set()
         self._stop.wait(self.every)

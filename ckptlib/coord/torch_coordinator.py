@@ -22,6 +22,7 @@ same keys on every rank, ``ckptlib/c<coordinator>/s<n>/``; one is open at a time
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -91,11 +92,13 @@ class TorchCoordinator(Coordinator):
             # Ranks reach this point seconds apart (whatever each did since init_process_group);
             # gloo's connect timeout is the group timeout (dead_after), so meet first.
             self.name = f"c{_meet(self.kv, self.world_size, max(ALIGN_TIMEOUT, dead_after))}"
-        except StoreUnreachable as e:
+            self.kv.rename(f"ckptlib-store-{self.name}")
+            self.group = _bulk_group(self.pulse, dead_after) if bulk else None
+        except BaseException as e:  # this coordinator's threads end
             _drop(self.pulse, self.kv)
-            raise _unreachable(e) from None
-        self.kv.rename(f"ckptlib-store-{self.name}")
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=dead_after)) if bulk else None
+            if isinstance(e, StoreUnreachable):
+                raise _unreachable(e) from None
+            raise
         self._count = 0
         self._open: Session | None = None
         self._spent: list[str] = []  # keys this rank posted, deleted with its next take (coord/session.py)
@@ -143,6 +146,38 @@ class TorchCoordinator(Coordinator):
         for i, t in bufs:
             out[i] = t.numpy().tobytes()
         return out
+
+
+def _bulk_group(pulse: Pulse, timeout: float) -> Any:
+    """The gloo group for :meth:`TorchCoordinator.transfer` (``dist.new_group``, collective),
+    made on a helper thread while the caller watches this process's heartbeat: torch's group
+    creation waits on the job's store with the store's own timeout (often 30 minutes), so a
+    store host frozen meanwhile would hold the caller that long. The caller gives up once no
+    heartbeat reached the store for the coordination timeout (:class:`StoreUnreachable`), or
+    at :data:`ALIGN_TIMEOUT`; a slow but live job waits (gloo's own connect timeout is
+    ``timeout``). A helper given up on ends when torch's wait does."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def make() -> None:
+        try:
+            box["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        except BaseException as e:  # raised on the caller's thread
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=make, name="ckptlib-group", daemon=True).start()
+    limit = max(ALIGN_TIMEOUT, timeout)
+    end = time.monotonic() + limit
+    while not done.wait(pulse.every):
+        if pulse.stalled():
+            raise StoreUnreachable(f"the job's store took no heartbeat for {pulse.limit:.0f}s while the "
+                                   f"coordinator's group was made")
+        if time.monotonic() > end:
+            raise CommitTimeoutError(f"the coordinator's gloo group was not made within {limit:.0f}s")
+    if "error" in box:
+        raise CommitError(f"making the coordinator's gloo group failed: {box['error']}") from box["error"]
+    return box["group"]
 
 
 def _unreachable(e: StoreUnreachable) -> CommitError:

@@ -97,3 +97,53 @@ def test_a_pulse_beats_before_its_constructor_returns_and_then_every_period():
         assert not pulse.stalled()
     finally:
         pulse.stop()
+
+
+def test_a_refused_first_heartbeat_fails_at_once():
+    class Refusing(Store):
+        def add(self, key: str, amount: int) -> int:
+            raise RuntimeError("Connection refused")
+
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="refused"):
+        Pulse(Refusing(), 1, every=0.05, limit=30.0)
+    assert time.monotonic() - t0 < 10  # not the 30 s limit
+
+
+def test_the_bulk_group_is_given_up_once_the_heartbeat_stalls(monkeypatch):
+    """torch's group creation blocked on a frozen store (here: until the test lets it go): the
+    caller gives up once its pulse says no heartbeat reached the store, not at torch's timeout;
+    with the heartbeat moving it waits, and gets the group."""
+    from ckptlib.coord import torch_coordinator as tc
+
+    gate = threading.Event()
+    monkeypatch.setattr(tc.dist, "new_group", lambda **kw: "group" if gate.wait(30) else None)
+    stalled = threading.Event()
+    pulse = SimpleNamespace(every=0.02, limit=LIMIT, stalled=stalled.is_set)
+    threading.Timer(0.3, stalled.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="no heartbeat"):
+        tc._bulk_group(pulse, 4.0)  # type: ignore[arg-type]
+    assert 0.3 <= time.monotonic() - t0 < 5
+    gate.set()  # the abandoned helper ends with torch's wait
+    end = time.monotonic() + 10
+    while _live("ckptlib-group") and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not _live("ckptlib-group")
+
+    stalled.clear()
+    gate.clear()
+    threading.Timer(0.3, gate.set).start()
+    assert tc._bulk_group(pulse, 4.0) == "group"  # type: ignore[arg-type]
+
+
+def test_a_failed_bulk_group_is_a_commit_error(monkeypatch):
+    from ckptlib.coord import torch_coordinator as tc
+    from ckptlib.errors import CommitError
+
+    def fail(**kw):
+        raise RuntimeError("Gloo connectFullMesh failed")
+
+    monkeypatch.setattr(tc.dist, "new_group", fail)
+    with pytest.raises(CommitError, match="connectFullMesh"):
+        tc._bulk_group(SimpleNamespace(every=0.02, limit=LIMIT, stalled=lambda: False), 4.0)  # type: ignore[arg-type]

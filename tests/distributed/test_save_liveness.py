@@ -2,8 +2,8 @@
 collective timeout (issue 15, Build 3): the coordinator's staging creation or its write plan
 3x the coordination timeout slow, or a rank calling ``save`` 3x the timeout after the others,
 still commits, and the step restores byte for byte; a rank frozen (SIGSTOP) at the start of
-the save, or the coordinator frozen in its staging creation or while another rank still connects
-to the job's store, fails the others within about the timeout although the save's own timeout is long, and nothing is committed. A tier save in
+the save, or the coordinator frozen in its staging creation, while another rank still connects to
+the job's store, or before making its manager, fails the others within about the timeout although the save's own timeout is long, and nothing is committed. A tier save in
 which the other node's leader creates its local staging folder 3x the timeout slow commits on
 both nodes; one in which the other node's rank freezes half-way through the replica transfer
 fails the first within about the timeout, nothing committed (each replica round waits the
@@ -141,6 +141,16 @@ def test_coordinator_frozen_while_a_rank_connects_fails_the_save_in_time(tmp_pat
     assert "rank 0" in r1["message"] and ("silent" in r1["message"] or "unreachable" in r1["message"]), r1
     assert T - 1 < r1["time"] - stopped_at < 3 * T + 10, (r1, stopped_at)  # loose on purpose
     assert "committed" not in _steps(str(tmp_path / "ckpt"), None).values()
+
+
+def test_coordinator_frozen_before_its_manager_fails_the_others_manager_in_time(tmp_path):
+    """Rank 0 SIGSTOPs before making its manager: rank 1's ``CheckpointManager(...)`` (which
+    makes the coordinator, collectively) raises a CommitError naming rank 0 unreachable within
+    about the coordination timeout, not the store's own timeout."""
+    r1, stopped_at = _frozen(tmp_path, "stop_before", 0)
+    assert (r1["error"], r1.get("in")) == ("CommitError", "CheckpointManager"), r1
+    assert "rank 0" in r1["message"] and "unreachable" in r1["message"], r1
+    assert r1["time"] - stopped_at < 3 * T + 10, (r1, stopped_at)  # loose on purpose
 
 
 def test_slow_local_staging_of_live_node_leader_commits(tmp_path: Path) -> None:

@@ -72,7 +72,9 @@ def sc_savewait(rank: int, world: int, root: str, args: dict) -> dict:
     ``args["delay"]`` seconds slow; ``stop_snapshot``: rank 1 SIGSTOPs at the ``snapshot`` crash
     point (the start of ``save``); ``stop_stage``: rank 0 SIGSTOPs in its staging creation;
     ``stop_init``: rank 0 SIGSTOPs once its manager is made, while rank 1's coordinator still
-    connects to the job's store (2 s late: :func:`slow_connect`).
+    connects to the job's store (2 s late: :func:`slow_connect`); ``stop_before``: rank 0
+    SIGSTOPs before making its manager (rank 1's result: ``"in": "CheckpointManager"`` when
+    making its own failed).
     A save that commits is restored into zeros on every rank (``exact``: bytes as saved)."""
     mode, delay = args["mode"], float(args.get("delay", 0.0))
     if mode == "stop_snapshot" and rank == 1:
@@ -80,7 +82,12 @@ def sc_savewait(rank: int, world: int, root: str, args: dict) -> dict:
         crashpoints.configure()
     if mode == "stop_init" and rank == 1:
         slow_connect(2.0)
-    mgr = ckptlib.CheckpointManager(args["url"], async_save=False, save_timeout=args.get("save_timeout", 120.0))
+    if mode == "stop_before" and rank == 0:
+        freeze(os.environ["CKPTLIB_TEST_KILL_LOG"], "before_init")
+    try:
+        mgr = ckptlib.CheckpointManager(args["url"], async_save=False, save_timeout=args.get("save_timeout", 120.0))
+    except ckptlib.CheckpointError as e:  # its coordinator could not be made
+        return {"error": type(e).__name__, "message": str(e), "in": "CheckpointManager", "time": time.time()}
     if mode == "stop_init" and rank == 0:
         freeze(os.environ["CKPTLIB_TEST_KILL_LOG"], "init")
     if rank == 0 and mode == "slow_stage":
