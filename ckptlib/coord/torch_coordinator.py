@@ -84,7 +84,7 @@ class TorchCoordinator(Coordinator):
         try:
             self.pulse = Pulse.of(store, self.rank, self.every, dead_after)  # beats before the meeting below
         except StoreUnreachable as e:
-            raise _unreachable(e) from None
+            raise _creation_failed(e) from None
         # Rank 0 hosts the job's store (init_process_group without an agent store): its calls
         # need no worker to bound them.
         self.kv = TorchKV(store, dead_after, self.pulse, name="ckptlib-store", host=_hosts(store))
@@ -97,7 +97,7 @@ class TorchCoordinator(Coordinator):
         except BaseException as e:  # this coordinator's threads end
             _drop(self.pulse, self.kv)
             if isinstance(e, StoreUnreachable):
-                raise _unreachable(e) from None
+                raise _creation_failed(e) from None
             raise
         self._count = 0
         self._open: Session | None = None
@@ -180,7 +180,8 @@ def _bulk_group(pulse: Pulse, timeout: float) -> Any:
     return box["group"]
 
 
-def _unreachable(e: StoreUnreachable) -> CommitError:
+def _creation_failed(e: StoreUnreachable) -> CommitError:
+    """The error a rank raises when the store stopped answering while its coordinator was made."""
     return CommitError(f"creating the checkpoint coordinator failed: {UNREACHABLE} ({e}); every rank's save and "
                        f"restore needs it: restart the job", {0: UNREACHABLE})
 
