@@ -23,6 +23,7 @@ operation that lost, and :class:`ckptlib.errors.StorageError` for other I/O fail
 from __future__ import annotations
 
 import contextlib
+import errno
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -118,6 +119,19 @@ class Storage(ABC):
     # -- writing
     @abstractmethod
     def open_write(self, path: str) -> WriteStream: ...
+
+    def open_write_in(self, path: str) -> WriteStream:
+        """:meth:`open_write` of a file whose folder must exist already: a missing folder raises
+        ``FileNotFoundError`` and nothing is made. A save's ranks write their files into the
+        staging folder their coordinator made this way (ckptlib/engine/writer.py ``create``), so
+        a rank that comes late to a save the coordinator gave up and removed never makes that
+        folder again. This default asks first (``exists``, on storages with folders; object
+        stores have none) and then creates: two calls, and not atomic. :class:`PosixStorage`
+        does it in one create that cannot make the folder."""
+        folder = path.rsplit("/", 1)[0] if "/" in path else ""
+        if self.supports_atomic_rename and not self.exists(folder):
+            raise FileNotFoundError(errno.ENOENT, "its folder is missing", path)
+        return self.open_write(path)
 
     @abstractmethod
     def put_atomic(self, path: str, data: bytes) -> None:

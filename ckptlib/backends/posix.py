@@ -113,6 +113,10 @@ def _storage_error(op: str, path: str, e: OSError) -> StorageError:
     return err
 
 
+class _FolderMissing(Exception):
+    """``open_write_in``: the folder of the file is missing."""
+
+
 class _PosixWrite(WriteStream):
     """A new file written sequentially; ``close()`` fsyncs it.
 
@@ -240,16 +244,29 @@ class PosixStorage(Storage):
 
     # -- writing
     def open_write(self, path: str) -> WriteStream:
+        return self._create(path, parents=True)
+
+    def open_write_in(self, path: str) -> WriteStream:
+        return self._create(path, parents=False)
+
+    def _create(self, path: str, parents: bool) -> WriteStream:
+        """Create ``path`` (``O_EXCL``: an existing file raises ``FileExistsError``) with one
+        ``open``; its folder is made only when that open says it is missing, and only with
+        ``parents`` (else ``FileNotFoundError``: :meth:`Storage.open_write_in`)."""
         full = self._p(path)
-        if self.memory and (fd := self._reuse(path, full)) >= 0:
+        if self.memory and (fd := self._reuse(path, full, parents)) >= 0:
             return _PosixWrite(fd, full, durable=False, reused=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             try:  # the folder is there nearly always (the save's staging folder): no mkdir per file
                 fd = os.open(full, flags, 0o644)
             except FileNotFoundError:
+                if not parents:
+                    raise _FolderMissing() from None
                 os.makedirs(os.path.dirname(full), exist_ok=True)
                 fd = os.open(full, flags, 0o644)
+        except _FolderMissing:
+            raise FileNotFoundError(errno.ENOENT, "its folder is missing", full) from None
         except OSError as e:
             if e.errno == errno.EEXIST:
                 raise FileExistsError(errno.EEXIST, "already exists", full) from None
@@ -263,7 +280,7 @@ class PosixStorage(Storage):
         parts = [p for p in path.split("/") if p]
         return parts[-1] if len(parts) > 1 else None
 
-    def _reuse(self, path: str, full: str) -> int:
+    def _reuse(self, path: str, full: str, parents: bool = True) -> int:
         """Move the spare of ``path`` (if any) to ``full`` and open it for overwriting; -1 when
         there is none (or the kernel cannot rename without replacing). The move refuses an
         existing ``full`` (``FileExistsError``, as ``O_EXCL`` would); two writers never get the
@@ -273,7 +290,8 @@ class PosixStorage(Storage):
             return -1
         src = os.path.join(self.root, SPARE_DIR, name)
         try:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
+            if parents:
+                os.makedirs(os.path.dirname(full), exist_ok=True)
         except OSError as e:
             raise _storage_error("create", full, e) from e
         if rename_noreplace(src, full) != 0:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ckptlib import crashpoints
-from ckptlib.backends import Storage, join
+from ckptlib.backends import Storage, WriteStream, join
 from ckptlib.engine.bytes_view import Box, as_bytes
 from ckptlib.engine.mapped_arena import Arena
 from ckptlib.engine.pool import cpu_share, run_all
@@ -105,12 +105,25 @@ def plan_files(jobs: list[ChunkJob | PackJob], num_files: int) -> list[list[Chun
     return [f for f in files if f]
 
 
+def create(storage: Storage, path: str) -> WriteStream:
+    """A new file of this rank's in a folder that must exist already (the save's staging
+    folder, which the coordinator made): never made again here, so a rank that comes late to a
+    save the coordinator gave up and removed cannot leave a copy of that folder behind, and the
+    create is the check (no ``stat`` before it: one metadata call per file, not two).
+    :class:`CommitError` when the folder is gone."""
+    try:
+        return storage.open_write_in(path)
+    except FileNotFoundError:
+        folder = path.rsplit("/", 1)[0] if "/" in path else ""
+        raise CommitError(f"staging folder {folder} is gone: the save was abandoned") from None
+
+
 class _FileWriter:
     """Writes one payload file sequentially, packing small chunks into a staging buffer."""
 
     def __init__(self, storage: Storage, path: str, pack_bytes: int, rank: int = 0) -> None:
         self.rank = rank
-        self.stream = storage.open_write(path)
+        self.stream = create(storage, path)
         self.path = path
         self.pos = 0
         self.buf = bytearray(pack_bytes)
@@ -233,9 +246,6 @@ def write_files(
     ``exact``: exactly as :func:`plan_files` splits ``num_files`` (a peer rebuilding another
     rank's files byte for byte, ckptlib/tiers/replicas.py). The same jobs with the same options
     give the same bytes, names and records."""
-    if storage.supports_atomic_rename and not storage.exists(prefix):
-        # The coordinator removed the staging folder (save abandoned): never recreate it.
-        raise CommitError(f"staging folder {prefix} is gone: the save was abandoned")
     groups = plan_files(make_units(jobs), num_files if exact else cpu_share(num_files))  # one thread per file
     # ``tag`` keeps names unique when one rank writes a save in several rounds.
     paths = [join(prefix, layout.payload_name(rank, tag, i)) for i in range(len(groups))]
@@ -289,7 +299,7 @@ def write_index(
         return None
     built = build_index(files, written)
     path = join(prefix, layout.index_name(rank))
-    stream = storage.open_write(path)
+    stream = create(storage, path)
     try:
         stream.write(built.data)
         stream.close()

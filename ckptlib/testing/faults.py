@@ -365,6 +365,10 @@ class FaultyStorage(_VerifyOnExit, Storage):
         self.injector.before("open_write", path)
         return _FaultyWrite(self, path, self.inner.open_write(path))
 
+    def open_write_in(self, path: str) -> WriteStream:
+        self.injector.before("open_write", path)
+        return _FaultyWrite(self, path, self.inner.open_write_in(path))
+
     def put_atomic(self, path: str, data: bytes) -> None:
         chosen = self.injector.before("put_atomic", path)
         self.inner.put_atomic(path, self.injector.truncate(chosen, bytes(data)))

@@ -481,16 +481,25 @@ class SimCoordinator(Coordinator):
 
 
 # -- storage
+def _folder(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
 class _Write(WriteStream):
-    def __init__(self, storage: SimStorage, path: str) -> None:
-        self.storage, self.path, self.parts = storage, path, bytearray()
+    """The file appears at :meth:`close`. ``parents=False`` (:meth:`SimStorage.open_write_in`): if
+    its folder was removed or moved away meanwhile, its bytes go nowhere anyone reads (on POSIX
+    the open file is unlinked with the folder, or moves with it into a fence's folder)."""
+
+    def __init__(self, storage: SimStorage, path: str, parents: bool = True) -> None:
+        self.storage, self.path, self.parts, self.parents = storage, path, bytearray(), parents
 
     def write(self, data: Any) -> None:
         self.parts += bytes(data)
 
     def close(self) -> None:
         self.storage._op()
-        self.storage.files[self.path] = bytes(self.parts)
+        if self.parents or self.storage.exists(_folder(self.path)):
+            self.storage.files[self.path] = bytes(self.parts)
 
     def abort(self) -> None:
         pass
@@ -529,6 +538,11 @@ class SimStorage(Storage):
 
     def open_write(self, path: str) -> WriteStream:
         return _Write(self, path)
+
+    def open_write_in(self, path: str) -> WriteStream:
+        if not self.exists(_folder(path)):
+            raise FileNotFoundError(f"{path}: its folder is missing")
+        return _Write(self, path, parents=False)
 
     def put_atomic(self, path: str, data: bytes) -> None:
         self._op()

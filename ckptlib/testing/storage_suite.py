@@ -32,6 +32,19 @@ class StorageSuite:
             h.read_into(0, memoryview(buf))
             assert bytes(buf) == b"hello"
 
+    def test_write_into_an_existing_folder_only(self, storage: Storage) -> None:
+        """``open_write_in`` (a save's ranks writing into its staging folder) writes the file
+        where its folder exists; a storage with folders refuses a missing one and makes nothing."""
+        storage.makedirs("staging/id")
+        w = storage.open_write_in("staging/id/r00000-0.bin")
+        w.write(b"payload")
+        w.close()
+        assert storage.size("staging/id/r00000-0.bin") == 7
+        if storage.supports_atomic_rename:  # storages with folders
+            with pytest.raises(FileNotFoundError):
+                storage.open_write_in("removed/id/r00001-0.bin")
+            assert not storage.exists("removed")
+
     def test_short_read_is_corrupt(self, storage: Storage) -> None:
         storage.put_atomic("f", b"abc")
         with storage.open_read("f") as h, pytest.raises(CorruptCheckpointError):

@@ -68,6 +68,24 @@ def test_a_create_still_refuses_an_existing_file_and_leaves_the_spare(shm: Path)
     assert os.listdir(shm / SPARE_DIR) == ["r00000-0.bin"]
 
 
+def test_a_create_without_parents_takes_no_spare_into_a_missing_folder(shm: Path) -> None:
+    """A late rank of an abandoned save (its staging folder removed) on a memory root: the
+    create fails, the folder is not made again, and the spare stays for the next save."""
+    s = PosixStorage(str(shm))
+    write(s, "step-1.del-aa/x/r00000-0.bin", pattern(2 * MiB, 1))
+    s.recycle("step-1.del-aa")
+    with pytest.raises(FileNotFoundError):
+        s.open_write_in("step-2.tmp-bb/x/r00000-0.bin")
+    assert not (shm / "step-2.tmp-bb").exists()
+    assert os.listdir(shm / SPARE_DIR) == ["r00000-0.bin"]
+    s.makedirs("step-2.tmp-bb/x")
+    w = s.open_write_in("step-2.tmp-bb/x/r00000-0.bin")  # the folder is there: the spare is taken
+    w.write(b"new")
+    w.close()
+    assert (shm / "step-2.tmp-bb/x/r00000-0.bin").read_bytes() == b"new"
+    assert os.listdir(shm / SPARE_DIR) == []
+
+
 def test_an_aborted_reused_file_is_removed(shm: Path) -> None:
     s = PosixStorage(str(shm))
     write(s, "step-1.del-aa/x/r00000-0.bin", pattern(2 * MiB, 1))
