@@ -1,4 +1,5 @@
-"""Shared test utilities: exact comparisons, random tensors, and manifest tampering.
+"""Shared test utilities: exact comparisons, random tensors, manifest tampering, and a patch
+of every way a POSIX storage creates a file (:func:`patch_creates`).
 
 The hostile-input suites (tests/test_safe_loading.py in process, tests/chaos/corpus.py in
 memory/CPU-limited subprocesses) forge their inputs with these helpers only, from the same
@@ -378,3 +379,14 @@ def zstd_bomb(total: int, *, declared: bool, chunk: bytes = bytes(1 << 20)) -> b
     out.append(c.compress(chunk[: total % len(chunk)]))
     out.append(c.flush())
     return b"".join(out)
+
+
+def patch_creates(monkeypatch: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace both ways :class:`~ckptlib.backends.posix.PosixStorage` creates a file,
+    ``open_write`` and ``open_write_in`` (the ranks' payload and piece index files, in the
+    staging folder), with ``wrap(real)``: a function ``(self, path)``. A test that fails, slows
+    or records the files a save writes must see both."""
+    from ckptlib.backends.posix import PosixStorage
+
+    for name in ("open_write", "open_write_in"):
+        monkeypatch.setattr(PosixStorage, name, wrap(getattr(PosixStorage, name)))

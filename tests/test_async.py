@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, patch_creates
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import ckptlib
-from ckptlib.backends.posix import PosixStorage
 from ckptlib.engine import snapshot as snap_mod
 from ckptlib.engine import staging_cuda
 from ckptlib.format import layout
@@ -282,11 +281,13 @@ def test_background_snapshot_failure_surfaces_once_at_wait(tmp_path, monkeypatch
 
 
 def test_writer_failure_while_streaming_surfaces_once(tmp_path, monkeypatch):
-    def broken(self, path):
-        raise ckptlib.StorageError(28, "No space left on device")
+    def broken(real):
+        def create(self, path):
+            raise ckptlib.StorageError(28, "No space left on device")
+        return create
 
     mgr = ckptlib.CheckpointManager(tmp_path, staging_budget=64 << 10)
-    monkeypatch.setattr(PosixStorage, "open_write", broken)
+    patch_creates(monkeypatch, broken)
     h = mgr.save(1, make_state())  # returns: staging stops when the writer gives up
     monkeypatch.undo()
     with pytest.raises(ckptlib.CommitError, match="No space left"):
@@ -299,13 +300,13 @@ def test_writer_failure_while_streaming_surfaces_once(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- in-flight policy
 def slow_writes(monkeypatch, delay: float) -> None:
-    real = PosixStorage.open_write
+    def slow(real):
+        def create(self, path):
+            time.sleep(delay)
+            return real(self, path)
+        return create
 
-    def slow(self, path):
-        time.sleep(delay)
-        return real(self, path)
-
-    monkeypatch.setattr(PosixStorage, "open_write", slow)
+    patch_creates(monkeypatch, slow)
 
 
 def test_in_flight_wait_policy_serializes_saves(tmp_path, monkeypatch):
@@ -567,14 +568,13 @@ def test_overlap_with_streaming_budget(tmp_path, monkeypatch):
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs per-thread nice (Linux)")
 def test_persist_thread_runs_at_lower_priority(tmp_path, monkeypatch):
     seen = []
-    real = PosixStorage.open_write
+    def spy(real):
+        def create(self, path):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return real(self, path)
+        return create
 
-    def spy(self, path):
-        tid = threading.get_native_id()
-        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
-        return real(self, path)
-
-    monkeypatch.setattr(PosixStorage, "open_write", spy)
+    patch_creates(monkeypatch, spy)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     with ckptlib.CheckpointManager(tmp_path, persist_nice=5) as mgr:
         for step in (1, 2, 3):  # one persist thread for all three: lowered once, not once per save

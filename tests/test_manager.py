@@ -8,10 +8,9 @@ import time
 
 import pytest
 import torch
-from helpers import flip_bit, payload_files
+from helpers import flip_bit, patch_creates, payload_files
 
 import ckptlib
-from ckptlib.backends.posix import PosixStorage
 from ckptlib.format import layout
 
 
@@ -133,11 +132,13 @@ def test_step_exists_and_corrupt_step_is_set_aside(tmp_path):
 
 
 def test_background_failure_raised_once(tmp_path, monkeypatch):
-    def broken(self, path):
-        raise ckptlib.StorageError(28, "No space left on device")
+    def broken(real):
+        def create(self, path):
+            raise ckptlib.StorageError(28, "No space left on device")
+        return create
 
     mgr = ckptlib.CheckpointManager(tmp_path)
-    monkeypatch.setattr(PosixStorage, "open_write", broken)
+    patch_creates(monkeypatch, broken)
     h = mgr.save(1, make_state())
     with pytest.raises(ckptlib.CommitError, match="No space left"):
         h.wait(timeout=60)
@@ -146,7 +147,7 @@ def test_background_failure_raised_once(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert mgr.latest_step() is None
     # The next failure surfaces on the next save() instead.
-    monkeypatch.setattr(PosixStorage, "open_write", broken)
+    patch_creates(monkeypatch, broken)
     mgr.save(2, make_state())
     mgr._worker.join(60)
     monkeypatch.undo()
@@ -179,13 +180,13 @@ def test_fsync_failure_fails_the_checkpoint(tmp_path, monkeypatch):
 
 
 def test_in_flight_skip_policy(tmp_path, monkeypatch):
-    real = PosixStorage.open_write
+    def slow(real):
+        def create(self, path):
+            time.sleep(0.5)
+            return real(self, path)
+        return create
 
-    def slow(self, path):
-        time.sleep(0.5)
-        return real(self, path)
-
-    monkeypatch.setattr(PosixStorage, "open_write", slow)
+    patch_creates(monkeypatch, slow)
     mgr = ckptlib.CheckpointManager(tmp_path, in_flight="skip")
     h1 = mgr.save(1, make_state())
     with pytest.warns(RuntimeWarning, match="skipping save of step 2"):

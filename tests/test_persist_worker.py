@@ -12,10 +12,9 @@ import time
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, patch_creates
 
 import ckptlib
-from ckptlib.backends.posix import PosixStorage
 from ckptlib.engine.persist_worker import PersistWorker
 from ckptlib.errors import CommitTimeoutError
 
@@ -37,13 +36,13 @@ def persist_threads() -> list[threading.Thread]:
 
 def test_saves_share_one_thread_and_start_none(tmp_path, monkeypatch):
     writers: list[tuple[int, str]] = []
-    real_open = PosixStorage.open_write
+    def spy(real):
+        def create(self, path):
+            writers.append((threading.get_ident(), threading.current_thread().name))
+            return real(self, path)
+        return create
 
-    def spy(self, path):
-        writers.append((threading.get_ident(), threading.current_thread().name))
-        return real_open(self, path)
-
-    monkeypatch.setattr(PosixStorage, "open_write", spy)
+    patch_creates(monkeypatch, spy)
     with ckptlib.CheckpointManager(tmp_path, keep_last=10) as mgr:
         mgr.save(1, state_of(1)).wait(timeout=60)
         started: list[str] = []
@@ -67,18 +66,18 @@ def test_saves_share_one_thread_and_start_none(tmp_path, monkeypatch):
 
 
 def test_failed_save_keeps_the_thread_and_the_next_commits(tmp_path, monkeypatch):
-    real_open = PosixStorage.open_write
-
-    def full(self, path):
-        raise OSError(28, "No space left on device")
+    def full(real):
+        def create(self, path):
+            raise OSError(28, "No space left on device")
+        return create
 
     with ckptlib.CheckpointManager(tmp_path) as mgr:
         mgr.save(1, state_of(1)).wait(timeout=60)
         before = persist_threads()
-        monkeypatch.setattr(PosixStorage, "open_write", full)
+        patch_creates(monkeypatch, full)
         with pytest.raises(ckptlib.CommitError, match="No space left"):
             mgr.save(2, state_of(2)).wait(timeout=60)
-        monkeypatch.setattr(PosixStorage, "open_write", real_open)
+        monkeypatch.undo()
         mgr.save(3, state_of(3)).wait(timeout=60)
         assert persist_threads() == before  # the same thread went on
     assert [i.step for i in mgr.steps() if i.status == "committed"] == [1, 3]

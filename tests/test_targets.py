@@ -3,7 +3,7 @@ what already exists at the target (ckptlib/engine/target.py, engine/commit.py).
 
 Real folders throughout; "untouched" is checked byte for byte (contents, sizes, mtimes) and by
 the parent's listing (nothing moved aside). "Refused before any payload" is checked by a spy on
-the storage's ``open_write``: a payload file opened at all is a failure.
+the storage's ``open_write``/``open_write_in``: a payload file opened at all is a failure.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import launcher
 import pytest
 import torch
 from backends.servers import S3_BUCKET
-from helpers import assert_same
+from helpers import assert_same, patch_creates
 
 import ckptlib
 from ckptlib.backends import open_storage
@@ -58,14 +58,15 @@ def user_files(folder: Path) -> None:
 def payload_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Paths of every payload file opened for writing in this process."""
     opened: list[str] = []
-    real = PosixStorage.open_write
 
-    def spy(self: PosixStorage, path: str) -> Any:
-        if layout.is_payload_name(path.rsplit("/", 1)[-1]):
-            opened.append(path)
-        return real(self, path)
+    def spy(real: Any) -> Any:
+        def create(self: PosixStorage, path: str) -> Any:
+            if layout.is_payload_name(path.rsplit("/", 1)[-1]):
+                opened.append(path)
+            return real(self, path)
+        return create
 
-    monkeypatch.setattr(PosixStorage, "open_write", spy)
+    patch_creates(monkeypatch, spy)
     return opened
 
 

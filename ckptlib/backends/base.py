@@ -2,8 +2,10 @@
 
 Who calls what (all methods are thread-safe and called from ckptlib's worker threads as well
 as the caller's thread):
-- the writer (every rank) calls :meth:`Storage.open_write` for payload files and ``close()``s
-  each stream, which makes the bytes durable (fsync on POSIX, upload completion on S3);
+- the writer (every rank) calls :meth:`Storage.open_write_in` for its payload and piece index
+  files, in the staging folder the coordinator made with :meth:`makedirs` and
+  :meth:`open_write` (its marker), and ``close()``s each stream, which makes the bytes durable
+  (fsync on POSIX, upload completion on S3);
 - the committer (coordinator rank) publishes the manifest with :meth:`put_atomic` +
   :meth:`rename` where ``supports_atomic_rename``, else :meth:`put_if_absent` where
   ``supports_conditional_put``, else :meth:`put_atomic` followed by a read-back;

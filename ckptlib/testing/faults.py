@@ -318,9 +318,10 @@ class _FaultyWrite(WriteStream):
 class FaultyStorage(_VerifyOnExit, Storage):
     """A :class:`Storage` that forwards to ``inner`` and injects :class:`Fault` s.
 
-    Operation names are the Storage methods' (``open_write``, ``write``, ``close``,
-    ``put_atomic``, ``put_if_absent``, ``rename``, ``open_read``, ``read``, ``size``,
-    ``listdir``, ``exists``, ``delete``, ``delete_tree``); paths are relative to the root.
+    Operation names are the Storage methods' (``open_write``, which ``open_write_in`` counts
+    as too, ``write``, ``close``, ``put_atomic``, ``put_if_absent``, ``rename``, ``open_read``,
+    ``read``, ``size``, ``listdir``, ``exists``, ``delete``, ``delete_tree``); paths are
+    relative to the root.
     Works for every backend, including POSIX, whose own calls do not go through fsspec.
     """
 

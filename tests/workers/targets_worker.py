@@ -30,14 +30,16 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     opened: list[str] = []
-    real_open = PosixStorage.open_write
 
-    def spy(self: PosixStorage, path: str):  # record every payload file this rank starts
-        if layout.is_payload_name(path.rsplit("/", 1)[-1]):
-            opened.append(path)
-        return real_open(self, path)
+    def spy(real):
+        def create(self: PosixStorage, path: str):  # record every payload file this rank starts
+            if layout.is_payload_name(path.rsplit("/", 1)[-1]):
+                opened.append(path)
+            return real(self, path)
+        return create
 
-    PosixStorage.open_write = spy  # type: ignore[method-assign]
+    for name in ("open_write", "open_write_in"):  # as tests/helpers.py patch_creates, without pytest
+        setattr(PosixStorage, name, spy(getattr(PosixStorage, name)))
     out: dict = {"rank": rank, "saves": []}
     try:
         for path, overwrite in args["targets"]:
