@@ -53,7 +53,7 @@ class Outcome:
 
     rank: int
     returncode: int
-    result: dict | None  # the JSON result file the rank wrote, None if it wrote none
+    result: dict | None  # the JSON result file the rank wrote; None if it wrote none, or a torn one (its log says)
     log: str
 
 
@@ -124,7 +124,13 @@ def finish(
     outcomes = []
     for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
         path = result_path(rank)
-        result = json.loads(path.read_text()) if path.exists() else None
+        result = None
+        if path.exists():
+            text = path.read_text()
+            try:
+                result = json.loads(text)
+            except ValueError:  # the rank died while writing it: judged as no result, with its output
+                log += f"\n[launcher] {path.name} is not JSON ({len(text)} bytes; exit {p.returncode}): {text[:200]!r}"
         outcomes.append(Outcome(rank, p.returncode, result, log))
     return outcomes
 
