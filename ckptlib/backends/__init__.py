@@ -8,12 +8,12 @@ import os
 import re
 from typing import Any
 
-from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join
+from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, join, parent
 from ckptlib.backends.retry import deadline_scope
 
 __all__ = [
     "Entry", "ReadHandle", "Storage", "WriteStream", "check_url", "deadline_scope", "join",
-    "open_storage", "split_url",
+    "open_storage", "parent", "split_url",
 ]
 
 

@@ -130,8 +130,7 @@ class Storage(ABC):
         folder again. This default asks first (``exists``, on storages with folders; object
         stores have none) and then creates: two calls, and not atomic. :class:`PosixStorage`
         does it in one create that cannot make the folder."""
-        folder = path.rsplit("/", 1)[0] if "/" in path else ""
-        if self.supports_atomic_rename and not self.exists(folder):
+        if self.supports_atomic_rename and not self.exists(parent(path)):
             raise FileNotFoundError(errno.ENOENT, "its folder is missing", path)
         return self.open_write(path)
 
@@ -222,3 +221,8 @@ class Storage(ABC):
 
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def parent(path: str) -> str:
+    """The folder of ``path`` ("" for one in the root)."""
+    return path.rsplit("/", 1)[0] if "/" in path else ""

@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 
 from ckptlib import crashpoints
-from ckptlib.backends import Storage, join
+from ckptlib.backends import Storage, join, parent
 from ckptlib.engine import target
 from ckptlib.engine.scan import check_step, read_manifest
 from ckptlib.errors import (
@@ -176,7 +176,7 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
     # Nothing below recreates it, so after this check the rename can only fail once fenced.
     if storage.size(join(st.work, layout.MARKER)) is None:
         raise _fenced_error(storage, st, where)
-    parent = st.final.rsplit("/", 1)[0] if "/" in st.final else ""
+    folder = parent(st.final)
     try:
         storage.sync_dir(st.payload_prefix)
         storage.sync_dir(st.work)
@@ -186,7 +186,7 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
             raise _fenced_error(storage, st, where) from e
         raise
     try:
-        storage.sync_dir(parent)
+        storage.sync_dir(folder)
     except BaseException:
         # The rename may not be durable and the save is about to be reported as failed: take
         # the step back out of sight (the abort then removes it), so that what is visible

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ckptlib import crashpoints
-from ckptlib.backends import Storage, WriteStream, join
+from ckptlib.backends import Storage, WriteStream, join, parent
 from ckptlib.engine.bytes_view import Box, as_bytes
 from ckptlib.engine.mapped_arena import Arena
 from ckptlib.engine.pool import cpu_share, run_all
@@ -114,8 +114,7 @@ def create(storage: Storage, path: str) -> WriteStream:
     try:
         return storage.open_write_in(path)
     except FileNotFoundError:
-        folder = path.rsplit("/", 1)[0] if "/" in path else ""
-        raise CommitError(f"staging folder {folder} is gone: the save was abandoned") from None
+        raise CommitError(f"staging folder {parent(path)} is gone: the save was abandoned") from None
 
 
 class _FileWriter:

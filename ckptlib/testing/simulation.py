@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream
+from ckptlib.backends.base import Entry, ReadHandle, Storage, WriteStream, parent
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.kv import BATCH, KV, Clock, Gone, Late, StoreUnreachable, Watch
 from ckptlib.coord.liveness import hb_key, heartbeat_period
@@ -481,10 +481,6 @@ class SimCoordinator(Coordinator):
 
 
 # -- storage
-def _folder(path: str) -> str:
-    return path.rsplit("/", 1)[0] if "/" in path else ""
-
-
 class _Write(WriteStream):
     """The file appears at :meth:`close`. ``parents=False`` (:meth:`SimStorage.open_write_in`): if
     its folder was removed or moved away meanwhile, its bytes go nowhere anyone reads (on POSIX
@@ -498,7 +494,7 @@ class _Write(WriteStream):
 
     def close(self) -> None:
         self.storage._op()
-        if self.parents or self.storage.exists(_folder(self.path)):
+        if self.parents or self.storage.exists(parent(self.path)):
             self.storage.files[self.path] = bytes(self.parts)
 
     def abort(self) -> None:
@@ -540,7 +536,7 @@ class SimStorage(Storage):
         return _Write(self, path)
 
     def open_write_in(self, path: str) -> WriteStream:
-        if not self.exists(_folder(path)):
+        if not self.exists(parent(path)):
             raise FileNotFoundError(f"{path}: its folder is missing")
         return _Write(self, path, parents=False)
 
