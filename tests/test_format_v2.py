@@ -258,28 +258,36 @@ def test_format_version_option() -> None:
 
 # --------------------------------------------------------------------------- hostile index files
 
-MESSAGES = {
-    "v2-index-truncated": "size is 179 bytes, manifest records 359",
-    "v2-index-empty": "size is 0 bytes",
-    "v2-index-missing": "missing",
-    "v2-index-bit-flip": "index file checksum mismatch",
-    "v2-index-bad-magic": "bad magic",
-    "v2-index-absurd-counts": "counts describe",
-    "v2-index-absurd-size": "over the 268435456 byte limit",
-    "v2-index-schema-changed": "index_schema",
-    "v2-index-absurd-dim": "lies outside the tensor's shape",
-    "v2-index-offset-past-file": "ends past the end of payload file",
-    "v2-index-pack-past-file": "ends past the end of payload file",
-    "v2-index-overlapping-pieces": "overlap",
-    "v2-index-boxes-overlap": "overlap or leave gaps",
-    "v2-index-member-past-pack": "ends past its pack",
-    "v2-index-bad-tensor-ref": "chunk tensor out of range",
-    "v2-index-bad-codec": "chunk codec out of range",
-    "v2-index-bad-name-utf8": "not valid UTF-8",
-    "v2-grid-does-not-tile-ranks": "more than the saving ranks",
-    "v2-boxes-overlap": "exactly once",
-    "v2-boxes-gap": "exactly once",
+_MESSAGES = {
+    "index-truncated": "size is 179 bytes, manifest records 359",
+    "index-empty": "size is 0 bytes",
+    "index-missing": "missing",
+    "index-bit-flip": "index file checksum mismatch",
+    "index-bad-magic": "bad magic",
+    "index-absurd-counts": "counts describe",
+    "index-absurd-size": "over the 268435456 byte limit",
+    "index-schema-changed": "index_schema",
+    "index-absurd-dim": "lies outside the tensor's shape",
+    "index-offset-past-file": "ends past the end of payload file",
+    "index-pack-past-file": "ends past the end of payload file",
+    "index-overlapping-pieces": "overlap",
+    "index-boxes-overlap": "overlap or leave gaps",
+    "index-member-past-pack": "ends past its pack",
+    "index-bad-tensor-ref": "chunk tensor out of range",
+    "index-bad-codec": "chunk codec out of range",
+    "index-bad-name-utf8": "not valid UTF-8",
+    "grid-does-not-tile-ranks": "more than the saving ranks",
+    "boxes-overlap": "exactly once",
+    "boxes-gap": "exactly once",
 }
+MESSAGES = {f"v2file-{k}": v for k, v in _MESSAGES.items()}  # the index in a file of its own
+MESSAGES.update({f"v2-{k}": v for k, v in _MESSAGES.items()})  # at the end of its payload file (the default)
+MESSAGES.update({  # ... where a torn or missing index is a torn or missing payload file
+    "v2-index-truncated": "payload file size is 529715 bytes, manifest records 529895",
+    "v2-index-empty": "payload file size is 529536 bytes, manifest records 529895",
+    "v2-index-missing": "payload file is missing",
+    "v2-index-bit-flip": r"index \(the last 359 bytes of the payload file\) checksum mismatch",
+})
 
 
 @pytest.fixture(scope="module")
@@ -309,20 +317,20 @@ def test_random_index_bytes_never_escape_as_foreign_errors(v2_corpus: dict[str, 
     parser itself must refuse or accept them; only ckptlib errors (or exact data) come out."""
     import shutil
 
-    from chaos.corpus import body_of, v2_write
+    from chaos.corpus import body_of, v2_index_bytes, v2_put_index, v2_write
 
-    base = v2_corpus["v2-boxes-gap"].parent / "templates" / "v2" / STEP_DIR
-    want = ckptlib.load(base)
+    templates = v2_corpus["v2-boxes-gap"].parent / "templates"
     rnd = random.Random(11)
-    for i in range(40):
+    for i in range(80):  # the index at the end of its payload file, then in a file of its own
+        base = templates / ("v2" if i % 2 else "v2file") / STEP_DIR
+        want = ckptlib.load(base)
         ck = tmp_path / f"f{i}"
         shutil.copytree(base, ck)
         body = body_of(ck)
-        path = ck / body["indexes"][0][0]
-        data = bytearray(path.read_bytes())
+        data = bytearray(v2_index_bytes(ck, body))
         for _ in range(rnd.randint(1, 4)):
             data[rnd.randrange(8, len(data))] = rnd.randrange(256)
-        path.write_bytes(bytes(data))
+        v2_put_index(ck, body, bytes(data))
         body["indexes"][0][2] = checksum(bytes(data))
         v2_write(ck, body)
         try:

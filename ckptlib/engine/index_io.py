@@ -97,21 +97,28 @@ def _load_one(storage: Storage, folder: str, m: Manifest, i: int,
               tensors: dict[str, tuple[str, tuple[int, ...], Sharding]]) -> None:
     ix: IndexRef = m.indexes[i]
     path = join(folder, ix.path)
+    holder = ix.file_entry(m.files)  # the index at the tail of the rank's last payload file
+    size = ix.size if holder is None else holder.size
+    what = "index file" if holder is None else "payload file holding the index"
     where = f"{storage.url.rstrip('/')}/{path}"
     try:
         with storage.open_read(path) as h:
-            if h.size != ix.size:
-                raise CorruptCheckpointError(f"index file size is {h.size} bytes, manifest records {ix.size}", where)
-            data = h.read(0, ix.size)
+            if h.size != size:
+                raise CorruptCheckpointError(f"{what} size is {h.size} bytes, manifest records {size}", where)
+            data = h.read(size - ix.size, ix.size)
     except FileNotFoundError:
-        raise CorruptCheckpointError("index file is missing", where) from None
+        raise CorruptCheckpointError(f"{what} is missing", where) from None
     if len(data) != ix.size:
         raise CorruptCheckpointError(f"short read: {len(data)} of {ix.size} bytes", where)
     if checksum(data) != ix.checksum:
-        raise CorruptCheckpointError("index file checksum mismatch (modified or damaged)", where)
+        what = "index file" if holder is None else f"index (the last {ix.size} bytes of the payload file)"
+        raise CorruptCheckpointError(f"{what} checksum mismatch (modified or damaged)", where)
     v = Checker(where)
     files = m.files[ix.first_file : ix.first_file + ix.num_files]
-    table = decode_index(data, ix.counts, len(files), [f.size for f in files], m.checksum_algorithm, v)
+    sizes = [f.size for f in files]
+    if holder is not None:  # no piece may lie in the index's bytes
+        sizes[-1] -= ix.size
+    table = decode_index(data, ix.counts, len(files), sizes, m.checksum_algorithm, v)
     got = check_index(table, ix.rank, ix.first_file, len(m.packs), tensors, ITEMSIZE, m.checksum_algorithm, v)
     m.packs.extend(got.packs)
     for name, chunks in got.chunks.items():

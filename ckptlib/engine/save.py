@@ -45,7 +45,14 @@ from ckptlib.engine.checks import StateChecks, digests_agree, mismatches
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.mapped_arena import Arena
 from ckptlib.engine.save_plan import describe_item, plan_items
-from ckptlib.engine.writer import ChunkJob, adopt_arena, split_chunks, write_files, write_index
+from ckptlib.engine.writer import (
+    ChunkJob,
+    adopt_arena,
+    split_chunks,
+    write_files,
+    write_files_indexed,
+    write_index,
+)
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
@@ -228,6 +235,10 @@ class SaveSession:
         """What :func:`write_state` checked of this rank's state (:mod:`ckptlib.engine.checks`)."""
         self.proposal: Any = None
         """Format v2: the coordinator's grid proposal, shared with the opening (:func:`persist`)."""
+        self.index_tail = False
+        """Format v2: this rank may put its piece index at the end of its payload file
+        (:meth:`write` with ``last``); set by :func:`persist` for a save with no placement, no
+        rounds and nothing written after the state (the tiers copy index files of their own)."""
         self.replicated: tuple[list[tuple[str, int]], list[Any], list[str]] | None = None
         """:attr:`Placement.own_replicated`: this rank's replicated files, their write records and
         the tensors in the order they were given to the writer (its files group them, so the
@@ -297,14 +308,19 @@ class SaveSession:
         chunked by ``options.chunk_bytes``; copied to CPU only when needed."""
         return split_chunks(name, cpu_contiguous(tensor), offset, self.options.chunk_bytes)
 
-    def write(self, jobs: list[ChunkJob], tag: str | None = None, arena: Arena | None = None) -> list[Any]:
+    def write(self, jobs: list[ChunkJob], tag: str | None = None, arena: Arena | None = None,
+              last: bool = False) -> list[Any]:
         """This rank: write ``jobs`` into new payload files (checksummed, compressed per
         ``options``) and remember them for :meth:`collect`; returns their write records.
         ``tag``: the files' tag (default: one per call, so rounds get names of their own).
         ``arena``: ``jobs`` lie in this mapped arena (all this rank writes): adopted as the file
         when the storage is its memory root (engine/writer.py ``adopt_arena``).
+        ``last``: this is the rank's only write of the save (:func:`write_state`, nothing after it):
+        with :attr:`index_tail`, its piece index goes at the end of its payload file when that is
+        one file (engine/writer.py ``write_files_indexed``), and :meth:`write_index` writes nothing.
         Raises on failure; the caller then passes the error to :meth:`finish`/:meth:`collect`,
         which fails the save on every rank."""
+        tail = last and self.index_tail and self.v2 and tag is None and not self._writes
         if tag is None:
             tag = f"p{self._writes}" if self._writes else ""
             self._writes += 1
@@ -313,10 +329,17 @@ class SaveSession:
             adopted = adopt_arena(arena, st.root, self.prefix, self.session.rank, jobs) if (
                 arena is not None and tag == "" and isinstance(st, PosixStorage) and st.memory
                 and st.root == arena.ring.root and opts.compression is None) else None
-            files, written = adopted or write_files(
-                st, self.prefix, self.session.rank, jobs, compression=opts.compression,
-                num_files=opts.num_files, tag=tag, timeout=self.left(),
-            )
+            if adopted is None and tail:
+                files, written, index = write_files_indexed(
+                    st, self.prefix, self.session.rank, jobs, compression=opts.compression,
+                    num_files=opts.num_files, timeout=self.left())
+                if index is not None:
+                    self._index = (index,)
+            else:
+                files, written = adopted or write_files(
+                    st, self.prefix, self.session.rank, jobs, compression=opts.compression,
+                    num_files=opts.num_files, tag=tag, timeout=self.left(),
+                )
         self._files += files
         self._chunks += written
         if tag == REP_TAG:
@@ -635,6 +658,7 @@ def persist(
         proposal = wire.proposal_out(propose([describe_item(it) for it in flat.items if not it.replicated]))
     save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
                              save_id=save_id, created=created, placement=placement, proposal=proposal)
+    save.index_tail = placement is None and rounds is None and after_write is None
     try:
         error = write_state(save, flat, rounds, before_write, arena)
         if after_write is not None:
@@ -671,7 +695,7 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
                 rep = [j for it in rnd if apart and it.replicated and it.name in mine
                        for j in session.split(it.name, it.tensor, it.global_offset)]
             whole = arena is not None and rounds is None and not rep and len(jobs) and len(items) == len(flat.items)
-            session.write(jobs, arena=arena if whole else None)
+            session.write(jobs, arena=arena if whole else None, last=rounds is None and not rep)
             if rep:
                 session.write(rep, tag=REP_TAG)
     except Exception as e:  # any failure must still reach the commit protocol and abort

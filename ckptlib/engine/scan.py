@@ -90,7 +90,8 @@ def _check_size(size: int | None, where: str) -> None:
 
 
 def check_files(storage: Storage, folder: str, m: Manifest) -> None:
-    entries: list[FileEntry | IndexRef] = [*m.files, *m.indexes]  # payload files, then v2 index files
+    # payload files, then v2 index files of their own (an index at a payload file's tail is checked with it)
+    entries: list[FileEntry | IndexRef] = [*m.files, *(ix for ix in m.indexes if not ix.tail)]
     for f in entries:
         size = storage.size(join(folder, f.path))
         where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -186,7 +187,10 @@ def _write_one(
     algorithm: str,
     pack_bytes: int,
     rank: int = 0,
+    tail: Callable[[list[WrittenChunk | WrittenPack]], bytes] | None = None,
 ) -> tuple[int, list[WrittenChunk | WrittenPack]]:
+    """Write one payload file; ``tail``: bytes to append after the jobs, from their records
+    (the rank's piece index, :func:`write_files_indexed`), made durable with them."""
     # The staging buffer need not outsize the file (a small file of a many-rank save: no 4 MiB
     # zero-filled buffer for 100 kB), nor the scratch the packs.
     total = sum(j.nbytes + ALIGN for j in jobs)
@@ -218,6 +222,9 @@ def _write_one(
             out.append(
                 WrittenChunk(j.name, path, start, len(stored), digest, j.offset, j.shape, codec, j.dtype)
             )
+        if tail is not None:
+            w.pad()
+            w.add(tail(out))
         size = w.close()
     except BaseException:
         w.stream.abort()
@@ -245,12 +252,51 @@ def write_files(
     ``exact``: exactly as :func:`plan_files` splits ``num_files`` (a peer rebuilding another
     rank's files byte for byte, ckptlib/tiers/replicas.py). The same jobs with the same options
     give the same bytes, names and records."""
-    groups = plan_files(make_units(jobs), num_files if exact else cpu_share(num_files))  # one thread per file
+    files, chunks, _ = _write_groups(storage, prefix, rank, jobs, compression, algorithm,
+                                     num_files if exact else cpu_share(num_files), pack_bytes, tag, timeout, False)
+    return files, chunks
+
+
+def write_files_indexed(
+    storage: Storage,
+    prefix: str,
+    rank: int,
+    jobs: list[ChunkJob],
+    *,
+    compression: str | None = None,
+    num_files: int = 2,
+    timeout: float | None = None,
+) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack], dict[str, object] | None]:
+    """Format v2, all of a rank's part of a save in one call (``SaveSession.write``, a plain
+    save's only write): as :func:`write_files`, and when the part fits in one payload file,
+    the rank's piece index is appended to it before its one fsync (``IndexRef.tail``,
+    docs/format.md): one file to create and sync per rank per save, not two. Returns the files,
+    the write records and the index summary of :func:`write_index` (``path`` is the payload
+    file's), or None when several files were written (the caller then writes the index file)."""
+    return _write_groups(storage, prefix, rank, jobs, compression, "xxh3_64", cpu_share(num_files), 4 << 20, "",
+                         timeout, True)
+
+
+def _write_groups(
+    storage: Storage, prefix: str, rank: int, jobs: list[ChunkJob], compression: str | None, algorithm: str,
+    num_files: int, pack_bytes: int, tag: str, timeout: float | None, index_tail: bool,
+) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack], dict[str, object] | None]:
+    """:func:`write_files` and :func:`write_files_indexed`: plan the files, write them on one
+    thread each, append the index to a lone file when ``index_tail``."""
+    groups = plan_files(make_units(jobs), num_files)  # one thread per file
     # ``tag`` keeps names unique when one rank writes a save in several rounds.
     paths = [join(prefix, layout.payload_name(rank, tag, i)) for i in range(len(groups))]
+    index: list[dict[str, object]] = []
+
+    def tail(written: list[WrittenChunk | WrittenPack]) -> bytes:
+        built = build_index([(paths[0], 0)], written)
+        index.append(_summary(paths[0], built.data, built.counts))
+        return built.data
+
     results = run_all(
         [
-            partial(_write_one, storage, p, g, compression, algorithm, pack_bytes, rank)
+            partial(_write_one, storage, p, g, compression, algorithm, pack_bytes, rank,
+                    tail if index_tail and len(groups) == 1 and g else None)
             for p, g in zip(paths, groups, strict=True)
         ],
         threads=len(groups),
@@ -259,7 +305,12 @@ def write_files(
     )
     files = [(p, size) for p, (size, _) in zip(paths, results, strict=True)]
     chunks = [c for _, cs in results for c in cs]
-    return files, chunks
+    return files, chunks, index[0] if index else None
+
+
+def _summary(path: str, data: bytes, counts: dict[str, int]) -> dict[str, object]:
+    """What the manifest records of a rank's piece index (``format.build``'s ``indexes`` row)."""
+    return {"path": path, "size": len(data), "checksum": checksum(data), "counts": counts}
 
 
 def adopt_arena(
@@ -305,4 +356,4 @@ def write_index(
     except BaseException:
         stream.abort()
         raise
-    return {"path": path, "size": len(built.data), "checksum": checksum(built.data), "counts": built.counts}
+    return _summary(path, built.data, built.counts)

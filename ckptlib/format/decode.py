@@ -192,15 +192,13 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
         raise v.fail("index_schema is not the one this ckptlib knows (written by a newer version?)")
     indexes: list[IndexRef] = []
     by_rank: set[int] = set()
+    tails: set[str] = set()
     for i, e in enumerate(v.lst(body.get("indexes"), "indexes")):
         w = f"indexes[{i}]"
         e = v.lst(e, w)
         if len(e) != 7:
             raise v.fail(f"{w} must be [path, size, checksum, rank, first_file, num_files, counts]")
         path = check_path(v.str_(e[0], f"{w}.path", 600), v.where)
-        if path in seen or path == MANIFEST_NAME:
-            raise v.fail(f"index path {path!r} listed twice or shadows the manifest or a payload file")
-        seen.add(path)
         size = v.int_(e[1], f"{w}.size")
         digest = v.str_(e[2], f"{w}.checksum", 16)
         if not re.fullmatch(r"[0-9a-f]{16}", digest):
@@ -212,7 +210,14 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
         first = v.int_(e[4], f"{w}.first_file", 0, len(files))
         nfiles = v.int_(e[5], f"{w}.num_files", 0, len(files) - first)
         counts = check_counts(e[6], size, v, w)
-        indexes.append(IndexRef(path, size, digest, rank, first, nfiles, counts))
+        # The index at the tail of the rank's last payload file (IndexRef.tail), or a file of its own.
+        tail = nfiles > 0 and path == files[first + nfiles - 1].path
+        if tail and size > files[first + nfiles - 1].size:
+            raise v.fail(f"{w}: an index of {size} bytes cannot lie in the last {files[first + nfiles - 1].size} bytes of {path!r}")
+        if (path in tails) if tail else (path in seen or path == MANIFEST_NAME):
+            raise v.fail(f"index path {path!r} listed twice or shadows the manifest or another rank's payload file")
+        (tails if tail else seen).add(path)
+        indexes.append(IndexRef(path, size, digest, rank, first, nfiles, counts, tail))
     tensors: dict[str, TensorEntry] = {}
     sharding: dict[str, Sharding] = {}
     for name, t in v.obj(body.get("tensors"), "tensors").items():

@@ -119,6 +119,14 @@ class IndexRef:
     """The rank's payload files are ``files[first_file : first_file + num_files]``."""
     num_files: int
     counts: dict[str, int]
+    tail: bool = False
+    """The index is the last :attr:`size` bytes of the rank's last payload file (``path`` names
+    that file, ``files[first_file + num_files - 1]``), not a file of its own: one file per rank
+    per save (engine/writer.py ``write_files(index_tail=True)``, a plain save written in one go)."""
+
+    def file_entry(self, files: list[FileEntry]) -> FileEntry | None:
+        """:attr:`tail`: the payload file that holds the index, else None."""
+        return files[self.first_file + self.num_files - 1] if self.tail else None
 
 
 @dataclass(slots=True)

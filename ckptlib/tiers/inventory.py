@@ -142,11 +142,15 @@ def step_files(m: Manifest) -> list[StepFile]:
     ``files``; v1: the payload name). What replicas, drains and restores move."""
     writer: dict[int, int] = {}
     out: list[StepFile] = []
+    tails: dict[int, int] = {}  # payload file -> the index at its tail (IndexRef.tail): moved with it
     for j, ix in enumerate(m.indexes):
         writer.update((i, ix.rank) for i in range(ix.first_file, ix.first_file + ix.num_files))
-        out.append(StepFile(ix.path, ix.size, ix.rank, index=j))
-    files = [StepFile(f.path, f.size, writer.get(i, writer_rank(file_name(f.path))) if m.indexes else writer_rank(file_name(f.path)), file=i)
-             for i, f in enumerate(m.files)]
+        if ix.tail:
+            tails[ix.first_file + ix.num_files - 1] = j
+        else:
+            out.append(StepFile(ix.path, ix.size, ix.rank, index=j))
+    files = [StepFile(f.path, f.size, writer.get(i, writer_rank(file_name(f.path))) if m.indexes else writer_rank(file_name(f.path)), file=i,
+                      index=tails.get(i)) for i, f in enumerate(m.files)]
     return files + out
 
 
@@ -206,7 +210,7 @@ def check_copies(storage: Storage, final: str, m: Manifest,
                     progress(f.size)
                 continue
             j = index_of.get(f.rank) if f.file is not None and mk.version >= 2 else None
-            if j is not None and j not in mk.loaded:
+            if j is not None and j != f.index and j not in mk.loaded:  # (a file holding its own index: checked with it)
                 if j not in good_index:
                     out.append(Copy(f.name, f.rank, kind, "corrupt",
                                     f"cannot be checked: no good copy of rank {f.rank}'s index file here", size))

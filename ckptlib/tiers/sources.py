@@ -138,7 +138,7 @@ def holdings(local: Storage, final: str, save_id: str, verify: bool) -> tuple[di
     held: dict[str, str] = {}
     index_of = {f.rank: f for f in files if f.index is not None}
     for f in sorted(files, key=lambda f: f.index is None):  # index files first
-        if f.file is not None and f.rank in index_of and index_of[f.rank].name not in held:
+        if f.file is not None and f.rank in index_of and index_of[f.rank] is not f and index_of[f.rank].name not in held:
             continue  # its chunks are unknown here: fetched with its index file
         for folder in (final, join(final, REPLICA_DIR)):
             path = join(folder, f.path)

@@ -42,9 +42,10 @@ def test_every_save_adopts_its_snapshot_and_retention_hands_the_pages_back(tmp_p
     three files take turns over 8 saves (2 kept, 1 retired), and every kept step restores bitwise
     and passes the deep check."""
     written: list[str] = []
-    real = writer.write_files
-    monkeypatch.setattr("ckptlib.engine.save.write_files",
-                        lambda *a, **k: written.append(a[1]) or real(*a, **k))
+    for name in ("write_files", "write_files_indexed"):  # either way the writer could write a payload
+        real = getattr(writer, name)
+        monkeypatch.setattr(f"ckptlib.engine.save.{name}",
+                            lambda *a, _real=real, **k: written.append(a[1]) or _real(*a, **k))
     inodes: set[int] = set()
     with ckptlib.CheckpointManager(tmp_path / "p", local=str(shm / "{node}"), persist_every=10**6,
                                    local_keep_last=2) as mgr:

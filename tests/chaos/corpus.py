@@ -81,7 +81,7 @@ SAVE_ID = "c0ffee00" * 4  # fixed save id of the templates (the corpus is determ
 CREATED = 1_700_000_000.0
 METADATA = {"run": "corpus", "seed": 1234}
 CORRUPT = ("CorruptCheckpointError",)
-TEMPLATE_NAMES = ("raw", "zstd", "v2")
+TEMPLATE_NAMES = ("raw", "zstd", "v2", "v2file")
 
 
 # --------------------------------------------------------------------------- manifest editing
@@ -1969,9 +1969,11 @@ UNIT_ENTRIES: list[Entry] = [
 
 
 # --------------------------------------------------------------------------- format v2 index files
-# The "v2" template is the raw template's state saved in format v2 (one piece index file);
-# tampering with an index file recomputes its checksum and the manifest's record of it (size,
-# checksum, counts) unless the entry is about exactly that, so the validation behind has to act.
+# The "v2" template is the raw template's state saved in format v2 (its piece index at the end
+# of its payload file); "v2file" is the same with the index moved into a file of its own (a tier
+# save's layout). Tampering with an index recomputes its checksum and the manifest's record of it
+# (size, checksum, counts; the payload file's size for the tail layout) unless the entry is about
+# exactly that, so the validation behind has to act.
 
 
 def v2_write(ck: Path, body: dict[str, Any]) -> None:
@@ -1988,7 +1990,31 @@ def v2_edit_body(fn: Callable[[dict[str, Any]], Any]) -> Callable[[Path], None]:
 
 
 def v2_index_path(ck: Path, body: dict[str, Any]) -> Path:
+    """The file holding rank 0's piece index: its payload file (the index at its end, the
+    default layout) or an index file of its own (template ``v2file``)."""
     return ck / body["indexes"][0][0]
+
+
+def v2_tail(body: dict[str, Any]) -> bool:
+    """The index lies at the end of a payload file (``IndexRef.tail``)."""
+    return body["indexes"][0][0] in {p for p, _ in body["files"]}
+
+
+def v2_index_bytes(ck: Path, body: dict[str, Any]) -> bytes:
+    data = v2_index_path(ck, body).read_bytes()
+    return data[len(data) - body["indexes"][0][1]:] if v2_tail(body) else data
+
+
+def v2_put_index(ck: Path, body: dict[str, Any], data: bytes) -> int:
+    """Replace the index bytes (for the tail layout: the file's bytes after its payload);
+    returns the file's new size."""
+    path = v2_index_path(ck, body)
+    head = b""
+    if v2_tail(body):
+        whole = path.read_bytes()
+        head = whole[: len(whole) - body["indexes"][0][1]]
+    path.write_bytes(head + data)
+    return len(head) + len(data)
 
 
 def v2_columns(data: bytes, counts: list[int]) -> dict[str, Any]:
@@ -2016,15 +2042,18 @@ def v2_index_edit(fn: Callable[[dict[str, Any]], Any], *, keep_record: bool = Fa
         body = body_of(ck)
         entry = body["indexes"][0]
         path = v2_index_path(ck, body)
-        cols = v2_columns(path.read_bytes(), entry[6])
+        cols = v2_columns(v2_index_bytes(ck, body), entry[6])
         fn(cols)
         counts = {"names": len(cols["name_end"]), "name_bytes": len(cols["name_bytes"]),
                   "chunks": len(cols["chunk_start"]), "chunk_dims": len(cols["chunk_box"]) // 2,
                   "packs": len(cols["pack_start"]), "members": len(cols["member_offset"]),
                   "member_dims": len(cols["member_box"]) // 2}
         data = MAGIC + b"".join(cols[n].astype(dt).tobytes() for n, dt, _ in SCHEMA)
-        path.write_bytes(data)
+        size = v2_put_index(ck, body, data)
         if not keep_record:
+            for f in body["files"]:  # the tail layout: the payload file's size follows
+                if f[0] == entry[0]:
+                    f[1] = size
             entry[1], entry[2], entry[6] = len(data), checksum(data), [counts[k] for k in COUNTS]
             v2_write(ck, body)
         return path.name
@@ -2039,8 +2068,8 @@ def v2_raw_index(fn: Callable[[bytes], bytes], *, fix_checksum: bool = True) -> 
     def tamper(ck: Path) -> str:
         body = body_of(ck)
         path = v2_index_path(ck, body)
-        data = fn(path.read_bytes())
-        path.write_bytes(data)
+        data = fn(v2_index_bytes(ck, body))
+        v2_put_index(ck, body, data)
         if fix_checksum and len(data) == body["indexes"][0][1]:
             body["indexes"][0][2] = checksum(data)
             v2_write(ck, body)
@@ -2107,8 +2136,14 @@ def _gap_boxes(body: dict[str, Any]) -> None:
 
 
 def _v2_entries() -> list[Entry]:
+    """Every hostile index twice: at the end of the payload file (the layout a plain save
+    writes, template ``v2``) and in a file of its own (a tier save's, template ``v2file``)."""
+    return [*_v2_layout_entries("v2", "v2"), *_v2_layout_entries("v2file", "v2file")]
+
+
+def _v2_layout_entries(prefix: str, template: str) -> list[Entry]:
     def V(name: str, what: str, tamper: Callable[[Path], Any], match: str = "", **kw: Any) -> Entry:
-        return Entry(f"v2-{name}", "v2-index", what, tamper, template="v2", match=match, **kw)
+        return Entry(f"{prefix}-{name}", "v2-index", what, tamper, template=template, match=match, **kw)
 
     huge = 1 << 60
     return [
@@ -2224,7 +2259,7 @@ def make_templates(out: Path) -> dict[str, Path]:
         if root.exists():
             shutil.rmtree(root)
         old_env = os.environ.get("CKPTLIB_FORMAT_VERSION")
-        os.environ["CKPTLIB_FORMAT_VERSION"] = "2" if name == "v2" else "1"
+        os.environ["CKPTLIB_FORMAT_VERSION"] = "2" if name.startswith("v2") else "1"
         try:
             with ckptlib.CheckpointManager(
                 root, async_save=False, compression="zstd" if name == "zstd" else None
@@ -2243,12 +2278,32 @@ def make_templates(out: Path) -> dict[str, Path]:
         body["files"] = [[p.replace(old, SAVE_ID, 1), s] for p, s in body["files"]]
         for ix in body.get("indexes", ()):
             ix[0] = ix[0].replace(old, SAVE_ID, 1)
+        if name == "v2file":
+            _index_to_own_file(ck, body)
         write_body(ck, body, format_version=2 if "indexes" in body else 1)
         marker = ck / ".ckptlib"
         if marker.exists():
             marker.write_text(json.dumps({"save_id": SAVE_ID, "created": CREATED}))
         paths[name] = root
     return paths
+
+
+def _index_to_own_file(ck: Path, body: dict[str, Any]) -> None:
+    """Template ``v2file``: move each index from the end of its payload file into a file of
+    its own (``r<rank>-index.bin``), the layout of a tier save and of ckptlib before it."""
+    from ckptlib.format.layout import index_name
+
+    assert v2_tail(body), "a plain save writes its index at the end of its payload file"
+    for ix in body["indexes"]:
+        holder = ck / ix[0]
+        whole = holder.read_bytes()
+        cut = len(whole) - ix[1]
+        holder.write_bytes(whole[:cut])
+        for f in body["files"]:
+            if f[0] == ix[0]:
+                f[1] = cut
+        ix[0] = f"{SAVE_ID}/{index_name(ix[3])}"
+        (ck / ix[0]).write_bytes(whole[cut:])
 
 
 def build(entry: Entry, out: Path, templates: dict[str, Path]) -> Path:

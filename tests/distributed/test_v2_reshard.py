@@ -93,7 +93,7 @@ def test_public_load_reads_only_the_index_files_it_needs(tmp_path: Path) -> None
     ckptlib.load(tmp_path / "grid", into=target, per_rank="rank0")
     for k in layout:
         assert torch.equal(target[k].local, full(k).narrow(0, 0, target[k].local.shape[0])), k
-    with pytest.raises(CorruptCheckpointError, match="index file checksum"):
+    with pytest.raises(CorruptCheckpointError, match=r"index .*checksum mismatch"):
         ckptlib.load(tmp_path / "grid", into=make(4, other, layout, zero=True), per_rank="rank0")
 
 

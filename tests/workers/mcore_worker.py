@@ -201,13 +201,16 @@ def arm_kill() -> None:
     it reports them (the async save thread is mid-save, the training thread mid-step)."""
     from ckptlib.engine import save as save_flow
 
-    original = save_flow.write_files
+    def then_die(original):
+        def write_then_die(*a, **k):
+            original(*a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    def write_then_die(*a, **k):
-        original(*a, **k)
-        os.kill(os.getpid(), signal.SIGKILL)
+        return write_then_die
 
-    save_flow.write_files = write_then_die
+    # A plain save's rank writes with write_files_indexed (its index at its payload file's end).
+    save_flow.write_files = then_die(save_flow.write_files)
+    save_flow.write_files_indexed = then_die(save_flow.write_files_indexed)
 
 
 def sc_train(rank: int, world: int, root: str, args: dict) -> dict:
