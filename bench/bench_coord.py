@@ -25,7 +25,8 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   Breakdown (``--breakdown``, ``breakdown``): a fourth job, plain, whose ranks wrap the save's
   steps (``BREAKDOWN``) to add up each step's thread CPU (``time.thread_time``: user and kernel
   time of the thread running it) and read every live thread's CPU from ``/proc`` (the store's
-  server thread on rank 0 is ``pt_tcpstore_uv``; Python threads are all ``python``): where each
+  server thread on rank 0 is ``pt_tcpstore_uv``; each Python thread the job starts is given its
+  own name there, ``_name_threads``; ``python`` is the training thread): where each
   rank's CPU per save goes, the coordinator apart (docs/scale.md, "Where a rank's CPU goes").
   Latency: the median seconds of ``save().wait()`` on rank 0 over ``--saves`` saves, and of one
   meeting (an exchange in a session of its own) over 20 meetings, measured in a second job of
@@ -157,6 +158,23 @@ def _thread_cpu() -> dict[str, tuple[str, float]]:
     return out
 
 
+def _name_threads() -> None:
+    """Breakdown: every Python thread started from now on carries its own name in ``/proc``
+    (``comm``, 15 bytes: ``ckptlib-store``, ``ckptlib-pulse``, ``ckptlib-persist``...), so that
+    its CPU is counted apart; Python 3.11 leaves them all ``python`` (then only the training
+    thread is)."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None).prctl
+    run = threading.Thread.run
+
+    def named(self: threading.Thread) -> None:
+        prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        run(self)
+
+    threading.Thread.run = named  # type: ignore[method-assign]
+
+
 def _shard_rows(world: int, mib: float) -> int:
     """Rows of the ``(rows, 256)`` float32 tensor sharded over ``world`` ranks (``mib`` in all)."""
     return max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
@@ -190,6 +208,8 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
             wrapped["s"] = Counting(real(), counts, lock)
         return wrapped["s"]
 
+    if mode == "breakdown":
+        _name_threads()
     if counted:
         threading.Thread.start = counted_start  # type: ignore[method-assign]
         tc._default_store = counted_store
