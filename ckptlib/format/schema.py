@@ -122,7 +122,7 @@ class IndexRef:
     tail: bool = False
     """The index is the last :attr:`size` bytes of the rank's last payload file (``path`` names
     that file, ``files[first_file + num_files - 1]``), not a file of its own: one file per rank
-    per save (engine/writer.py ``write_files(index_tail=True)``, a plain save written in one go)."""
+    per save (engine/writer.py ``write_files_indexed``: a plain save written in one go)."""
 
     def file_entry(self, files: list[FileEntry]) -> FileEntry | None:
         """:attr:`tail`: the payload file that holds the index, else None."""
