@@ -265,6 +265,7 @@ _MESSAGES = {
     "index-bit-flip": "index file checksum mismatch",
     "index-bad-magic": "bad magic",
     "index-absurd-counts": "counts describe",
+    "indexes-none": "held by rank 0, which has no index file",
     "index-absurd-size": "over the 268435456 byte limit",
     "index-schema-changed": "index_schema",
     "index-absurd-dim": "lies outside the tensor's shape",

@@ -3,7 +3,7 @@
 Called on the caller's thread by :func:`ckptlib.engine.scan.read_manifest` (``pieces=True``:
 every index file, for tools that walk every chunk: inspect, views, integrations), by
 :func:`ckptlib.engine.scan.check_step` (``deep=True`` only: the status scan reads no index file,
-it checks their sizes and :func:`check_coverage`) and by
+it checks their sizes; the manifest's decode checked that every holder of a piece has one) and by
 :func:`ckptlib.engine.load.run_plan` (only the index files whose ranks hold boxes overlapping the
 read requests, found from each tensor's sharding in time proportional to the cells a request
 overlaps). Each index file is read once per manifest (``Manifest.loaded``), its size and
@@ -15,7 +15,6 @@ index file.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import cache
 
 from ckptlib.backends import Storage, join
 from ckptlib.engine.gc_pause import paused_gc
@@ -23,7 +22,7 @@ from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import ITEMSIZE
 from ckptlib.format.index_file import decode_index
-from ckptlib.format.schema import IndexRef, Manifest, volume
+from ckptlib.format.schema import IndexRef, Manifest
 from ckptlib.format.sharding import Sharding, check_index
 from ckptlib.format.validate import Checker
 
@@ -39,9 +38,8 @@ def resolve(storage: Storage, folder: str, m: Manifest, wants: Iterable[Want] | 
     by_rank = {ix.rank: i for i, ix in enumerate(m.indexes)}
     where = f"{storage.url.rstrip('/')}/{join(folder, 'manifest.json')}"
     need: set[int] = set()
-    if wants is None:
+    if wants is None:  # (every tensor's holders have an index row: checked by the manifest's decode)
         need = set(range(len(m.indexes)))
-        check_coverage(m, where)
     else:
         for name, offset, shape in wants:
             for r in m.sharding[name].ranks_for(offset, shape):
@@ -52,29 +50,6 @@ def resolve(storage: Storage, folder: str, m: Manifest, wants: Iterable[Want] | 
                     )
                 need.add(i)
     return load_indexes(storage, folder, m, need)
-
-
-def check_coverage(m: Manifest, where: str) -> None:
-    """Raise :class:`CorruptCheckpointError` unless every rank holding a piece of a tensor (by
-    its sharding) has an index file. No I/O: the status scan (``engine.scan.check_step``) calls
-    it so that a manifest naming a rank without an index file is corrupt before any load."""
-    if m.version < 2:
-        return
-    have = frozenset(ix.rank for ix in m.indexes)
-
-    @cache  # grids with the same ranks share one answer: O(ranks x distinct layouts)
-    def lacking(first: int, step: int, ncells: int) -> frozenset[int]:
-        return frozenset(range(first, first + ncells * step, step) if step else (first,)) - have
-
-    for name, sh in m.sharding.items():
-        if sh.block is not None:
-            missing = lacking(sh.first, sh.step, volume(sh.counts))
-        else:
-            missing = frozenset(sh.ranks_held()) - have
-        if missing:
-            raise CorruptCheckpointError(
-                f"tensor {name!r:.200} is held by rank {min(missing)}, which has no index file", where
-            )
 
 
 def load_indexes(storage: Storage, folder: str, m: Manifest, which: Iterable[int]) -> int:

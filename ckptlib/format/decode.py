@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -231,12 +232,31 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
             raise v.fail(f"tensor {name!r:.200}: declares more than 2^62 bytes")
         sharding[name] = decode_sharding(name, t, shape, world_size, v)
         tensors[name] = TensorEntry(dtype, shape, [], [])
+    _check_coverage(indexes, sharding, v)
     return Manifest(
         step=step, save_id=save_id, created=float(created), world_size=world_size, commit=commit, files=files,
         tensors=tensors, tree=body.get("tree"), metadata=body.get("metadata"), packs=[], checksum_algorithm=algorithm,
         library=str(body.get("library", ""))[:200], extra=extra, version=2, indexes=indexes, sharding=sharding,
         metrics=_metrics(body, v),
     )  # fmt: skip
+
+
+def _check_coverage(indexes: list[IndexRef], sharding: dict[str, Sharding], v: Checker) -> None:
+    """v2: every rank holding a piece of a tensor (by its sharding) has an ``indexes`` row, or
+    no reader could find that piece: with no rows at all a load would read nothing and hand back
+    the tensors' memory as it was. O(ranks x distinct layouts), no I/O: every decode checks it,
+    so a manifest naming a rank without an index is corrupt before any load or status scan."""
+    have = frozenset(ix.rank for ix in indexes)
+
+    @cache  # grids with the same ranks share one answer
+    def lacking(first: int, step: int, ncells: int) -> frozenset[int]:
+        return frozenset(range(first, first + ncells * step, step) if step else (first,)) - have
+
+    for name, sh in sharding.items():
+        missing = lacking(sh.first, sh.step, volume(sh.counts)) if sh.block is not None else \
+            frozenset(sh.ranks_held()) - have
+        if missing:
+            raise v.fail(f"tensor {name!r:.200} is held by rank {min(missing)}, which has no index file")
 
 
 def _decode_packs(

@@ -2157,6 +2157,8 @@ def _v2_layout_entries(prefix: str, template: str) -> list[Entry]:
           v2_raw_index(lambda d: b"NOTANIDX" + d[8:])),
         V("index-absurd-counts", "manifest counts claim 2^60 chunks",
           v2_edit_body(lambda b: b["indexes"][0][6].__setitem__(2, huge))),
+        V("indexes-none", "the manifest lists no index at all (a load once read nothing and returned the tensors' "
+          "memory as it was; found by fuzz-manifest-structure)", v2_edit_body(lambda b: b.__setitem__("indexes", []))),
         V("index-absurd-size", "manifest records a 2^62-byte index with matching counts",
           v2_edit_body(lambda b: b["indexes"][0].__setitem__(1, 1 << 62))),
         V("index-schema-changed", "index_schema lists another column order",
