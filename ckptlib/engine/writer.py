@@ -296,7 +296,7 @@ def _write_groups(
     results = run_all(
         [
             partial(_write_one, storage, p, g, compression, algorithm, pack_bytes, rank,
-                    tail if index_tail and len(groups) == 1 and g else None)
+                    tail if index_tail and len(groups) == 1 else None)
             for p, g in zip(paths, groups, strict=True)
         ],
         threads=len(groups),

@@ -212,9 +212,10 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
         nfiles = v.int_(e[5], f"{w}.num_files", 0, len(files) - first)
         counts = check_counts(e[6], size, v, w)
         # The index at the tail of the rank's last payload file (IndexRef.tail), or a file of its own.
-        tail = nfiles > 0 and path == files[first + nfiles - 1].path
-        if tail and size > files[first + nfiles - 1].size:
-            raise v.fail(f"{w}: an index of {size} bytes cannot lie in the last {files[first + nfiles - 1].size} bytes of {path!r}")
+        last = files[first + nfiles - 1] if nfiles else None
+        tail = last is not None and path == last.path
+        if last is not None and tail and size > last.size:
+            raise v.fail(f"{w}: an index of {size} bytes cannot lie in the last {last.size} bytes of {path!r}")
         if (path in tails) if tail else (path in seen or path == MANIFEST_NAME):
             raise v.fail(f"index path {path!r} listed twice or shadows the manifest or another rank's payload file")
         (tails if tail else seen).add(path)

@@ -124,9 +124,14 @@ class IndexRef:
     that file, ``files[first_file + num_files - 1]``), not a file of its own: one file per rank
     per save (engine/writer.py ``write_files_indexed``: a plain save written in one go)."""
 
+    @property
+    def holder(self) -> int | None:
+        """:attr:`tail`: the position in ``Manifest.files`` of the payload file holding the index."""
+        return self.first_file + self.num_files - 1 if self.tail else None
+
     def file_entry(self, files: list[FileEntry]) -> FileEntry | None:
         """:attr:`tail`: the payload file that holds the index, else None."""
-        return files[self.first_file + self.num_files - 1] if self.tail else None
+        return None if self.holder is None else files[self.holder]
 
 
 @dataclass(slots=True)

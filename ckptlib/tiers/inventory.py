@@ -145,8 +145,8 @@ def step_files(m: Manifest) -> list[StepFile]:
     tails: dict[int, int] = {}  # payload file -> the index at its tail (IndexRef.tail): moved with it
     for j, ix in enumerate(m.indexes):
         writer.update((i, ix.rank) for i in range(ix.first_file, ix.first_file + ix.num_files))
-        if ix.tail:
-            tails[ix.first_file + ix.num_files - 1] = j
+        if ix.holder is not None:
+            tails[ix.holder] = j
         else:
             out.append(StepFile(ix.path, ix.size, ix.rank, index=j))
     files = [StepFile(f.path, f.size, writer.get(i, writer_rank(file_name(f.path))) if m.indexes else writer_rank(file_name(f.path)), file=i,

@@ -2304,7 +2304,7 @@ def _index_to_own_file(ck: Path, body: dict[str, Any]) -> None:
         for f in body["files"]:
             if f[0] == ix[0]:
                 f[1] = cut
-        ix[0] = f"{SAVE_ID}/{index_name(ix[3])}"
+        ix[0] = f"{ix[0].rsplit('/', 1)[0]}/{index_name(ix[3])}"  # beside the payload, under the save id
         (ck / ix[0]).write_bytes(whole[cut:])
 
 
