@@ -390,3 +390,13 @@ def patch_creates(monkeypatch: Any, wrap: Callable[[Callable[..., Any]], Callabl
 
     for name in ("open_write", "open_write_in"):
         monkeypatch.setattr(PosixStorage, name, wrap(getattr(PosixStorage, name)))
+
+
+def disk_full(real: Callable[..., Any]) -> Callable[..., Any]:
+    """A wrap for :func:`patch_creates`: every file create fails as on a full disk (ENOSPC)."""
+    import ckptlib
+
+    def create(self: Any, path: str) -> Any:
+        raise ckptlib.StorageError(28, "No space left on device")
+
+    return create

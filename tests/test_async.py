@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, patch_creates
+from helpers import assert_same, disk_full, patch_creates
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import ckptlib
@@ -281,13 +281,8 @@ def test_background_snapshot_failure_surfaces_once_at_wait(tmp_path, monkeypatch
 
 
 def test_writer_failure_while_streaming_surfaces_once(tmp_path, monkeypatch):
-    def broken(real):
-        def create(self, path):
-            raise ckptlib.StorageError(28, "No space left on device")
-        return create
-
     mgr = ckptlib.CheckpointManager(tmp_path, staging_budget=64 << 10)
-    patch_creates(monkeypatch, broken)
+    patch_creates(monkeypatch, disk_full)
     h = mgr.save(1, make_state())  # returns: staging stops when the writer gives up
     monkeypatch.undo()
     with pytest.raises(ckptlib.CommitError, match="No space left"):

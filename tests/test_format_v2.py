@@ -266,6 +266,7 @@ _MESSAGES = {
     "index-bad-magic": "bad magic",
     "index-absurd-counts": "counts describe",
     "indexes-none": "held by rank 0, which has no index file",
+    "index-files-shared": "each payload file belongs to one rank",
     "index-absurd-size": "over the 268435456 byte limit",
     "index-schema-changed": "index_schema",
     "index-absurd-dim": "lies outside the tensor's shape",

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import flip_bit, patch_creates, payload_files
+from helpers import disk_full, flip_bit, patch_creates, payload_files
 
 import ckptlib
 from ckptlib.format import layout
@@ -132,13 +132,8 @@ def test_step_exists_and_corrupt_step_is_set_aside(tmp_path):
 
 
 def test_background_failure_raised_once(tmp_path, monkeypatch):
-    def broken(real):
-        def create(self, path):
-            raise ckptlib.StorageError(28, "No space left on device")
-        return create
-
     mgr = ckptlib.CheckpointManager(tmp_path)
-    patch_creates(monkeypatch, broken)
+    patch_creates(monkeypatch, disk_full)
     h = mgr.save(1, make_state())
     with pytest.raises(ckptlib.CommitError, match="No space left"):
         h.wait(timeout=60)
@@ -147,7 +142,7 @@ def test_background_failure_raised_once(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert mgr.latest_step() is None
     # The next failure surfaces on the next save() instead.
-    patch_creates(monkeypatch, broken)
+    patch_creates(monkeypatch, disk_full)
     mgr.save(2, make_state())
     mgr._worker.join(60)
     monkeypatch.undo()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from functools import cache
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -220,6 +221,7 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
             raise v.fail(f"index path {path!r} listed twice or shadows the manifest or another rank's payload file")
         (tails if tail else seen).add(path)
         indexes.append(IndexRef(path, size, digest, rank, first, nfiles, counts, tail))
+    _check_file_ranges(indexes, v)
     tensors: dict[str, TensorEntry] = {}
     sharding: dict[str, Sharding] = {}
     for name, t in v.obj(body.get("tensors"), "tensors").items():
@@ -240,6 +242,18 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
         library=str(body.get("library", ""))[:200], extra=extra, version=2, indexes=indexes, sharding=sharding,
         metrics=_metrics(body, v),
     )  # fmt: skip
+
+
+def _check_file_ranges(indexes: list[IndexRef], v: Checker) -> None:
+    """v2: each payload file belongs to one rank. The rows' ``files[first_file : first_file +
+    num_files]`` ranges (a writer lays them out rank after rank) must not overlap: two ranks
+    claiming one file would let one rank's index point into another's bytes, and a tier copy
+    (``tiers/inventory.py``) would not know whose the file is. O(ranks log ranks)."""
+    spans = sorted((ix.first_file, ix.num_files, ix.rank) for ix in indexes if ix.num_files)
+    for (a, n, r), (b, _m, q) in pairwise(spans):
+        if a + n > b:
+            raise v.fail(f"indexes: rank {q}'s payload files (from files[{b}]) overlap rank {r}'s "
+                         f"(files[{a}:{a + n}]): each payload file belongs to one rank")
 
 
 def _check_coverage(indexes: list[IndexRef], sharding: dict[str, Sharding], v: Checker) -> None:

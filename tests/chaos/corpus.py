@@ -2135,6 +2135,20 @@ def _gap_boxes(body: dict[str, Any]) -> None:
     t["boxes"] = [[0, [0, 0], [32, 1024]]]
 
 
+def _two_ranks_one_file(ck: Path) -> None:
+    """A second rank whose index row claims rank 0's payload files; its index file, a copy of
+    rank 0's index, exists (so that only the claim is wrong)."""
+    from ckptlib.format.layout import index_name
+
+    body = body_of(ck)
+    body["world_size"] = 2
+    row = list(body["indexes"][0])
+    row[0], row[3] = f"{row[0].split('/', 1)[0]}/{index_name(1)}", 1
+    (ck / row[0]).write_bytes(v2_index_bytes(ck, body))
+    body["indexes"].append(row)
+    v2_write(ck, body)
+
+
 def _v2_entries() -> list[Entry]:
     """Every hostile index twice: at the end of the payload file (the layout a plain save
     writes, template ``v2``) and in a file of its own (a tier save's, template ``v2file``)."""
@@ -2159,6 +2173,8 @@ def _v2_layout_entries(prefix: str, template: str) -> list[Entry]:
           v2_edit_body(lambda b: b["indexes"][0][6].__setitem__(2, huge))),
         V("indexes-none", "the manifest lists no index at all (a load once read nothing and returned the tensors' "
           "memory as it was; found by fuzz-manifest-structure)", v2_edit_body(lambda b: b.__setitem__("indexes", []))),
+        V("index-files-shared", "a second rank's index row claims rank 0's payload files",
+          _two_ranks_one_file),
         V("index-absurd-size", "manifest records a 2^62-byte index with matching counts",
           v2_edit_body(lambda b: b["indexes"][0].__setitem__(1, 1 << 62))),
         V("index-schema-changed", "index_schema lists another column order",
