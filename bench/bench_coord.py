@@ -33,7 +33,11 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   the same saves without the counting wrapper (``save_s``, ``meeting_s``: what a user sees; the
   counted job's own are ``counted_save_s``, ``counted_meeting_s``), and how long ``save()``
   itself held the training thread (``call_s``: the median over every rank's saves in the plain
-  job; the summary's ``save()`` column). ``--tree DIR`` runs another
+  job; the summary's ``save()`` column). The job's span (``job_save_s``, and
+  ``bare_job_save_s`` for the bare job): per save, from the first rank's ``save()`` to the
+  last rank's return from its wait (``time.monotonic`` is one clock for every process of the
+  machine), the median over saves: rank 0's window alone would hide a protocol that lets the
+  coordinator return before the others have their answer. ``--tree DIR`` runs another
   checkout's ckptlib (``PYTHONPATH``) under the same harness: the "before" columns.
 - ``sim``: the same save on W simulated ranks (ckptlib/testing/simulation.py; W = 256 ...
   4,096): the real save flow's store calls, counted per rank, and its virtual latency with a
