@@ -125,3 +125,13 @@ def test_an_index_row_naming_another_ranks_payload_file_is_refused(tmp_path: Pat
     v2_write(ck, body)
     with pytest.raises(CorruptCheckpointError, match="shadows the manifest or another rank's payload file"):
         read_manifest(open_storage(str(tmp_path)), FOLDER, pieces=False)
+
+
+def test_two_index_rows_claiming_one_payload_file_are_refused(tmp_path: Path) -> None:
+    ck = save(tmp_path)
+    body = body_of(ck)
+    rows = {ix[3]: ix for ix in body["indexes"]}
+    rows[0][0], rows[0][4], rows[0][5] = rows[1][0], rows[1][4], rows[1][5]  # rank 0 claims rank 1's file, tail and all
+    v2_write(ck, body)
+    with pytest.raises(CorruptCheckpointError, match="each payload file belongs to one rank"):
+        read_manifest(open_storage(str(tmp_path)), FOLDER, pieces=False)

@@ -32,7 +32,7 @@ from ckptlib.errors import CommitError
 from ckptlib.format import codec as codecs
 from ckptlib.format import layout
 from ckptlib.format.build import PackMember, WrittenChunk, WrittenPack
-from ckptlib.format.checksum import checksum
+from ckptlib.format.checksum import DEFAULT_ALGORITHM, checksum
 from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.format.index_file import build_index
 
@@ -239,9 +239,9 @@ def write_files(
     jobs: list[ChunkJob],
     *,
     compression: str | None = None,
-    algorithm: str = "xxh3_64",
+    algorithm: str = DEFAULT_ALGORITHM,
     num_files: int = 2,
-    pack_bytes: int = 4 << 20,
+    pack_bytes: int = PACK_BYTES,
     tag: str = "",
     timeout: float | None = None,
     exact: bool = False,
@@ -273,8 +273,8 @@ def write_files_indexed(
     docs/format.md): one file to create and sync per rank per save, not two. Returns the files,
     the write records and the index summary of :func:`write_index` (``path`` is the payload
     file's), or None when several files were written (the caller then writes the index file)."""
-    return _write_groups(storage, prefix, rank, jobs, compression, "xxh3_64", cpu_share(num_files), 4 << 20, "",
-                         timeout, True)
+    return _write_groups(storage, prefix, rank, jobs, compression, DEFAULT_ALGORITHM, cpu_share(num_files),
+                         PACK_BYTES, "", timeout, True)
 
 
 def _write_groups(
@@ -314,7 +314,7 @@ def _summary(path: str, data: bytes, counts: dict[str, int]) -> dict[str, object
 
 
 def adopt_arena(
-    arena: Arena, root: str, prefix: str, rank: int, jobs: list[ChunkJob], *, algorithm: str = "xxh3_64"
+    arena: Arena, root: str, prefix: str, rank: int, jobs: list[ChunkJob], *, algorithm: str = DEFAULT_ALGORITHM
 ) -> tuple[list[tuple[str, int]], list[WrittenChunk | WrittenPack]] | None:
     """Make ``arena`` this rank's payload file 0 under ``prefix`` (``root``: the storage root on
     the arena's memory file system), ``jobs`` (split from views of the arena) recorded where they

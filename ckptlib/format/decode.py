@@ -194,7 +194,6 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
         raise v.fail("index_schema is not the one this ckptlib knows (written by a newer version?)")
     indexes: list[IndexRef] = []
     by_rank: set[int] = set()
-    tails: set[str] = set()
     for i, e in enumerate(v.lst(body.get("indexes"), "indexes")):
         w = f"indexes[{i}]"
         e = v.lst(e, w)
@@ -217,9 +216,10 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
         tail = last is not None and path == last.path
         if last is not None and tail and size > last.size:
             raise v.fail(f"{w}: an index of {size} bytes cannot lie in the last {last.size} bytes of {path!r}")
-        if (path in tails) if tail else (path in seen or path == MANIFEST_NAME):
-            raise v.fail(f"index path {path!r} listed twice or shadows the manifest or another rank's payload file")
-        (tails if tail else seen).add(path)
+        if not tail:  # two rows sharing a tail overlap: _check_file_ranges refuses them
+            if path in seen or path == MANIFEST_NAME:
+                raise v.fail(f"index path {path!r} listed twice or shadows the manifest or another rank's payload file")
+            seen.add(path)
         indexes.append(IndexRef(path, size, digest, rank, first, nfiles, counts, tail))
     _check_file_ranges(indexes, v)
     tensors: dict[str, TensorEntry] = {}
