@@ -39,12 +39,19 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   machine), the median over saves: rank 0's window alone would hide a protocol that lets the
   coordinator return before the others have their answer. ``--tree DIR`` runs another
   checkout's ckptlib (``PYTHONPATH``) under the same harness: the "before" columns.
+- ``rounds``: latency only, as the throughput benchmarks measure it: ``--rounds`` rounds, each
+  running the plain job (without the counts' pauses and meetings) and the bare job at every
+  world, the worlds' order alternated between rounds; each save is divided by the same round's
+  save at the smallest world, and per world the median ratio over rounds is reported, with its
+  least and most and how many rounds were within 3x (``rounds()``: why a single run's ratio
+  measures the disk's drift as much as the code).
 - ``sim``: the same save on W simulated ranks (ckptlib/testing/simulation.py; W = 256 ...
   4,096): the real save flow's store calls, counted per rank, and its virtual latency with a
   store that serves one request at a time (``--service`` seconds each, plus ``--per-key`` per
   key of a batch) behind ``--rtt`` of network.
 
     python bench/bench_coord.py real [--worlds 2 4 8 16 32] [--saves 5] [--tree DIR] [--json OUT]
+    python bench/bench_coord.py rounds [--worlds 2 4 8 16 32] [--rounds 10] [--saves 20] [--json OUT]
     python bench/bench_coord.py sim [--worlds 256 1024 4096] [--json OUT]
     python bench/bench_coord.py plot RESULTS.json... --out docs/img/coord-scale.png
 """
@@ -147,18 +154,25 @@ def _time_steps(acc: collections.defaultdict[str, float]) -> None:
 
 
 def _thread_cpu() -> dict[str, tuple[str, float]]:
-    """Every live thread of this process: id -> (name, CPU seconds, user and kernel)."""
+    """Every live thread of this process: id -> (name, CPU seconds, user and kernel). From
+    ``schedstat`` (the scheduler's run time, in nanoseconds); ``stat``'s clock ticks (10 ms)
+    where the kernel has no ``schedstat``."""
     out = {}
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    used = int(f.read().split()[0]) / 1e9
+            except FileNotFoundError:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                used = (int(fields[11]) + int(fields[12])) / tick
         except OSError:
             continue  # ended meanwhile
-        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+        out[tid] = (name, used)
     return out
 
 
@@ -187,7 +201,8 @@ def _shard_rows(world: int, mib: float) -> int:
 def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str, mode: str) -> None:
     """One rank. ``mode``: ``counted``, through the counting store and ``Thread.start``; ``plain``
     (the latency a user sees: the counting wrapper adds a Python layer and a lock to every
-    call); ``breakdown``, plain with each step's CPU added up (module docstring)."""
+    call); ``breakdown``, plain with each step's CPU added up (module docstring); ``latency``,
+    plain without the store-key count's pauses and the meetings (``rounds``)."""
     counted = mode == "counted"
     import torch
     import torch.distributed as dist
@@ -226,7 +241,8 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     mgr = ckptlib.CheckpointManager(root)  # as shared/tools/count-store-worker.py: no retention
     mgr.save(1, state).wait(timeout=600)  # warm-up: the coordinator is made here
     dist.barrier()
-    time.sleep(2.5)  # as below: the warm-up's spent keys are deleted
+    if mode != "latency":
+        time.sleep(2.5)  # as below: the warm-up's spent keys are deleted
     keys0 = real().num_keys() if rank == 0 else 0  # rank 0 hosts the job's store
     with lock:
         base = counts.copy()
@@ -255,12 +271,13 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
             if persist is None or int(tid) != persist:
                 steps[f"thread {name}"] += used - threads0.get(tid, (name, 0.0))[1]
     dist.barrier()
-    time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s here)
+    if mode != "latency":
+        time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s here)
     keys = (real().num_keys() - keys0) / saves if rank == 0 else 0.0
     dist.barrier()  # nobody starts the meetings below before rank 0 has counted
     with lock:
         diff = {k: (counts[k] - base.get(k, 0)) for k in counts}
-    meet = _meetings(mgr.coordinator, 20)
+    meet = _meetings(mgr.coordinator, 20) if mode != "latency" else []
     mgr.close()
     per_save = {k: v / saves for k, v in diff.items() if k != "beats"}
     per_save["beats_per_s"] = diff.get("beats", 0) / window
@@ -481,6 +498,60 @@ def _summary(rows: list[dict[str, Any]]) -> None:
               f" {r['bare_job_save_s']:>8.4f}s {r['bare_job_save_s'] / base['bare_job_save_s']:>5.1f}x")
 
 
+LATENCY = ("save_s", "job_save_s", "bare_save_s", "bare_job_save_s")
+"""What ``rounds`` measures per world and round: rank 0's save (``save().wait()``) and the job's
+span (first ``save()`` to last return), for ckptlib and for the bare job (no library)."""
+
+
+def rounds(worlds: list[int], n: int, saves: int, mib: float, tree: str | None, where: str | None,
+           ) -> list[dict[str, Any]]:
+    """Latency only, in ``n`` rounds: each round runs the plain job and the bare job at every
+    world, worlds in ascending order in even rounds and descending in odd ones, plain and bare
+    in turn first; each latency is divided by the same round's at the smallest world. The disk's
+    ``fsync`` latency here drifts by 2x over minutes, and the smallest world's save is bound by
+    it while the largest is bound by CPU: a ratio of two saves taken minutes apart measures the
+    drift. Per world: every round's figures, and the median, least and most ratio over rounds."""
+    per_round: list[dict[int, dict[str, float]]] = []
+    for i in range(n):
+        got: dict[int, dict[str, float]] = {}
+        for world in (worlds if i % 2 == 0 else worlds[::-1]):
+            kinds = [("plain", tree), ("bare", None)]
+            out: dict[str, float] = {}
+            for mode, t in (kinds if (i + world) % 2 == 0 else kinds[::-1]):
+                res = _job(world, saves, mib, t, where, "latency" if mode == "plain" else mode)
+                key = "" if mode == "plain" else "bare_"
+                out[key + "save_s"] = statistics.median(res[0]["save_s"])
+                out[key + "job_save_s"] = _job_spans(res)
+            got[world] = out
+        per_round.append(got)
+        base = got[worlds[0]]
+        print(f"round {i + 1}/{n}: " + " | ".join(
+            f"{w}: {got[w]['save_s'] * 1e3:.1f} ms {got[w]['save_s'] / base['save_s']:.1f}x, job "
+            f"{got[w]['job_save_s'] / base['job_save_s']:.1f}x, bare job "
+            f"{got[w]['bare_job_save_s'] / base['bare_job_save_s']:.1f}x" for w in worlds), flush=True)
+    rows = []
+    for world in worlds:
+        row: dict[str, Any] = {"source": "rounds", "tree": tree or "HEAD", "world": world, "rounds": n, "saves": saves,
+                               "per_round": [r[world] for r in per_round]}
+        for k in LATENCY:
+            ratios = [r[world][k] / r[worlds[0]][k] for r in per_round]
+            row[k] = statistics.median(r[world][k] for r in per_round)
+            row[f"{k}_ratio"] = {"median": round(statistics.median(ratios), 2), "min": round(min(ratios), 2),
+                                 "max": round(max(ratios), 2), "within_3x": sum(x <= 3.0 for x in ratios)}
+        rows.append(row)
+    print(f"\nmedian over {n} rounds (least-most); ratios to the same round's {worlds[0]} ranks")
+    print(f"{'ranks':>6} {'save':>8} {'x ' + str(worlds[0]):>18} {'job save':>9} {'x ' + str(worlds[0]):>18}"
+          f" {'bare job':>9} {'x ' + str(worlds[0]):>18}")
+    for r in rows:
+        def cell(k: str, r: dict[str, Any] = r) -> str:
+            q = r[f"{k}_ratio"]
+            return f"{q['median']:.1f}x ({q['min']:.1f}-{q['max']:.1f})"
+
+        print(f"{r['world']:>6} {r['save_s'] * 1e3:>6.1f}ms {cell('save_s'):>18} {r['job_save_s'] * 1e3:>7.1f}ms "
+              f"{cell('job_save_s'):>18} {r['bare_job_save_s'] * 1e3:>7.1f}ms {cell('bare_job_save_s'):>18}")
+    return rows
+
+
 def sim(worlds: list[int], service: float, per_key: float, rtt: float) -> list[dict[str, Any]]:
     import logging
 
@@ -584,6 +655,14 @@ def main() -> None:
     r.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp folder)")
     r.add_argument("--breakdown", action="store_true", help="one more job: each step's CPU per save")
     r.add_argument("--json", default=None)
+    o = sub.add_parser("rounds", help="latency only, in rounds alternating the worlds' order (rounds())")
+    o.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    o.add_argument("--rounds", type=int, default=10)
+    o.add_argument("--saves", type=int, default=20)
+    o.add_argument("--mib", type=float, default=4.0)
+    o.add_argument("--tree", default=None, help="another checkout to measure")
+    o.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp folder)")
+    o.add_argument("--json", default=None)
     s = sub.add_parser("sim")
     s.add_argument("--worlds", type=int, nargs="+", default=[256, 1024, 4096])
     s.add_argument("--service", type=float, default=20e-6, help="store seconds per request")
@@ -597,8 +676,12 @@ def main() -> None:
     if args.cmd == "plot":
         plot(args.paths, args.out)
         return
-    rows = real(args.worlds, args.saves, args.mib, args.tree, args.dir, args.breakdown) if args.cmd == "real" else sim(
-        args.worlds, args.service, args.per_key, args.rtt)
+    if args.cmd == "real":
+        rows = real(args.worlds, args.saves, args.mib, args.tree, args.dir, args.breakdown)
+    elif args.cmd == "rounds":
+        rows = rounds(args.worlds, args.rounds, args.saves, args.mib, args.tree, args.dir)
+    else:
+        rows = sim(args.worlds, args.service, args.per_key, args.rtt)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.node(), "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M"),
