@@ -5,7 +5,8 @@ the create itself is the check that the folder still exists (no ``stat`` before 
 metadata call per file on a parallel file system), and a rank that comes late to a save its
 coordinator gave up (and whose staging folder it removed) gets a ``CommitError`` instead of
 making the folder again, whenever the folder goes: before the payload, between the payload
-and the index, or while a file is open (the simulated store's model of it).
+and the index, or while a file is open (the simulated store's model of it). A tier save's
+replica stream (``ckptlib.tiers.replicas``) follows the same rule for the files it receives.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ckptlib.backends.posix import PosixStorage
 from ckptlib.engine.writer import split_chunks, write_files, write_index
 from ckptlib.errors import CommitError
 from ckptlib.testing.simulation import SimStorage, World
+from ckptlib.tiers.replicas import REPLICA_DIR, _write_round
 
 STAGING = "step-00000007.tmp-ab12/ab12"
 
@@ -81,6 +83,28 @@ def test_a_removed_staging_folder_is_never_made_again(tmp_path) -> None:
         write_index(storage, STAGING, 1, files, written)  # between the payload and the index
     with pytest.raises(CommitError, match="is gone: the save was abandoned"):
         write_files(storage, STAGING, 2, _jobs(), num_files=1)  # a rank that had not written yet
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_late_replica_stream_does_not_make_a_removed_staging_folder_again(tmp_path) -> None:
+    """A tier save's peer writes replicas of its sources' files under the staging folder
+    (``replicas/``); once the save is given up and the folder removed, a later round of the
+    stream fails instead of making the folder again (without its marker)."""
+    storage = PosixStorage(str(tmp_path))
+    work, sub = STAGING.split("/")
+    storage.makedirs(STAGING)
+    writers: dict = {}
+    folders: set[str] = set()
+    a, b = f"{sub}/r00001-0.bin", f"{sub}/r00002-0.bin"
+    sizes = {(1, a): 8, (2, b): 4}
+    _write_round(storage, work, writers, folders, sizes, [(1, (a, 0, 4))], [b"abcd"], 0, False)  # round 0
+    assert os.listdir(tmp_path / work / REPLICA_DIR / sub) == ["r00001-0.bin"] and list(writers) == [(1, a)]
+    shutil.rmtree(tmp_path / work)  # the save is given up
+    with pytest.raises(CommitError, match="is gone: the save was abandoned"):  # round 1: a new source's file
+        _write_round(storage, work, writers, folders, sizes, [(2, (b, 0, 4))], [b"efgh"], 0, False)
+    with pytest.raises(CommitError, match="is gone: the save was abandoned"):  # a save whose stream starts late
+        _write_round(storage, work, {}, set(), sizes, [(2, (b, 0, 4))], [b"efgh"], 0, False)
+    writers.pop((1, a)).abort()
     assert os.listdir(tmp_path) == []
 
 

@@ -181,8 +181,8 @@ def replicate(storage: Storage, s: Session, topo: Topology, *, work: str, mine: 
         for (_src, path), size in sizes.items():  # files of size 0 have no pieces
             if size == 0:
                 target = replica_path(work, path)
-                _folder(storage, folders, target)
-                storage.open_write(target).close()
+                _folder(storage, work, folders, target.rsplit("/", 1)[0])
+                _create(storage, target).close()
         stats.rebuilt = sum(f.result(timeout=max(0.1, deadline - s.now())) for f in rebuilt)
     except BaseException:
         for w in writers.values():
@@ -204,11 +204,25 @@ def _names(records: list[Any]) -> list[str]:
     return out
 
 
-def _folder(storage: Storage, folders: set[str], target: str) -> None:
-    folder = target.rsplit("/", 1)[0]
+def _folder(storage: Storage, work: str, folders: set[str], folder: str) -> None:
+    """Make ``folder`` (of replica files, under ``work``) once per save (``folders``: those made),
+    and only while ``work`` exists: a save given up, whose staging folder was removed, is not
+    made again by a peer's late replica stream (a folder without its marker, litter until the
+    job's next clean-up). The files themselves are created by :func:`_create`, which never makes
+    a folder: one removed while the stream runs fails the stream."""
     if folder not in folders:
+        if not storage.exists(work):
+            raise CommitError(f"staging folder {work} is gone: the save was abandoned (no replicas written)")
         storage.makedirs(folder)
         folders.add(folder)
+
+
+def _create(storage: Storage, path: str) -> WriteStream:
+    """A replica file, in its folder made by :func:`_folder` (the writer's create: the folder
+    is never made again; :class:`CommitError` when it is gone)."""
+    from ckptlib.engine.writer import create
+
+    return create(storage, path)
 
 
 def _read_round(storage: Storage, work: str, sends: dict[int, list[tuple[str, int, int]]], k: int,
@@ -236,8 +250,8 @@ def _write_round(storage: Storage, work: str, writers: dict[tuple[int, str], Wri
         w = writers.get((src, path))
         if w is None:
             target = replica_path(work, path)
-            _folder(storage, folders, target)
-            w = writers[(src, path)] = storage.open_write(target)
+            _folder(storage, work, folders, target.rsplit("/", 1)[0])
+            w = writers[(src, path)] = _create(storage, target)
         w.write(data)
         if first:
             crashpoints.point("replica_transfer", me)  # once per save: a replica half-written
@@ -261,7 +275,7 @@ def _rebuild(storage: Storage, work: str, src: int, info: dict[str, Any], rebuil
         jobs += split_chunks(name, cpu_contiguous(it.tensor), it.global_offset, opts.chunk_bytes)
     folder = join(work, REPLICA_DIR, info["files"][0].rsplit("/", 1)[0]) if "/" in info["files"][0] else \
         join(work, REPLICA_DIR)
-    storage.makedirs(folder)
+    _folder(storage, work, set(), folder)
     files, records = write_files(storage, folder, src, jobs, compression=opts.compression,
                                  num_files=len(info["files"]), tag=REP_TAG, exact=True)
     if [f"{folder}/{p.rsplit('/', 1)[-1]}" for p, _ in files] != [replica_path(work, p) for p in info["files"]]:
