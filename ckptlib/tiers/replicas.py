@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptlib import crashpoints
-from ckptlib.backends import Storage, join
+from ckptlib.backends import Storage, join, parent
 from ckptlib.backends.base import WriteStream
 from ckptlib.coord.session import Session
 from ckptlib.errors import CommitError, ReplicaMismatchError
@@ -181,7 +181,7 @@ def replicate(storage: Storage, s: Session, topo: Topology, *, work: str, mine: 
         for (_src, path), size in sizes.items():  # files of size 0 have no pieces
             if size == 0:
                 target = replica_path(work, path)
-                _folder(storage, work, folders, target.rsplit("/", 1)[0])
+                _folder(storage, work, folders, parent(target))
                 _create(storage, target).close()
         stats.rebuilt = sum(f.result(timeout=max(0.1, deadline - s.now())) for f in rebuilt)
     except BaseException:
@@ -218,8 +218,9 @@ def _folder(storage: Storage, work: str, folders: set[str], folder: str) -> None
 
 
 def _create(storage: Storage, path: str) -> WriteStream:
-    """A replica file, in its folder made by :func:`_folder` (the writer's create: the folder
-    is never made again; :class:`CommitError` when it is gone)."""
+    """A replica file, in its folder made by :func:`_folder`: the writer's create (the folder is
+    never made again; :class:`CommitError` when it is gone), imported here because the writer
+    imports torch and this module must not (``tiers.inventory``, the CLI)."""
     from ckptlib.engine.writer import create
 
     return create(storage, path)
@@ -250,7 +251,7 @@ def _write_round(storage: Storage, work: str, writers: dict[tuple[int, str], Wri
         w = writers.get((src, path))
         if w is None:
             target = replica_path(work, path)
-            _folder(storage, work, folders, target.rsplit("/", 1)[0])
+            _folder(storage, work, folders, parent(target))
             w = writers[(src, path)] = _create(storage, target)
         w.write(data)
         if first:
