@@ -198,11 +198,51 @@ def _shard_rows(world: int, mib: float) -> int:
     return max(world, int(mib * (1 << 20) / 4 / 256) // world * world)
 
 
+CLOCK_GAP = 0.2
+"""Seconds between two clock-started saves' slots (``_Starts``): room for a barrier-started save
+and a clock-started one, each well under 0.1 s at 32 ranks here."""
+
+
+class _Starts:
+    """How each timed save starts, on every rank alike. ``alternate`` false: every save after a
+    gloo barrier (``real``). ``alternate`` true (``rounds``): even saves after the barrier, odd
+    ones at a slot on the machine's clock that every rank knows in advance (rank 0's
+    ``time.monotonic`` plus half a second, broadcast once, then every ``CLOCK_GAP``; one clock for
+    every process here). A gloo barrier of 32 processes on 2 cores lets them go over several
+    milliseconds while its last messages still take CPU; a clock start has every rank call
+    ``save()`` at the same instant, as after a training step, so the save is timed without the
+    benchmark's barrier in it. Both are reported (``rounds``), side by side from the same
+    processes. A rank that reaches a slot after it passed counts it in ``late``."""
+
+    def __init__(self, dist: Any, alternate: bool) -> None:
+        import torch
+
+        self.dist, self.alternate, self.late = dist, alternate, 0
+        t = torch.tensor([time.monotonic() + 0.5], dtype=torch.float64)
+        if alternate:
+            dist.broadcast(t, 0)
+        self.origin = float(t.item())
+
+    def wait(self, i: int) -> str:
+        """Block until save ``i`` may start; its kind: ``""`` (barrier) or ``"clock_"``."""
+        if not self.alternate or i % 2 == 0:
+            self.dist.barrier()
+            return ""
+        slot = self.origin + i * CLOCK_GAP
+        left = slot - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        else:
+            self.late += 1
+        return "clock_"
+
+
 def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str, mode: str) -> None:
     """One rank. ``mode``: ``counted``, through the counting store and ``Thread.start``; ``plain``
     (the latency a user sees: the counting wrapper adds a Python layer and a lock to every
     call); ``breakdown``, plain with each step's CPU added up (module docstring); ``latency``,
-    plain without the store-key count's pauses and the meetings (``rounds``)."""
+    plain without the store-key count's pauses and the meetings, each save timed after a barrier
+    and after a clock start in turn, ``saves`` of each (``rounds``, ``_Starts``)."""
     counted = mode == "counted"
     import torch
     import torch.distributed as dist
@@ -251,19 +291,21 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     if mode == "breakdown":
         _time_steps(steps)
         threads0 = _thread_cpu()
+    starts = _Starts(dist, mode == "latency")
+    timed: dict[str, list] = collections.defaultdict(list)
     t_base = time.monotonic()
     cpu0 = time.process_time()
-    times, calls, spans = [], [], []
-    for i in range(saves):
-        dist.barrier()
+    calls = []
+    for i in range(saves * (2 if starts.alternate else 1)):
+        kind = starts.wait(i)
         t0 = time.monotonic()
         handle = mgr.save(2 + i, state)
         calls.append(time.monotonic() - t0)  # how long save() held the training thread
         handle.wait(timeout=600)
-        times.append(time.monotonic() - t0)
-        spans.append((t0, t0 + times[-1]))
+        timed[kind + "save_s"].append(time.monotonic() - t0)
+        timed[kind + "spans"].append((t0, time.monotonic()))
     window = time.monotonic() - t_base
-    cpu = (time.process_time() - cpu0) / saves
+    cpu = (time.process_time() - cpu0) / len(calls)
     if mode == "breakdown":  # threads alive now, but the persist thread: its saves are counted in their steps
         worker = getattr(mgr, "_worker", None)  # older trees: a thread per save, ended by now
         persist = getattr(getattr(worker, "_thread", None), "native_id", None)
@@ -273,28 +315,30 @@ def worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, 
     dist.barrier()
     if mode != "latency":
         time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s here)
-    keys = (real().num_keys() - keys0) / saves if rank == 0 else 0.0
+    keys = (real().num_keys() - keys0) / len(calls) if rank == 0 else 0.0
     dist.barrier()  # nobody starts the meetings below before rank 0 has counted
     with lock:
         diff = {k: (counts[k] - base.get(k, 0)) for k in counts}
     meet = _meetings(mgr.coordinator, 20) if mode != "latency" else []
     mgr.close()
-    per_save = {k: v / saves for k, v in diff.items() if k != "beats"}
+    per_save = {k: v / len(calls) for k, v in diff.items() if k != "beats"}
     per_save["beats_per_s"] = diff.get("beats", 0) / window
     per_save["cpu_s"] = cpu
-    per_save.update({f"step:{k}": v / saves for k, v in steps.items()})
+    per_save.update({f"step:{k}": v / len(calls) for k, v in steps.items()})
     per_save["store_keys_added"] = keys
     per_save["connections_total"] = counts["connections"] + 1
     with open(f"{out}.{rank}.json", "w") as f:
-        json.dump({"rank": rank, "per_save": per_save, "save_s": times, "call_s": calls, "meeting_s": meet,
-                   "spans": spans}, f)
+        json.dump({"rank": rank, "per_save": per_save, "call_s": calls, "meeting_s": meet, "late": starts.late,
+                   **timed}, f)
     dist.barrier()
     os._exit(0)
 
 
-def bare_worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str) -> None:
+def bare_worker(rank: int, world: int, port: int, root: str, mib: float, saves: int, out: str,
+                alternate: bool = False) -> None:
     """One rank of the bare floor job (module docstring): the same shard bytes as ``worker``,
-    the least a committed sharded save needs, timed and barriered like ``worker``."""
+    the least a committed sharded save needs, timed and started like ``worker`` (``alternate``:
+    barrier and clock starts in turn, as its ``latency`` mode)."""
     import torch
     import torch.distributed as dist
 
@@ -334,17 +378,19 @@ def bare_worker(rank: int, world: int, port: int, root: str, mib: float, saves: 
 
     save(1)  # warm-up, as ``worker``
     dist.barrier()
+    starts = _Starts(dist, alternate)
+    timed: dict[str, list] = collections.defaultdict(list)
     cpu0 = time.process_time()
-    times, spans = [], []
-    for i in range(saves):
-        dist.barrier()
+    n = saves * (2 if alternate else 1)
+    for i in range(n):
+        kind = starts.wait(i)
         t0 = time.monotonic()
         save(2 + i)
-        times.append(time.monotonic() - t0)
-        spans.append((t0, t0 + times[-1]))
-    cpu = (time.process_time() - cpu0) / saves
+        timed[kind + "save_s"].append(time.monotonic() - t0)
+        timed[kind + "spans"].append((t0, time.monotonic()))
+    cpu = (time.process_time() - cpu0) / n
     with open(f"{out}.{rank}.json", "w") as f:
-        json.dump({"rank": rank, "per_save": {"cpu_s": cpu}, "save_s": times, "spans": spans}, f)
+        json.dump({"rank": rank, "per_save": {"cpu_s": cpu}, "late": starts.late, **timed}, f)
     dist.barrier()
     os._exit(0)
 
@@ -366,12 +412,12 @@ def _meetings(coord: Any, n: int) -> list[float]:
     return out
 
 
-def _job_spans(res: list[dict[str, Any]]) -> float:
+def _job_spans(res: list[dict[str, Any]], key: str = "spans") -> float:
     """The median over saves of each save's job-wide span: from the first rank's ``save()`` to
     the last rank's return from its wait (``time.monotonic`` is one clock for every process of
     the machine): how long the job, not one rank, waited for the save."""
-    n = len(res[0]["spans"])
-    return statistics.median(max(x["spans"][i][1] for x in res) - min(x["spans"][i][0] for x in res)
+    n = len(res[0][key])
+    return statistics.median(max(x[key][i][1] for x in res) - min(x[key][i][0] for x in res)
                              for i in range(n))
 
 
@@ -498,9 +544,11 @@ def _summary(rows: list[dict[str, Any]]) -> None:
               f" {r['bare_job_save_s']:>8.4f}s {r['bare_job_save_s'] / base['bare_job_save_s']:>5.1f}x")
 
 
-LATENCY = ("save_s", "job_save_s", "bare_save_s", "bare_job_save_s")
+LATENCY = tuple(f"{lib}{start}{what}" for lib in ("", "bare_") for start in ("", "clock_")
+                for what in ("save_s", "job_save_s"))
 """What ``rounds`` measures per world and round: rank 0's save (``save().wait()``) and the job's
-span (first ``save()`` to last return), for ckptlib and for the bare job (no library)."""
+span (first ``save()`` to last return), for ckptlib and for the bare job (``bare_``: no library),
+started after the benchmark's barrier and at a clock slot (``clock_``: ``_Starts``)."""
 
 
 def rounds(worlds: list[int], n: int, saves: int, mib: float, tree: str | None, where: str | None,
@@ -515,23 +563,26 @@ def rounds(worlds: list[int], n: int, saves: int, mib: float, tree: str | None, 
     for i in range(n):
         got: dict[int, dict[str, float]] = {}
         for world in (worlds if i % 2 == 0 else worlds[::-1]):
-            kinds = [("plain", tree), ("bare", None)]
+            kinds = [("latency", tree, ""), ("bare-latency", None, "bare_")]
             out: dict[str, float] = {}
-            for mode, t in (kinds if (i + world) % 2 == 0 else kinds[::-1]):
-                res = _job(world, saves, mib, t, where, "latency" if mode == "plain" else mode)
-                key = "" if mode == "plain" else "bare_"
-                out[key + "save_s"] = statistics.median(res[0]["save_s"])
-                out[key + "job_save_s"] = _job_spans(res)
+            for mode, t, lib in (kinds if (i + world) % 2 == 0 else kinds[::-1]):
+                res = _job(world, saves, mib, t, where, mode)
+                for start in ("", "clock_"):
+                    out[lib + start + "save_s"] = statistics.median(res[0][start + "save_s"])
+                    out[lib + start + "job_save_s"] = _job_spans(res, start + "spans")
+                out[lib + "late"] = sum(x["late"] for x in res)
             got[world] = out
         per_round.append(got)
         base = got[worlds[0]]
         print(f"round {i + 1}/{n}: " + " | ".join(
             f"{w}: {got[w]['save_s'] * 1e3:.1f} ms {got[w]['save_s'] / base['save_s']:.1f}x, job "
-            f"{got[w]['job_save_s'] / base['job_save_s']:.1f}x, bare job "
+            f"{got[w]['job_save_s'] / base['job_save_s']:.1f}x, clock job "
+            f"{got[w]['clock_job_save_s'] / base['clock_job_save_s']:.1f}x, bare job "
             f"{got[w]['bare_job_save_s'] / base['bare_job_save_s']:.1f}x" for w in worlds), flush=True)
     rows = []
     for world in worlds:
         row: dict[str, Any] = {"source": "rounds", "tree": tree or "HEAD", "world": world, "rounds": n, "saves": saves,
+                               "late": sum(r[world]["late"] + r[world]["bare_late"] for r in per_round),
                                "per_round": [r[world] for r in per_round]}
         for k in LATENCY:
             ratios = [r[world][k] / r[worlds[0]][k] for r in per_round]
@@ -540,15 +591,18 @@ def rounds(worlds: list[int], n: int, saves: int, mib: float, tree: str | None, 
                                  "max": round(max(ratios), 2), "within_3x": sum(x <= 3.0 for x in ratios)}
         rows.append(row)
     print(f"\nmedian over {n} rounds (least-most); ratios to the same round's {worlds[0]} ranks")
-    print(f"{'ranks':>6} {'save':>8} {'x ' + str(worlds[0]):>18} {'job save':>9} {'x ' + str(worlds[0]):>18}"
-          f" {'bare job':>9} {'x ' + str(worlds[0]):>18}")
-    for r in rows:
-        def cell(k: str, r: dict[str, Any] = r) -> str:
-            q = r[f"{k}_ratio"]
-            return f"{q['median']:.1f}x ({q['min']:.1f}-{q['max']:.1f})"
+    for start, title in (("", "after the benchmark's barrier"), ("clock_", "at a clock slot")):
+        print(f"\nstarted {title}:")
+        print(f"{'ranks':>6} {'rank 0: save, x ' + str(worlds[0]):<28} {'job: save, x ' + str(worlds[0]):<28}"
+              f" {'bare job: save, x ' + str(worlds[0]):<28}")
+        for r in rows:
+            def cell(k: str, r: dict[str, Any] = r) -> str:
+                q = r[f"{k}_ratio"]
+                return f"{r[k] * 1e3:>7.1f}ms {q['median']:.1f}x ({q['min']:.1f}-{q['max']:.1f})".ljust(28)
 
-        print(f"{r['world']:>6} {r['save_s'] * 1e3:>6.1f}ms {cell('save_s'):>18} {r['job_save_s'] * 1e3:>7.1f}ms "
-              f"{cell('job_save_s'):>18} {r['bare_job_save_s'] * 1e3:>7.1f}ms {cell('bare_job_save_s'):>18}")
+            print(f"{r['world']:>6} {cell(start + 'save_s')} {cell(start + 'job_save_s')} "
+                  f"{cell('bare_' + start + 'job_save_s')}")
+    print(f"slots reached late (clock starts; counted on every rank): {sum(r['late'] for r in rows)}")
     return rows
 
 
@@ -640,8 +694,8 @@ def plot(paths: list[str], out: str) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         a = sys.argv[2:]
-        if a[7] == "bare":
-            bare_worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6])
+        if a[7].startswith("bare"):
+            bare_worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6], a[7] == "bare-latency")
         else:
             worker(int(a[0]), int(a[1]), int(a[2]), a[3], float(a[4]), int(a[5]), a[6], a[7])
         return
