@@ -44,7 +44,9 @@ Two sources, one table (docs/scale.md, "Coordination at scale"):
   world, the worlds' order alternated between rounds; each save is divided by the same round's
   save at the smallest world, and per world the median ratio over rounds is reported, with its
   least and most and how many rounds were within 3x (``rounds()``: why a single run's ratio
-  measures the disk's drift as much as the code).
+  measures the disk's drift as much as the code). Each job times ``--saves`` saves started
+  after the benchmark's barrier and as many started at agreed slots on the machine's clock, in
+  turn (``_Starts``; the ``clock_`` figures).
 - ``sim``: the same save on W simulated ranks (ckptlib/testing/simulation.py; W = 256 ...
   4,096): the real save flow's store calls, counted per rank, and its virtual latency with a
   store that serves one request at a time (``--service`` seconds each, plus ``--per-key`` per
