@@ -217,13 +217,14 @@ class _Starts:
     processes. A rank that reaches a slot after it passed counts it in ``late``."""
 
     def __init__(self, dist: Any, alternate: bool) -> None:
-        import torch
-
         self.dist, self.alternate, self.late = dist, alternate, 0
-        t = torch.tensor([time.monotonic() + 0.5], dtype=torch.float64)
-        if alternate:
+        self.origin = time.monotonic() + 0.5
+        if alternate:  # rank 0's origin, on every rank
+            import torch
+
+            t = torch.tensor([self.origin], dtype=torch.float64)
             dist.broadcast(t, 0)
-        self.origin = float(t.item())
+            self.origin = float(t.item())
 
     def wait(self, i: int) -> str:
         """Block until save ``i`` may start; its kind: ``""`` (barrier) or ``"clock_"``."""
