@@ -8,7 +8,8 @@ staging folder; the other nodes' leaders open theirs, ``stage_here``) ->
 rank's piece index file, :meth:`SaveSession.write_index`) -> an exchange (did every rank
 write?) and :func:`ckptlib.tiers.replicas.replicate` -> :meth:`SaveSession.finish`: the one
 commit (every rank durable, replicas included; the coordinator's node commits the manifest,
-the step's record; the outcome, with the manifest, is shared with read receipts; the other node
+the step's record; the outcome, with the manifest, is shared, and the coordinator leaves the
+session last, so every live rank has read it before its process can exit; the other node
 leaders then commit the same bytes in their folders). Every rank returns or raises the same
 :class:`CommitError`; a rank of another node that loses the coordinator after reporting raises
 :class:`CommitUnknownError` (the record is on a disk it cannot read). Every meeting waits on a
