@@ -18,6 +18,7 @@ from typing import Any
 import dist_worker  # same folder: this file's folder is sys.path[0]
 import restore_worker
 import torch
+import torch.distributed
 
 import ckptlib
 from ckptlib import crashpoints
@@ -82,8 +83,21 @@ def sc_savewait(rank: int, world: int, root: str, args: dict) -> dict:
         crashpoints.configure()
     if mode == "stop_init" and rank == 1:
         slow_connect(2.0)
-    if mode == "stop_before" and rank == 0:
-        freeze(os.environ["CKPTLIB_TEST_KILL_LOG"], "before_init")
+    if mode == "stop_before":
+        # Every rank first finishes init_process_group: rank 0's can return before rank 1's gloo
+        # group has read its peers' addresses from the store (rank 0's process), and a freeze
+        # then leaves rank 1 in torch's own wait (its group timeout), not in ckptlib's (seen
+        # once on a busy machine). Past the barrier both groups are made; rank 1 says so in a
+        # file, so rank 0 cannot freeze while rank 1 still waits in the barrier either.
+        torch.distributed.barrier()
+        ready = os.path.join(root, "stop-before-ready")
+        if rank == 1:
+            open(ready, "w").close()
+        else:
+            end = time.monotonic() + 60
+            while not os.path.exists(ready) and time.monotonic() < end:
+                time.sleep(0.01)
+            freeze(os.environ["CKPTLIB_TEST_KILL_LOG"], "before_init")
     try:
         mgr = ckptlib.CheckpointManager(args["url"], async_save=False, save_timeout=args.get("save_timeout", 120.0))
     except ckptlib.CheckpointError as e:  # its coordinator could not be made
