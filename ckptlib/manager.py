@@ -96,8 +96,17 @@ class SaveHandle:
                 return self._error
             return None
 
+    @property
+    def error(self) -> BaseException | None:
+        """The save's failure once :meth:`done`, whoever raised it; None while it runs, and when
+        it committed or was skipped. Reading it raises nothing (for threads that only check)."""
+        return self._error if self._event.is_set() else None
+
     def wait(self, timeout: float | None = None) -> None:
-        """Block until committed; raise the failure if this is the first to see it.
+        """Block until committed. A failure is raised here if this is the first to see it;
+        if the next ``save()``, ``wait()`` or ``close()`` raised it before, this raises a
+        :class:`CheckpointError` that says the step did not commit (the original chained), so
+        a handle never reads as committed for a save that failed.
 
         ``timeout=None`` waits up to the save's own deadline (plus a margin).
         """
@@ -107,6 +116,10 @@ class SaveHandle:
         err = self._take_error()
         if err is not None:
             raise err
+        if self._error is not None:  # raised before, elsewhere: say so again, as a fact
+            raise CheckpointError(f"step {self.step} was not committed: {type(self._error).__name__}: "
+                                  f"{self._error} (raised earlier by the save, wait or close that saw it first)"
+                                  ) from self._error
 
     def wait_persisted(self, timeout: float | None = None) -> None:
         """Block until this step is committed on the persistent tier (tiers: its drain; without

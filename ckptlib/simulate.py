@@ -173,7 +173,7 @@ def simulate(
         now = fail_at
         while True:
             nxt = next_failure(now)
-            if nxt >= now + cost:
+            if nxt >= now + cost or nxt >= horizon_s:  # done, or the run ends first
                 now += cost
                 break
             now = nxt
@@ -298,7 +298,18 @@ def advise(cl: Cluster, *, failures: int = 5000, seed: int = 0) -> dict[str, Any
         )
         plans.append(_outcome("tiered", tiered, failures, seed))
     best = max(plans, key=lambda p: p["goodput"])
-    return {"derived": d, "plans": plans, "recommended": best["name"]}
+    warnings = []
+    if best["goodput"] < LOW_GOODPUT:
+        warnings.append(
+            f"the best plan leaves only {100 * best['goodput']:.2f} % of wall time to training: with a job "
+            f"MTBF of {cl.mtbf_s:.3g} s, most of it goes to restarts ({cl.restart_s:.3g} s each, before "
+            "loading, and started over when a failure hits one); no checkpoint interval fixes that: "
+            "shorten restarts (--restart-seconds) or make failures rarer")
+    return {"derived": d, "plans": plans, "recommended": best["name"], "warnings": warnings}
+
+
+LOW_GOODPUT = 0.5
+"""Below this simulated goodput, :func:`advise` warns that restarts, not the interval, decide."""
 
 
 def _outcome(name: str, sc: Scenario, failures: int, seed: int) -> dict[str, Any]:

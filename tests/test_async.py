@@ -285,9 +285,13 @@ def test_writer_failure_while_streaming_surfaces_once(tmp_path, monkeypatch):
     patch_creates(monkeypatch, disk_full)
     h = mgr.save(1, make_state())  # returns: staging stops when the writer gives up
     monkeypatch.undo()
-    with pytest.raises(ckptlib.CommitError, match="No space left"):
+    with pytest.raises(ckptlib.CommitError, match="No space left") as raised:
         mgr.save(2, make_state())
-    h.wait(timeout=60)  # raised once already
+    # Raised once already, by save(2): the handle of step 1 says it did not commit, and why.
+    assert h.error is raised.value
+    with pytest.raises(ckptlib.CheckpointError, match="step 1 was not committed") as again:
+        h.wait(timeout=60)
+    assert again.value.__cause__ is raised.value
     mgr.save(3, make_state()).wait(timeout=60)
     mgr.close()
     assert [i.step for i in mgr.steps()] == [3]

@@ -683,3 +683,21 @@ def test_inspect_sorts_tensor_names_naturally(tmp_path: Path, capsys: pytest.Cap
     names = [t["name"] for t in doc["tensors"]]
     assert names == ["/a9b", "/a10b"] + [f"/layers.{i}.w" for i in (1, 2, 3, 10, 11)]
     assert cli_inspect.natural_key("layers.2.w") < cli_inspect.natural_key("layers.10.w")
+
+
+def test_piped_rows_stay_on_one_line_without_padding(tmp_path: Path) -> None:
+    # A long reason (here naming a file under a root whose path is over 200 characters) used to wrap at 200
+    # columns when piped, and every line was padded with spaces to the full width.
+    root = make_root(tmp_path / ("r" * 200) / "run", steps=(1, 2))
+    path = Path(payload_path(root, 2)[0])
+    path.write_bytes(path.read_bytes()[:-1])  # truncated: its reason names the file, long
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    p = subprocess.run([sys.executable, "-m", "ckptlib.cli.main", "ls", root], capture_output=True, text=True,
+                       env=env, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    (bad,) = [line for line in lines if "corrupt" in line]
+    assert len(bad) > 250 and "payload file size" in bad and "manifest records" in bad
+    assert len(lines) == 4, lines  # header, two rows, summary: nothing wrapped
+    assert all(line == line.rstrip() for line in lines)
+    assert lines[-1].startswith("2 step(s), 1 committed; 1 not usable (")

@@ -152,6 +152,20 @@ def test_young_leftovers_and_unsuperseded_damage_are_left_alone(
     assert [(p["step"], p["keep"]) for p in doc["steps"]] == [(1, False), (2, True)]
 
 
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "soon"])
+def test_a_debris_age_that_is_not_a_finite_number_of_seconds_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    # nan and -1 used to act as 0: a typo removed young .tmp- folders, maybe saves still writing.
+    root = make_root(tmp_path / "run", (1, 2))
+    tmp = Path(root, layout.tmp_dir(layout.step_dir(3), "ab" * 16))
+    tmp.mkdir()
+    (tmp / "r00000-0.bin").write_bytes(b"\0" * 100)
+    assert main(["prune", root, "--keep-last", "1", "--debris-min-age", value]) == 2
+    assert "--debris-min-age" in capsys.readouterr().err
+    assert tmp.exists() and Path(root, layout.step_dir(1)).exists()
+
+
 def test_prune_verify_keeps_the_newest_good_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The bug report: ``--keep-last 2`` kept a step with a flipped bit as one of the two and
     deleted the good older ones. With ``--verify`` the two kept are two good ones, and the

@@ -200,6 +200,7 @@ def test_prune_every_tier_and_bad_input(tree: Path) -> None:
         (["prune", str(tree / "persist"), "--tier", "local"], "needs --local TEMPLATE"),
         (["verify", str(tree / "persist"), "--node", "0"], "needs --local TEMPLATE"),
         (["verify", str(tree / "persist"), "--local", str(tree / "nope{node}")], "no node folders match"),
+        (["ls", str(tree / "persist"), "--local", str(tree / "nope{node}")], "no node folders match"),
         (["verify", str(tree / "persist"), "--local", str(tree / "node{node}"), "--step", "9"], "no step 9"),
     ):
         code, text = cli(*argv, "--json")

@@ -135,3 +135,21 @@ def test_two_index_rows_claiming_one_payload_file_are_refused(tmp_path: Path) ->
     v2_write(ck, body)
     with pytest.raises(CorruptCheckpointError, match="each payload file belongs to one rank"):
         read_manifest(open_storage(str(tmp_path)), FOLDER, pieces=False)
+
+
+def test_inspect_calls_a_step_with_a_damaged_tail_index_damaged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The scan checks the manifest and file sizes only: the step lists as committed. inspect,
+    # which reads the piece index, must not then call it "committed" in its error.
+    from ckptlib.cli.main import main
+
+    ck = save(tmp_path)
+    m = read_manifest(open_storage(str(tmp_path)), FOLDER, pieces=False)
+    ix = m.indexes[0]
+    payload = ck / ix.path
+    data = bytearray(payload.read_bytes())
+    data[len(data) - ix.size + 20] ^= 0x01  # a bit inside rank 0's index, past its magic
+    payload.write_bytes(bytes(data))
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"step {STEP} is damaged: " in err and "checksum" in err and "is committed" not in err
+    assert "verify" in err and "--step N" in err

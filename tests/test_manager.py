@@ -135,9 +135,13 @@ def test_background_failure_raised_once(tmp_path, monkeypatch):
     mgr = ckptlib.CheckpointManager(tmp_path)
     patch_creates(monkeypatch, disk_full)
     h = mgr.save(1, make_state())
-    with pytest.raises(ckptlib.CommitError, match="No space left"):
+    with pytest.raises(ckptlib.CommitError, match="No space left") as first:
         h.wait(timeout=60)
-    h.wait(timeout=60)  # already raised: not again
+    assert h.done() and h.error is first.value
+    # Asked again, the handle never reads as committed; the failure itself is not raised again.
+    with pytest.raises(ckptlib.CheckpointError, match=r"step 1 was not committed: CommitError: .*No space left") as again:
+        h.wait(timeout=60)
+    assert again.value is not first.value and again.value.__cause__ is first.value
     mgr.wait()
     monkeypatch.undo()
     assert mgr.latest_step() is None
@@ -148,7 +152,10 @@ def test_background_failure_raised_once(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ckptlib.CommitError):
         mgr.save(3, make_state())
-    mgr.save(4, make_state()).wait(timeout=60)
+    h4 = mgr.save(4, make_state())
+    h4.wait(timeout=60)
+    h4.wait(timeout=60)  # committed: waiting again raises nothing
+    assert h4.done() and h4.error is None
     mgr.close()
     assert [i.step for i in mgr.steps() if i.status == "committed"] == [4]
     assert os.listdir(tmp_path) == [layout.step_dir(4)]

@@ -173,3 +173,22 @@ def test_plan_command_line_entry_point():
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["recommended"] == "single-tier"
+
+
+def test_plan_with_failures_faster_than_restarts_ends_and_warns(capsys):
+    # A failure every 3.6 s against 300-s restarts: a restart almost never completes. The run
+    # used to spin in its restart loop forever; now it ends at the horizon, with a warning.
+    argv = ["--params", "100B", "--gpus", "1024", "--mtbf-hours", "0.001", "--failures", "500"]
+    doc = run_json(capsys, *argv)
+    (plan,) = doc["plans"]
+    assert plan["goodput"] < 0.01 and plan["restart_fraction"] > 0.99
+    (warning,) = doc["warnings"]
+    assert "restarts" in warning and "--restart-seconds" in warning
+    assert main(["plan", *argv]) == 0
+    captured = capsys.readouterr()
+    assert "goodput" in captured.out and "ckptlib: warning: the best plan leaves only" in captured.err
+
+
+def test_plan_gives_no_warning_for_a_healthy_cluster(capsys):
+    doc = run_json(capsys, "--params", "7B", "--gpus", "64", "--mtbf-hours", "24", "--failures", "300")
+    assert doc["warnings"] == [] and doc["plans"][0]["goodput"] > 0.9

@@ -22,3 +22,15 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
     parse.__name__ = f"integer >= {low}"
     return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type=``: a finite number of seconds >= 0 (``nan``, ``inf`` and negative
+    values are refused: each option taking one is a safety margin or a limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value

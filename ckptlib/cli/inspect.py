@@ -135,7 +135,12 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
             try:
                 m = read_manifest(target.storage, folder)
             except CheckpointError as e:
-                raise CliError(f"step {step_label(info.step)} is {info.status}: {e}") from None
+                label = step_label(info.step)
+                if info.status != "committed":
+                    raise CliError(f"step {label} is {info.status}: {e}") from None
+                # Its manifest and file sizes passed the scan; a piece index did not: damaged.
+                raise CliError(f"step {label} is damaged: {e} (`ckptlib verify {args.url} --all` lists every "
+                               "damaged step; --step N inspects another one)") from None
     finally:
         target.storage.close()
 

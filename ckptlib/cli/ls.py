@@ -92,8 +92,13 @@ def _local_nodes(template: str) -> dict[int, int]:
     from ckptlib.backends import open_storage
     from ckptlib.tiers.inventory import local_steps, node_folders
 
+    from .nodes import no_match
+
+    found = node_folders(template)
+    if not found:
+        raise no_match(template)
     counts: dict[int, int] = {}
-    for _node, folder in node_folders(template):
+    for _node, folder in found:
         for step in local_steps(open_storage(folder)):
             counts[step] = counts.get(step, 0) + 1
     return counts

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .argtypes import int_at_least
+from .argtypes import int_at_least, seconds
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -45,20 +45,10 @@ def _common_options(prefix: str, default: Any) -> argparse.ArgumentParser:
                    type=parse_storage_option, default=default, metavar="KEY=VALUE",
                    help="fsspec storage option (repeatable); VALUE is parsed as JSON if it can "
                    "be, e.g. anon=true, else taken as a string")
-    p.add_argument("--timeout", dest=f"{prefix}timeout", type=_seconds, default=default,
+    p.add_argument("--timeout", dest=f"{prefix}timeout", type=seconds, default=default,
                    metavar="SECONDS", help="give up when storage does not answer one request "
                    "within SECONDS (default: $CKPTLIB_CLI_TIMEOUT, else 60; 0: wait forever)")
     return p
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deep-check (checksums) every step it would keep, newest first; a step "
                    "that fails is not kept and the next good one is kept instead")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
-    p.add_argument("--debris-min-age", type=float, default=3600.0, metavar="SECONDS",
+    p.add_argument("--debris-min-age", type=seconds, default=3600.0, metavar="SECONDS",
                    help="remove a crashed save's .tmp- folder only once its save started this "
                    "long ago; a younger one may be a save still running (default 3600; 0 removes "
                    "all debris)")

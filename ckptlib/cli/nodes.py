@@ -41,13 +41,19 @@ def open_nodes(template: str, nodes: Sequence[int] | None) -> list[NodeFolder]:
 
     found = node_folders(template, nodes)
     if not found:
-        raise CliError(f"no node folders match --local {template!r} ('{{node}}' matches each node's index; "
-                       "pass the template the run gave CheckpointManager(local=...), or --node N)")
+        raise no_match(template)
     out = []
     for node, folder in found:
         storage = deadline.watched(open_storage(folder), folder)
         out.append(NodeFolder(node, folder, storage, storage.size("") is None and _is_dir(storage)))
     return out
+
+
+def no_match(template: str) -> CliError:
+    """The error of ``--local TEMPLATE`` matching no folder (``ls``, ``verify``, ``prune``): a
+    mistyped template must not read as an empty local tier."""
+    return CliError(f"no node folders match --local {template!r} ('{{node}}' matches each node's index; "
+                    "pass the template the run gave CheckpointManager(local=...), or --node N)")
 
 
 def _is_dir(storage: Storage) -> bool:

@@ -21,8 +21,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-PIPE_WIDTH = 200
-"""Line width when stdout is not a terminal (and ``COLUMNS`` is unset): tables stay on one line."""
+PIPE_WIDTH = 1 << 20
+"""Line width when stdout is not a terminal (and ``COLUMNS`` is unset): wide enough that no
+row of a table wraps, however long its reason (``grep`` sees whole rows); trailing padding is
+stripped (:meth:`Output.print`)."""
 
 STATUS_STYLE = {
     "committed": "green", "ok": "green", "corrupt": "bold red", "incomplete": "yellow",
@@ -57,7 +59,8 @@ class Output:
         self.exit_code: int | None = None
         """The command's exit status once known, for ``main`` if the output pipe breaks."""
         width: int | None = None
-        if not sys.stdout.isatty():
+        self.piped = not sys.stdout.isatty()
+        if self.piped:
             columns = os.environ.get("COLUMNS", "")
             width = int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
         self.console = _Console(markup=False, highlight=False, emoji=False, width=width)
@@ -78,9 +81,22 @@ class Output:
     thread may wake up) is dropped; only ``force=True`` output (main's own message) goes out."""
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """Human output (ignored in ``--json`` mode)."""
-        if not self.json_mode and not self.muted:
+        """Human output (ignored in ``--json`` mode). Piped, each line without the padding a
+        table puts after its last column."""
+        if self.json_mode or self.muted:
+            return
+        if not self.piped or self.console.is_terminal:
             self.console.print(*objects, **kwargs)
+            return
+        with self.console.capture() as captured:
+            self.console.print(*objects, **kwargs)
+        text = "\n".join(line.rstrip() for line in captured.get().split("\n"))
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader left (`ckptlib ls ROOT | head`): as rich's console
+            self.console.broken_pipe = True
+            raise
 
     def note(self, message: str, style: str = "yellow", force: bool = False) -> None:
         """A message for humans on stderr (also in ``--json`` mode: stdout stays pure JSON)."""

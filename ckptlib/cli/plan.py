@@ -109,6 +109,8 @@ def cmd_plan(args: argparse.Namespace, out: Output) -> int:
                            "storage_options", "command", "url")}
     out.emit({"inputs": inputs, **result})
     _print(out, result, args.step_seconds)
+    for warning in result["warnings"]:
+        out.note(f"ckptlib: warning: {warning}")
     return 0
 
 

@@ -5,7 +5,7 @@ usage: dcp_worker.py SCENARIO RANK WORLD PORT ROOT JSON-ARGS
 
 Scenarios:
 - ``train``: a small MLP sharded with FSDP2 (``fully_shard``; DTensor ``Shard(0)`` parameters
-  and optimizer state), AdamW, deterministic data (a pure function of step and rank). After
+  and optimizer state; one output, so rank 1 holds an empty piece of the last layer), AdamW, deterministic data (a pure function of step and rank). After
   every optimizer step it saves ``{"model", "optim", "step"}`` (``get_state_dict``) with
   ``dcp.save`` -- or ``dcp.async_save`` on a dedicated gloo group when ``async`` -- through
   ``CkptlibWriter(ROOT/ckpt, step=step)``. ``resume``: start from ``load_latest``.
@@ -48,7 +48,9 @@ from ckptlib import crashpoints as hooks
 from ckptlib.errors import CheckpointError
 from ckptlib.integrations.dcp import CkptlibWriter, load_latest
 
-IN, HID, OUT = 24, 40, 6
+IN, HID, OUT = 24, 40, 1
+"""``OUT`` = 1: with 2 ranks, FSDP2 gives rank 1 an empty ``(0, HID)`` piece of the last weight
+(a model dim smaller than the world size), which the writer once failed to commit."""
 
 
 def make_model() -> torch.nn.Module:

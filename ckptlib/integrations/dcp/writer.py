@@ -237,6 +237,11 @@ class CkptlibWriter(Located, StorageWriter):
             raise CommitError(f"{fqn}: resolved shape {list(data.shape)} != planned chunk {list(td.chunk.sizes)}")
         shapes[fqn] = tuple(int(s) for s in td.size)
         stored.append((item, StoredItem("tensor"), data.numel() * data.element_size()))
+        if data.numel() == 0 and all(shapes[fqn]):
+            # An empty piece of a tensor that has elements (FSDP2 gives trailing ranks of a small
+            # dim zero rows) holds nothing: written, it would be the tensor's only chunk entry
+            # beside the whole-tensor pack row of the rank that holds it all.
+            return []
         return session.split(fqn, data, tuple(int(o) for o in td.chunk.offsets))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
