@@ -225,3 +225,42 @@ def test_object_store_damaged_step_waits_for_its_grace(memory_url: str, capsys: 
     assert s.size(payload) is None and not s.exists(layout.step_dir(1))
     code, doc = run_json(capsys, "ls", memory_url)
     assert [(r["step"], r["status"]) for r in doc["steps"]] == [(2, "committed"), (3, "committed")]
+
+
+def test_an_unreadable_step_says_which_and_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tests run as root, whom chmod does not stop: the storage's read is made to fail as it does
+    # for another user on a step folder of mode 000.
+    from ckptlib.backends.posix import PosixStorage
+
+    root = make_root(tmp_path / "run", (1, 2))
+    real = PosixStorage.open_read
+
+    def denied(self: PosixStorage, path: str) -> Any:
+        if path.startswith(layout.step_dir(1)):
+            raise PermissionError(13, "Permission denied", os.path.join(self.root, path))
+        return real(self, path)
+
+    monkeypatch.setattr(PosixStorage, "open_read", denied)
+    for argv in (["ls", root], ["verify", root], ["prune", root, "--keep-last", "1", "--dry-run"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"cannot read {root}/{layout.step_dir(1)}/manifest.json: permission denied" in err, err
+        assert "fix its permissions" in err and "Traceback" not in err
+    assert Path(root, layout.step_dir(1)).exists()
+
+
+def test_verify_notes_a_newer_step_that_is_unusable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = make_root(tmp_path / "run", (1, 2))
+    m = read_manifest(open_storage(root), layout.step_dir(2))
+    payload = Path(root, layout.step_dir(2), m.files[0].path)
+    payload.write_bytes(payload.read_bytes()[:-1])
+    code = main(["verify", root, "--json"])
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert code == 0 and [r["step"] for r in doc["steps"]] == [1]  # what a resume loads: good
+    assert [(n["step"], n["status"]) for n in doc["newer_unusable"]] == [(2, "corrupt")]
+    assert "note: step 2, newer than the step verified, is corrupt" in captured.err
+    assert main(["verify", root, "--step", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["newer_unusable"] == []

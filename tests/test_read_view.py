@@ -98,7 +98,10 @@ def test_load_select_and_steps(tmp_path: Path) -> None:
         assert ck.step == 10 and ck.read("/model/w", 0).item() == 10.0
     with ckptlib.open(root / step_dir(10)) as ck:  # a step folder directly
         assert ck.step == 10
-    with pytest.raises(ckptlib.CheckpointNotFoundError):
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"no step 30 under .*\(newest steps: 10, 20\)"):
+        ckptlib.open(root, step=30)  # a step that never existed is not called "incomplete"
+    (root / step_dir(30)).mkdir()  # a step folder without manifest is
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"step 30 under .* is incomplete"):
         ckptlib.open(root, step=30)
     with pytest.raises(ckptlib.CheckpointNotFoundError):
         ckptlib.open(tmp_path / "missing")

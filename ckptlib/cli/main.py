@@ -58,9 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptlib",
         description="Inspect, verify and prune ckptlib checkpoints (local paths or fsspec URLs).",
-        epilog="exit status: 0 ok; 1 verify found a corrupt or incomplete step, or diff found "
-        "differences; "
-        "2 usage or access error",
+        epilog="exit status: 0 ok; 1 verify found a corrupt or incomplete step or nothing to "
+        "verify, or diff found differences; 2 usage or access error",
         parents=[_common_options("global_", None)],
     )
     parser.add_argument("--version", action="version", version=f"ckptlib {__version__}")
@@ -88,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", parents=[common], help="deep-check checksums (exit 1 if bad)",
                        description="Read every chunk and check its checksum and compressed size "
                        "against the manifest: the newest committed step by default. Exit 0 only "
-                       "if everything checked is good, 1 if a step is corrupt or incomplete.")
+                       "if everything checked is good, 1 if a step is corrupt or incomplete or "
+                       "there is no step to verify.")
     p.add_argument("url", metavar="URL", help=url_help)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int_at_least(0), metavar="N", help="verify step N")

@@ -52,10 +52,15 @@ class _Check:
     checked_bytes: int = 0
 
 
-def _plan_verify(args: argparse.Namespace, target: Target) -> list[_Check]:
+def _plan_verify(args: argparse.Namespace, target: Target) -> tuple[list[_Check], list[dict[str, Any]]]:
+    """The steps to check, and (default ``verify ROOT`` only) the step folders newer than the
+    one checked that the quick check already found unusable: a save in progress is not one (its
+    ``.tmp-`` folder is no step folder). They leave the exit status as it is: the step checked
+    is the one a resume loads; the caller notes them."""
     if target.kind == "checkpoint":
-        return [_Check(single_for(args, target), "", None)]
+        return [_Check(single_for(args, target), "", None)], []
     infos = list_steps(target, ANY_HINT)
+    newer: list[dict[str, Any]] = []
     if args.all:
         chosen = infos
     elif args.step is not None:
@@ -64,7 +69,10 @@ def _plan_verify(args: argparse.Namespace, target: Target) -> list[_Check]:
         committed = [i for i in infos if i.status == "committed"]
         # No committed step at all: judge the newest one, so the failure is explained.
         chosen = committed[-1:] or infos[-1:]
-    return [_Check(i, i.path, i.step) for i in chosen]
+        if committed:
+            newer = [{"step": i.step, "path": i.path, "status": i.status, "reason": i.reason} for i in infos
+                     if i.step > committed[-1].step and i.status != "committed" and layout.parse_step(i.path) is not None]
+    return [_Check(i, i.path, i.step) for i in chosen], newer
 
 
 def _verify_row(c: _Check) -> dict[str, Any]:
@@ -91,7 +99,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
             return _verify_tiers(args, out, tier)
     target = open_target(args.url, args.storage_options)
     try:
-        checks = _plan_verify(args, target)
+        checks, newer = _plan_verify(args, target)
         total = sum(stored_bytes(c.info.manifest) for c in checks if c.info.status == "committed")
         with Progress(out, total, "verifying") as progress:
             for c in checks:
@@ -119,7 +127,10 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     code = EXIT_BAD if failed or not verified else EXIT_OK
     out.exit_code = code
     out.emit({"url": args.url, "kind": target.kind, "ok": code == EXIT_OK, "exit_code": code,
-              "steps": rows})
+              "steps": rows, "newer_unusable": newer})
+    for n in newer:
+        out.note(f"ckptlib: note: step {n['step']}, newer than the step verified, is {n['status']} "
+                 f"({target.short(n['reason'])}): a resume skips it")
     if not has_rows(out, rows, f"no checkpoints under {target.where()}: nothing verified (exit 1; "
                                "is this the run's root folder?)"):
         return code

@@ -77,6 +77,10 @@ def read_manifest(storage: Storage, folder: str, *, pieces: bool = True) -> Mani
             return m
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
+    except PermissionError as e:  # not proof of anything about the step: the caller stops
+        raise StorageError(f"cannot read {where}: permission denied ({e.strerror or e}); every step folder "
+                           "under a root must be readable by this user: fix its permissions (or move the "
+                           "folder out of the root)") from e
     except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt
         raise CheckpointError(f"out of memory while reading the manifest {where}") from None
     raise CheckpointNotFoundError(f"no checkpoint at {where}: {record.describe()}")

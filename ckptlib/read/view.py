@@ -205,6 +205,10 @@ def open_view(
         if step is not None:
             info = check_step(storage, layout.step_dir(step), step)
             if info.manifest is None:
+                steps = _step_folders(storage)
+                if step not in steps:
+                    have = ", ".join(map(str, steps[-10:])) or "none"
+                    raise CheckpointNotFoundError(f"no step {step} under {storage.url} (newest steps: {have})")
                 raise CheckpointNotFoundError(f"step {step} under {storage.url} is {info.status}: {info.reason}")
         else:
             infos = scan(storage)
@@ -217,6 +221,15 @@ def open_view(
     except (CheckpointError, OSError):
         storage.close()
         raise
+
+
+def _step_folders(storage: Storage) -> list[int]:
+    """The steps of the ``step-N`` folders under the root, ascending (for an error message)."""
+    try:
+        entries = storage.listdir("")
+    except OSError:
+        return []
+    return sorted(s for e in entries if e.is_dir and (s := layout.parse_step(e.name)) is not None)
 
 
 def _safetensors(url: str | os.PathLike[str], storage: Storage, storage_options: dict[str, Any] | None,
