@@ -80,7 +80,7 @@ def judge(storage: Storage, folder: str) -> Target:
         return Target("file" if storage.exists(folder) else "absent")
     if not entries:
         return Target("empty")
-    steps = tuple(sorted(s for e in entries if e.is_dir and (s := layout.parse_step(e.name)) is not None))
+    steps = layout.step_folders(entries)
     alien = sorted(e.name for e in entries if not _is_ours(storage, folder, e.name, e.is_dir))
     if alien:
         return Target("foreign", tuple(alien[:SHOWN]), len(alien), steps)

@@ -9,6 +9,8 @@ the manifest is written last.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import Any
 
 MARKER = ".ckptlib"
 STEP_DIGITS = 12
@@ -34,6 +36,12 @@ def step_dir(step: int) -> str:
 def parse_step(name: str) -> int | None:
     m = STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def step_folders(entries: Iterable[Any]) -> tuple[int, ...]:
+    """The steps of the ``step-N`` folders among a listing's ``entries`` (``.name``,
+    ``.is_dir``), ascending."""
+    return tuple(sorted(s for e in entries if e.is_dir and (s := parse_step(e.name)) is not None))
 
 
 def tmp_dir(final: str, save_id: str) -> str:

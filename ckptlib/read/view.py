@@ -223,13 +223,12 @@ def open_view(
         raise
 
 
-def _step_folders(storage: Storage) -> list[int]:
+def _step_folders(storage: Storage) -> tuple[int, ...]:
     """The steps of the ``step-N`` folders under the root, ascending (for an error message)."""
     try:
-        entries = storage.listdir("")
+        return layout.step_folders(storage.listdir(""))
     except OSError:
-        return []
-    return sorted(s for e in entries if e.is_dir and (s := layout.parse_step(e.name)) is not None)
+        return ()
 
 
 def _safetensors(url: str | os.PathLike[str], storage: Storage, storage_options: dict[str, Any] | None,
