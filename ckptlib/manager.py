@@ -31,6 +31,7 @@ from ckptlib import crashpoints
 from ckptlib.backends import Storage, open_storage
 from ckptlib.backends.posix import PosixStorage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
+from ckptlib.coord.liveness import LOST
 from ckptlib.engine import options as argcheck
 from ckptlib.engine import resume, retire
 from ckptlib.engine import save as save_flow
@@ -271,6 +272,7 @@ class CheckpointManager:
         )
         self._schedule = self.options.schedule()
         self._last_handle: SaveHandle | None = None
+        self._last_saved: int | None = None  # the newest step this process saw commit (persist thread)
         self._agreed_interval = 0
         self._overlap_seen = 0.0
         self._queued_s = 0.0  # how long the current save() waited for the previous one
@@ -486,8 +488,10 @@ class CheckpointManager:
                 )
                 if self.coordinator.is_coordinator:
                     self._after_commit(save_id)
+            self._last_saved = step
         except Exception as e:
             error = e
+            note_relaunch(e, step, self._last_saved)
             if handle._drain is not None and not handle._drain.done():
                 handle._drain.cancel(CheckpointError(f"step {step} was not drained: its save failed"))
         finally:
@@ -706,6 +710,22 @@ class CheckpointManager:
         if strict or got is None:
             return got
         return LoadResult(state, keys["missing"], keys["unexpected"], got)
+
+
+def note_relaunch(error: BaseException, step: int, last: int | None) -> None:
+    """The persist thread (or a synchronous save's caller), when the save of ``step`` failed
+    because a rank is gone from the job (a liveness verdict in ``error.failures``, which end in
+    :data:`~ckptlib.coord.liveness.LOST`: a silent rank, an unreachable coordinator): add what
+    to do next to the error's notes, which Python 3.11 and later prints under its traceback.
+    ``last``: the newest step this process saw commit, None if none. Other failures (a rank's
+    storage error, non-finite values) get no note: a relaunch does not mend them."""
+    failures = getattr(error, "failures", None) or {}
+    if not any(LOST in str(why) for why in failures.values()) or not hasattr(error, "add_note"):
+        return
+    where = (f"step {last}, the newest step this process saw committed" if last is not None
+             else "the newest committed step (this process committed none)")
+    error.add_note(f"ckptlib: step {step} was not saved. A rank that died or froze ends the job's process group: "
+                   f"relaunch the whole job; restore() then resumes from {where}.")
 
 
 def _drain(handles: list[SaveHandle]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import pytest
@@ -159,6 +160,49 @@ def test_background_failure_raised_once(tmp_path, monkeypatch):
     mgr.close()
     assert [i.step for i in mgr.steps() if i.status == "committed"] == [4]
     assert os.listdir(tmp_path) == [layout.step_dir(4)]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_lost_rank_failure_says_to_relaunch(tmp_path, monkeypatch):
+    """A save that failed because a rank is gone (a liveness verdict) carries a note: relaunch
+    the whole job, and the newest step this process saw commit; a storage failure does not
+    (a relaunch does not mend a full disk)."""
+    from ckptlib.coord.liveness import Judge
+    from ckptlib.engine import save as save_flow
+
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    gone = ckptlib.CommitError("coordination failed during save", {1: Judge(5.0).why()})
+    for step in (1, 2):
+        mgr.save(step, make_state()).wait(timeout=60)
+    real = save_flow.persist
+
+    def lost(*args, **kwargs):
+        raise gone
+
+    monkeypatch.setattr(save_flow, "persist", lost)
+    with pytest.raises(ckptlib.CommitError) as e:
+        mgr.save(3, make_state()).wait(timeout=60)
+    assert e.value is gone and str(e.value) == "coordination failed during save"  # the message is unchanged
+    assert e.value.__notes__ == ["ckptlib: step 3 was not saved. A rank that died or froze ends the job's process "
+                                 "group: relaunch the whole job; restore() then resumes from step 2, the newest "
+                                 "step this process saw committed."]
+    monkeypatch.setattr(save_flow, "persist", real)
+    patch_creates(monkeypatch, disk_full)
+    with pytest.raises(ckptlib.CommitError, match="No space left") as full:
+        mgr.save(4, make_state()).wait(timeout=60)
+    assert full.value.failures and not getattr(full.value, "__notes__", None)
+    monkeypatch.undo()
+    mgr.close()
+    fresh = ckptlib.CheckpointManager(tmp_path / "fresh")
+    monkeypatch.setattr(save_flow, "persist", lost)
+    gone.__notes__.clear()
+    with pytest.raises(ckptlib.CommitError) as e:
+        fresh.save(1, make_state()).wait(timeout=60)
+    assert e.value.__notes__ == ["ckptlib: step 1 was not saved. A rank that died or froze ends the job's process "
+                                 "group: relaunch the whole job; restore() then resumes from the newest committed "
+                                 "step (this process committed none)."]
+    monkeypatch.undo()
+    fresh.close()
 
 
 def test_fsync_failure_fails_the_checkpoint(tmp_path, monkeypatch):

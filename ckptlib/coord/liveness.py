@@ -39,6 +39,11 @@ def heartbeat_period(dead_after: float) -> float:
     return min(2.0, max(0.05, dead_after / 10))
 
 
+LOST = "died, hung or stopped"
+"""How every verdict of a rank gone from the job ends (a silent rank, an unreachable coordinator):
+:func:`ckptlib.manager.note_relaunch` looks for it."""
+
+
 def hb_key(rank: int) -> str:
     return f"ckptlib/hb/{rank}"
 
@@ -63,7 +68,7 @@ class Judge:
         return out
 
     def why(self) -> str:
-        return f"no heartbeat for {self.dead_after:.0f}s (died, hung or stopped)"
+        return f"no heartbeat for {self.dead_after:.0f}s ({LOST})"
 
 
 def read_beats(kv: KV, ranks: list[int], me: int) -> tuple[dict[int, int], int]:

@@ -57,12 +57,12 @@ from types import TracebackType
 from typing import Any
 
 from ckptlib.coord.kv import BATCH, KV, REAL_CLOCK, Clock, Gone, Late, StoreUnreachable
-from ckptlib.coord.liveness import Judge, read_beats
+from ckptlib.coord.liveness import LOST, Judge, read_beats
 from ckptlib.errors import CommitError, CommitTimeoutError
 
 log = logging.getLogger("ckptlib")
 
-UNREACHABLE = "coordinator (rank 0) unreachable: it died or its store is gone"
+UNREACHABLE = f"coordinator (rank 0) unreachable: it {LOST}, or its store is gone"
 INLINE = 1024
 """A shared value up to this many bytes travels in every rank's own key; a longer one is stored
 once and each rank reads it after its key says so."""
@@ -318,7 +318,7 @@ class Session:
         def watch(kv: KV) -> dict[int, str] | None:
             beats, own = read_beats(kv, [0], self.rank)
             if judge.silent(self.clock.now(), beats, own):
-                return {0: f"coordinator (rank 0) silent for {self.dead_after:.0f}s (died, hung or stopped)"}
+                return {0: f"coordinator (rank 0) silent for {self.dead_after:.0f}s ({LOST})"}
             if kv.check([abort]):
                 return _failures(json.loads(kv.get(abort))) or {0: "the coordinator left the session"}
             return None

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,8 @@ def test_frozen_rank_fails_the_save_in_time(tmp_path):
     r0, stopped_at = _frozen(tmp_path, "stop_snapshot", 1)
     assert r0["error"] == "CommitError", r0
     assert "rank 1" in r0["message"], r0
+    if sys.version_info >= (3, 11):  # what to do next, under the traceback
+        assert any("step 3 was not saved" in n and "relaunch the whole job" in n for n in r0["notes"]), r0
     assert T - 1 < r0["time"] - stopped_at < 3 * T + 10, (r0, stopped_at)  # loose on purpose
     assert "committed" not in _steps(str(tmp_path / "ckpt"), None).values()
 

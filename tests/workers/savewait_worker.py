@@ -119,7 +119,7 @@ def sc_savewait(rank: int, world: int, root: str, args: dict) -> dict:
         mgr.save(STEP, restore_worker.state(world, rank)).wait()
     except ckptlib.CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0,
-                "called": called, "time": time.time()}
+                "called": called, "time": time.time(), "notes": list(getattr(e, "__notes__", []))}
     out: dict[str, Any] = {"error": None, "elapsed": time.monotonic() - t0, "called": called, "time": time.time()}
     if isinstance(mgr.storage, FaultyStorage):
         mgr.storage.injector.verify()  # the slow staging creation really happened
