@@ -491,7 +491,9 @@ class CheckpointManager:
             self._last_saved = step
         except Exception as e:
             error = e
-            note_relaunch(e, step, self._last_saved)
+            note_relaunch(e, f"step {step} was not saved",
+                          "the newest committed step (this process committed none)" if self._last_saved is None
+                          else f"step {self._last_saved}, the newest step this process saw committed")
             if handle._drain is not None and not handle._drain.done():
                 handle._drain.cancel(CheckpointError(f"step {step} was not drained: its save failed"))
         finally:
@@ -697,34 +699,37 @@ class CheckpointManager:
             raise TypeError(f"strict must be True or False, got {strict!r}")
         self.wait()
         keys: dict[str, list[str]] = {}
-        if self._tier is not None:
-            got = tier_restore.restore(
-                self._tier, self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-                timeout=self.options.save_timeout, strict=strict, keys=keys,
-            )
-        else:
-            got = resume.restore(
-                self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-                timeout=self.options.save_timeout, strict=strict, keys=keys,
-            )
+        try:
+            if self._tier is not None:
+                got = tier_restore.restore(
+                    self._tier, self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
+                    timeout=self.options.save_timeout, strict=strict, keys=keys,
+                )
+            else:
+                got = resume.restore(
+                    self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
+                    timeout=self.options.save_timeout, strict=strict, keys=keys,
+                )
+        except Exception as e:
+            note_relaunch(e, "the restore did not finish", "the newest committed step")
+            raise
         if strict or got is None:
             return got
         return LoadResult(state, keys["missing"], keys["unexpected"], got)
 
 
-def note_relaunch(error: BaseException, step: int, last: int | None) -> None:
-    """The persist thread (or a synchronous save's caller), when the save of ``step`` failed
-    because a rank is gone from the job (a liveness verdict in ``error.failures``, which end in
-    :data:`~ckptlib.coord.liveness.LOST`: a silent rank, an unreachable coordinator): add what
-    to do next to the error's notes, which Python 3.11 and later prints under its traceback.
-    ``last``: the newest step this process saw commit, None if none. Other failures (a rank's
-    storage error, non-finite values) get no note: a relaunch does not mend them."""
+def note_relaunch(error: BaseException, what: str, where: str) -> None:
+    """When a save (the persist thread, or a synchronous save's caller) or a restore (the
+    caller) failed because a rank is gone from the job (a liveness verdict in
+    ``error.failures``, which end in :data:`~ckptlib.coord.liveness.LOST`: a silent rank, an
+    unreachable coordinator): add what to do next to the error's notes, which Python 3.11 and
+    later prints under its traceback. ``what`` failed; ``where`` a relaunch resumes. Other
+    failures (a rank's storage error, non-finite values) get no note: a relaunch does not mend
+    them."""
     failures = getattr(error, "failures", None) or {}
     if not any(LOST in str(why) for why in failures.values()) or not hasattr(error, "add_note"):
         return
-    where = (f"step {last}, the newest step this process saw committed" if last is not None
-             else "the newest committed step (this process committed none)")
-    error.add_note(f"ckptlib: step {step} was not saved. A rank that died or froze ends the job's process group: "
+    error.add_note(f"ckptlib: {what}. A rank that died or froze ends the job's process group: "
                    f"relaunch the whole job; restore() then resumes from {where}.")
 
 

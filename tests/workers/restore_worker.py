@@ -64,7 +64,8 @@ def sc_restore(rank: int, world: int, root: str, args: dict) -> dict:
     try:
         got = mgr.restore(target)
     except ckptlib.CheckpointError as e:
-        return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0, "time": time.time()}
+        return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0, "time": time.time(),
+                "notes": list(getattr(e, "__notes__", []))}
     if rank == 0 and args["mode"] == "slow":
         mgr.storage.injector.verify()  # the slow listing really happened
     want = state(world, rank)
