@@ -273,6 +273,8 @@ class CheckpointManager:
         self._schedule = self.options.schedule()
         self._last_handle: SaveHandle | None = None
         self._last_saved: int | None = None  # the newest step this process saw commit (persist thread)
+        # Steps this manager's restore found damaged (every rank alike): their next save replaces them.
+        self._replace: set[int] = set()
         self._agreed_interval = 0
         self._overlap_seen = 0.0
         self._queued_s = 0.0  # how long the current save() waited for the previous one
@@ -472,8 +474,12 @@ class CheckpointManager:
                 else:
                     snap.wait_staged(deadline)
                     rounds = None if snap.error is None else _failed_rounds(snap.error)
+            replace = step in self._replace  # a step restore() found damaged is not a step to keep
+            if replace:
+                log.info("ckptlib: step %d was found damaged by restore(); this save replaces it", step)
             opts = save_flow.SaveOptions(self.options.compression, timeout=self.options.save_timeout,
-                                         nonfinite=self.options.nonfinite, check_replicas=self.options.check_replicas)
+                                         nonfinite=self.options.nonfinite, check_replicas=self.options.check_replicas,
+                                         overwrite=replace)
             if self._tier is not None:
                 tier_local.save_local(
                     self._tier, layout.step_dir(step), flat, step=step, metadata=metadata, options=opts,
@@ -489,6 +495,7 @@ class CheckpointManager:
                 if self.coordinator.is_coordinator:
                     self._after_commit(save_id)
             self._last_saved = step
+            self._replace.discard(step)
         except Exception as e:
             error = e
             note_relaunch(e, f"step {step} was not saved",
@@ -699,6 +706,7 @@ class CheckpointManager:
             raise TypeError(f"strict must be True or False, got {strict!r}")
         self.wait()
         keys: dict[str, list[str]] = {}
+        corrupt: list[int] = []
         try:
             if self._tier is not None:
                 got = tier_restore.restore(
@@ -708,11 +716,13 @@ class CheckpointManager:
             else:
                 got = resume.restore(
                     self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-                    timeout=self.options.save_timeout, strict=strict, keys=keys,
+                    timeout=self.options.save_timeout, strict=strict, keys=keys, corrupt=corrupt,
                 )
         except Exception as e:
             note_relaunch(e, "the restore did not finish", "the newest committed step")
             raise
+        finally:
+            self._replace.update(corrupt)
         if strict or got is None:
             return got
         return LoadResult(state, keys["missing"], keys["unexpected"], got)

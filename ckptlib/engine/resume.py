@@ -73,6 +73,7 @@ def resume_newest(
     where: str,
     label: str = "step",
     damaged: Callable[[BaseException], str | None] = corruption_of,
+    corrupt: list[int] | None = None,
 ) -> Resumed[T] | None:
     """Run the resume loop (module docstring). Collective when several ranks. ``coord``: a
     coordinator (the loop opens its own session) or the caller's open session (a tier restore).
@@ -81,16 +82,18 @@ def resume_newest(
     order. ``damaged(error)`` says why an exception from ``attempt`` means the step is damaged
     (fall back), or None for a failure every rank must raise (a state that does not match).
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
+    ``corrupt``: gets the steps passed over because a rank found them damaged while loading
+    (every rank the same list, also when the loop then raises).
     """
     if isinstance(coord, Session):
-        return _loop(coord, list_candidates, attempt, timeout, where, label, damaged)
+        return _loop(coord, list_candidates, attempt, timeout, where, label, damaged, corrupt)
     with coord.session("restore", coord.deadline(timeout)) as s:
-        return _loop(s, list_candidates, attempt, timeout, where, label, damaged)
+        return _loop(s, list_candidates, attempt, timeout, where, label, damaged, corrupt)
 
 
 def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: Callable[[Candidate], T],
           timeout: float, where: str, label: str, damaged: Callable[[BaseException], str | None],
-          ) -> Resumed[T] | None:
+          corrupt: list[int] | None = None) -> Resumed[T] | None:
     def deadline() -> float:
         return s.now() + timeout
 
@@ -134,6 +137,8 @@ def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: C
             log.warning("ckptlib: %s %d is corrupt, trying an older one: %s", label, cand.step, detail)
             skipped.append(f"{label} {cand.step}: corrupt: {detail}")
             corrupt_seen = True
+            if corrupt is not None:
+                corrupt.append(cand.step)
             continue
         log.info("ckptlib: restored %s %d from %s", label, cand.step, where)
         return Resumed(cand, value, skipped)
@@ -170,9 +175,11 @@ def restore(
     timeout: float = 600.0,
     strict: bool = True,
     keys: dict[str, list[str]] | None = None,
+    corrupt: list[int] | None = None,
 ) -> int | None:
     """``CheckpointManager.restore``: load the newest usable step into ``state`` in place.
-    ``strict``/``keys``: as :func:`ckptlib.engine.load.load_checkpoint` (keys of the step restored)."""
+    ``strict``/``keys``: as :func:`ckptlib.engine.load.load_checkpoint` (keys of the step restored);
+    ``corrupt``: as :func:`resume_newest`."""
 
     def listing() -> list[Candidate]:
         cands = step_candidates(storage)
@@ -186,7 +193,7 @@ def restore(
         )
         return found
 
-    got = resume_newest(coord, listing, attempt, timeout=timeout, where=storage.url)
+    got = resume_newest(coord, listing, attempt, timeout=timeout, where=storage.url, corrupt=corrupt)
     if got is not None and keys is not None:
         keys.update(got.value)
     if got is None and step is not None:
