@@ -314,6 +314,7 @@ class CheckpointManager:
         node = node_index()
         self._tier = tier_local.LocalTier(open_storage(local_root(os.fspath(local), node)), node, replicas, jump,
                                           keep_last)
+        self._tier.check_apart(self.storage)
         if isinstance(self._tier.storage, PosixStorage) and self._tier.storage.memory:  # one copy per save
             self._stager.ring = Ring(self._tier.storage.root, self.coordinator.rank, keep_last + 2)
         nice = self.options.persist_nice
@@ -335,8 +336,8 @@ class CheckpointManager:
         ``url``; None follows ``persist_every`` (preemption saves are always drained)."""
         if self._closed:
             raise CheckpointError("CheckpointManager is closed")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if type(step) is not int or not 0 <= step <= layout.MAX_STEP:
+            raise ValueError(f"step must be an int from 0 to {layout.MAX_STEP}, got {step!r}")
         metrics = check_metrics(metrics)
         final = self._final
         self._persist_next = self._wants_drain(persist)

@@ -135,3 +135,25 @@ def test_load_a_damaged_checkpoint_keeps_its_own_error(tmp_path: Path) -> None:
         ckptlib.load(tmp_path / "ck")
     with pytest.raises(ckptlib.CheckpointNotFoundError, match="no manifest"):
         ckptlib.load(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(("step", "exc", "message"), [
+    ("3", TypeError, "step must be an int, got '3'"),
+    (3.0, TypeError, "step must be an int, got 3.0"),
+    (True, TypeError, "step must be an int, got True"),
+    (-1, ValueError, "step must be from 0 to 99999999999999999999, got -1"),
+    (10**20, ValueError, "step must be from 0 to 99999999999999999999, got 100000000000000000000"),
+])
+def test_step_numbers_are_ints_a_folder_name_can_hold(tmp_path: Path, step: Any, exc: type[Exception],
+                                                      message: str) -> None:
+    """A step is an int from 0 to 10**20 - 1 (the 20 digits a step folder's name holds): a
+    string, a float or a bool is refused by name, and a step too large to list again is refused
+    when saved rather than written and never seen."""
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(3, {"w": torch.ones(2)})
+        with pytest.raises(exc, match=message.replace("(", r"\(")):
+            ckptlib.open(tmp_path, step=step)
+        with pytest.raises(ValueError, match="step must be an int from 0 to 99999999999999999999"):
+            mgr.save(step, {"w": torch.ones(2)})
+    assert layout.step_dir(layout.MAX_STEP) == "step-" + "9" * 20
+    assert [i.step for i in ckptlib.CheckpointManager(tmp_path).steps()] == [3]

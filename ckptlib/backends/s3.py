@@ -78,6 +78,31 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+OWN_OPTIONS = ("ckptlib_conditional_put", "ckptlib_part_size", "ckptlib_parts_in_flight", "ckptlib_read_split",
+               "ckptlib_retry")
+
+
+def _refuse_unknown(opts: dict[str, Any], fs_class: type) -> None:
+    """``S3Storage.__init__``, with ckptlib's own options already taken out: refuse a storage
+    option neither ckptlib nor ``s3fs.S3FileSystem`` takes, by name, with the nearest known
+    name (a typo would otherwise surface as a ``TypeError`` deep in aiobotocore, or be dropped).
+    s3fs passes what it does not know on to its file system base class only when that class
+    takes ``**kwargs``, which it does: so only names starting with ``ckptlib_``, or close to a
+    known name, are refused; others pass as before."""
+    import difflib
+    import inspect
+
+    known = [n for n in inspect.signature(fs_class.__init__).parameters if n not in ("self", "args", "kwargs")]
+    for name in opts:
+        if name in known:
+            continue
+        near = difflib.get_close_matches(name, [*known, *OWN_OPTIONS], n=1, cutoff=0.75)
+        if name.startswith("ckptlib_") or near:
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"unknown storage option {name!r} for s3://{hint} (ckptlib's own: "
+                             f"{', '.join(OWN_OPTIONS)}; others go to s3fs.S3FileSystem)")
+
+
 class S3Storage(Storage):
     supports_atomic_rename = False
 
@@ -109,6 +134,7 @@ class S3Storage(Storage):
         config.setdefault("max_pool_connections", max(32, 4 * self.parts_in_flight))
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("response_checksum_validation", "when_required")
+        _refuse_unknown(opts, s3fs.S3FileSystem)
         opts.setdefault("skip_instance_cache", True)
         opts.setdefault("use_listings_cache", False)
         self.fs = s3fs.S3FileSystem(config_kwargs=config, **opts)

@@ -8,6 +8,7 @@ the manifest is written last.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -27,9 +28,21 @@ new manifest (the coordinator) or an abort record (a rank fencing the save); see
 ``ckptlib.engine.commit``. Debris once the step's ``manifest.json`` names its save."""
 
 
+MAX_STEP = 10**20 - 1
+"""The largest step a folder name holds (:data:`STEP_RE`: at most 20 digits)."""
+
+
 def step_dir(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    """``step-<n>`` for a step number: an int (not a bool) from 0 to :data:`MAX_STEP`, else
+    ``TypeError``/``ValueError`` (every save and every read by step goes through here)."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        step = operator.index(step)  # an int as it is; numpy's ints too
+    except TypeError:
+        raise TypeError(f"step must be an int, got {step!r}") from None
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be from 0 to {MAX_STEP}, got {step}")
     return f"step-{step:0{STEP_DIGITS}d}"
 
 

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage
-from ckptlib.backends.posix import free_bytes
+from ckptlib.backends.posix import PosixStorage, free_bytes
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import retire
@@ -75,6 +77,21 @@ class LocalTier:
             raise ValueError("replicas must be >= 0 and the replica jump >= 1")
         if self.keep_last < 1:
             raise ValueError("local_keep_last must be >= 1")
+
+    def check_apart(self, persistent: Storage) -> None:
+        """The manager, once, when made: refuse a local tier folder that is the persistent root,
+        inside it, or holds it. Each tier's retention and clean-up run over its own folder, so an
+        overlap would delete the other tier's steps (local retention keeping ``local_keep_last``
+        steps of the persistent root's)."""
+        if not (isinstance(persistent, PosixStorage) and isinstance(self.storage, PosixStorage)):
+            return
+        mine, theirs = Path(os.path.realpath(self.storage.root)), Path(os.path.realpath(persistent.root))
+        if mine == theirs or theirs in mine.parents or mine in theirs.parents:
+            where = "is" if mine == theirs else ("is inside" if theirs in mine.parents else "holds")
+            raise ValueError(
+                f"local={self.storage.url!r} {where} the persistent root {persistent.url!r}: each tier prunes its "
+                "own folder, so they must not overlap; put the local tier in a folder of its own (node-local "
+                "disk or /dev/shm)")
 
     def topo(self, s: Session, timeout: float) -> Topology:
         """The nodes of every rank (collective the first time: one exchange in ``s``)."""

@@ -241,3 +241,20 @@ def test_two_ranks_save_and_restore_on_s3(seaweed, tmp_path):
     names = sorted(e.name for e in storage.listdir(f"{layout.step_dir(1)}/{m.save_id}"))
     assert {n[:6] for n in names} == {"r00000", "r00001"}, names
     assert storage.list_uploads("") == []
+
+
+@pytest.mark.parametrize(("name", "nearest"), [("endpoint", "endpoint_url"), ("scret", "secret"),
+                                                ("ckptlib_retyr", "ckptlib_retry"), ("ckptlib_foo", None)])
+def test_mistyped_storage_option_is_refused_by_name(seaweed, name, nearest):
+    """A storage option neither ckptlib nor s3fs takes is refused by name, with the nearest
+    known one (it used to surface as a TypeError from aiobotocore's session, or be dropped);
+    the correct spelling works against the real server, and s3fs options pass through."""
+    url, opts = s3_root(seaweed)
+    bad = {**opts, name: opts.get(nearest, "x") if nearest else 1}
+    hint = f"; did you mean '{nearest}'" if nearest else r" for s3:// \(ckptlib's own"
+    with pytest.raises(ValueError, match=rf"unknown storage option '{name}'.*{hint}" if nearest
+                       else rf"unknown storage option '{name}'{hint}"):
+        ckptlib.CheckpointManager(url, storage_options=bad)
+    with ckptlib.CheckpointManager(url, storage_options={**opts, "use_listings_cache": False}) as mgr:
+        mgr.save(1, {"w": torch.arange(4.0)}).wait()
+        assert mgr.latest_step() == 1

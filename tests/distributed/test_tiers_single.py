@@ -232,3 +232,21 @@ def test_restore_fetches_only_the_files_a_rank_reads() -> None:
     assert needed_files(m, [("w", (4, 0), (2, 4))]) == {"r00000-0.bin", "r00001-0.bin"}
     assert needed_files(m, [("w", (7, 2), (3, 2))]) == {"r00001-0.bin"}
     assert needed_files(m, [("b", (0,), (2,)), ("nope", (0,), (1,))]) == {"r00002-0.bin"}
+
+
+@pytest.mark.parametrize("local", ["{root}", "{root}/local", "{root}/local/n{{node}}", "{up}"])
+def test_local_folder_overlapping_the_persistent_root_is_refused(tmp_path: Path, local: str) -> None:
+    """Each tier prunes its own folder: a local folder that is the persistent root, inside it,
+    or holding it would let local retention delete persisted steps. Refused when the manager
+    is made, before anything is written; a folder beside the root is fine."""
+    root = tmp_path / "run"
+    with ckptlib.CheckpointManager(root, async_save=False) as mgr:  # persisted steps a local tier must not touch
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    folder = local.format(root=root, up=tmp_path)
+    with pytest.raises(ValueError, match=r"(is|is inside|holds) the persistent root .*must not overlap"):
+        ckptlib.CheckpointManager(root, local=folder, local_keep_last=1, persist_every=2)
+    assert persisted(root) == [1, 2, 3]
+    with ckptlib.CheckpointManager(root, local=tmp_path / "beside", local_keep_last=1, persist_every=1) as mgr:
+        mgr.save(4, state(4)).wait_persisted()
+    assert persisted(root) == [1, 2, 3, 4]
