@@ -4,6 +4,8 @@ several real ranks read in one process, corrupt chunks raise, and nothing heavy 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same, assert_tensor_equal, flip_bit, random_tensor
+from helpers import assert_same, assert_tensor_equal, flip_bit, payload_files, random_tensor
 
 import ckptlib
 from ckptlib.engine import save as save_flow
@@ -105,6 +107,24 @@ def test_load_select_and_steps(tmp_path: Path) -> None:
         ckptlib.open(root, step=30)
     with pytest.raises(ckptlib.CheckpointNotFoundError):
         ckptlib.open(tmp_path / "missing")
+
+
+def test_damaged_step_raises_corrupt_and_the_newest_good_one_is_opened_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A step whose payload file is short is "corrupt": ``open(root, step=N)`` raises
+    CorruptCheckpointError (as docs/read.md says; it used to be CheckpointNotFoundError), and
+    ``open(root)`` opens the newest committed step below it, saying which newer one it passed."""
+    root = tmp_path / "run"
+    with ckptlib.CheckpointManager(root, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": torch.full((64,), float(step))})
+    (victim,) = payload_files(root / step_dir(20))
+    os.truncate(victim, 10)
+    with pytest.raises(ckptlib.CorruptCheckpointError, match=r"step 20 under .* is corrupt: .*payload file size"):
+        ckptlib.open(root, step=20)
+    with caplog.at_level(logging.WARNING, logger="ckptlib"), ckptlib.open(root) as ck:
+        assert ck.step == 10 and ck.read("/w", 0).item() == 10.0
+    assert "opening step 10 of" in caplog.text and "the newer step 20 is damaged" in caplog.text
 
 
 def test_corrupt_chunk_raises_only_where_read(big: tuple[Path, dict]) -> None:

@@ -14,6 +14,7 @@ rows they need, unverified (safetensors has no checksums).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -25,12 +26,14 @@ from ckptlib.engine import hugepages, index_io, safetensors_folder, target
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import StepInfo, check_files, check_step, read_manifest, scan
-from ckptlib.errors import CheckpointError, CheckpointNotFoundError
+from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
 from ckptlib.format.manifest import MANIFEST_NAME, Manifest
 from ckptlib.read.index import Index, plan_box
+
+log = logging.getLogger("ckptlib")
 
 BLOCK_BYTES = 32 << 20
 """Largest block :meth:`CheckpointView.blocks` reads at once (bounds export/diff memory)."""
@@ -209,13 +212,18 @@ def open_view(
                 if step not in steps:
                     have = ", ".join(map(str, steps[-10:])) or "none"
                     raise CheckpointNotFoundError(f"no step {step} under {storage.url} (newest steps: {have})")
-                raise CheckpointNotFoundError(f"step {step} under {storage.url} is {info.status}: {info.reason}")
+                cls = CorruptCheckpointError if info.status == "corrupt" else CheckpointNotFoundError
+                raise cls(f"step {step} under {storage.url} is {info.status}: {info.reason}")
         else:
             infos = scan(storage)
             committed = [i for i in infos if i.status == "committed" and i.manifest is not None]
             if not committed:
                 raise CheckpointNotFoundError(_nothing_committed(storage, infos))
             info = committed[0]
+            for newer in (i for i in infos if i.step > info.step and i.status == "corrupt"):
+                log.warning("ckptlib: opening step %d of %s: the newer step %d is damaged (%s); "
+                            "`ckptlib verify %s --step %d` says more", info.step, storage.url, newer.step,
+                            newer.reason, storage.url, newer.step)
         assert info.manifest is not None
         return CheckpointView(storage, info.path, info.manifest, verify=verify)
     except (CheckpointError, OSError):
