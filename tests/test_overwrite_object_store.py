@@ -30,7 +30,7 @@ from ckptlib.backends import open_storage
 from ckptlib.cli.main import main as cli
 from ckptlib.engine import commit, retire
 from ckptlib.engine import save as save_flow
-from ckptlib.engine.scan import scan
+from ckptlib.engine.scan import read_manifest, scan
 from ckptlib.errors import CommitError
 from ckptlib.format import fence as fence_format
 from ckptlib.format import layout
@@ -330,3 +330,25 @@ def test_hostile_claim_is_a_typed_error(data, memory_url, monkeypatch):
         commit.fence(storage, STEP, sid, 1, "gave up")
     assert [(i.step, i.status, i.save_id) for i in scan(storage)] == [(1, "committed", old_id)]
     assert [d.kind for d in retire.find_debris(storage, None)] == ["prefix"]  # removable with its folder
+
+
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_one_shot_overwrites_leave_one_copy(kind, memory_url, request):
+    """``ckptlib.save(..., overwrite=True)`` of the same folder, again and again (what the
+    Lightning plugin does to ``last.ckpt``): the committed save's payloads replace the old
+    ones, with no manager to clean up after it. Each overwrite used to leave the replaced
+    save's whole payload prefix behind (one model-sized copy per save, on a real S3 server)."""
+    if kind == "s3":
+        url, opts = s3_root(request.getfixturevalue("seaweed"))
+    else:
+        url, opts = memory_url, None
+    folder = f"{url}/last.ckpt"
+    for i in range(3):
+        ckptlib.save({"w": torch.arange(3000, dtype=torch.float32) + i, "i": i}, folder, storage_options=opts,
+                     overwrite=True)
+        storage = open_storage(folder, opts)
+        ids = [e.name for e in storage.listdir("") if e.is_dir]
+        assert ids == [read_manifest(storage, "", pieces=False).save_id], (i, ids)  # the new save's prefix only
+        back = ckptlib.load(folder, storage_options=opts)
+        assert back["i"] == i and torch.equal(back["w"], torch.arange(3000, dtype=torch.float32) + i)
+

@@ -26,7 +26,8 @@ fence.
 step: its commit point is the save's *claim* ``<final>/<id>/claim.json``
 (:func:`ckptlib.format.layout.claim_path`), created with a create-only put holding the new
 manifest; then the manifest is put over ``<final>/manifest.json`` (one atomic replacement:
-readers see the old step or the new one, never neither), then the claim is deleted. Readers
+readers see the old step or the new one, never neither), then the claim is deleted, and the
+replaced save's payload prefix with it (best effort: else it is debris, below). Readers
 look only at ``manifest.json``: a claim is never read by them, and one left by a crash is debris
 (engine/retire.py: with the old save's payloads once the new manifest is in, with the new
 save's payloads if the old manifest still stands). A crash before the claim, or between the
@@ -305,6 +306,7 @@ def _publish_claimed(storage: Storage, st: Staging, manifest: bytes) -> None:
         if held != manifest:
             raise CommitError(f"{storage.url.rstrip('/')}/{claim} holds another manifest than this save's") from None
     crashpoints.point("claimed")
+    replaced = _committed_save_id(storage, st.final)
     try:
         storage.put_atomic(join(st.final, MANIFEST_NAME), manifest)
     except (OSError, CheckpointError) as e:
@@ -314,6 +316,24 @@ def _publish_claimed(storage: Storage, st: Staging, manifest: bytes) -> None:
         storage.delete(claim)
     except (OSError, CheckpointError):
         pass  # debris (engine/retire.py): the manifest names this save
+    if replaced and replaced != st.save_id:
+        # The payloads of the save just replaced: that save committed, so nobody writes there
+        # any more (as POSIX removes the replaced folder). Without this a one-shot save or an
+        # integration's overwrite would leave one whole copy per overwrite, which only a
+        # manager's debris clean-up would find.
+        try:
+            storage.delete_tree(join(st.final, replaced))
+        except (OSError, CheckpointError):
+            pass  # debris, as before
+
+
+def _committed_save_id(storage: Storage, final: str) -> str | None:
+    """The save id of the manifest committed at ``final`` (None when there is none, or it
+    cannot be read): read right before an overwrite replaces it."""
+    try:
+        return read_manifest(storage, final, pieces=False).save_id
+    except (OSError, CheckpointError):
+        return None
 
 
 def _claim_failed(storage: Storage, st: Staging, manifest: bytes, error: BaseException) -> None:
