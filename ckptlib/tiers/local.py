@@ -97,6 +97,9 @@ class LocalTier:
         """The nodes of every rank (collective the first time: one exchange in ``s``)."""
         if self.topology is None or len(self.topology.nodes) != s.world:
             self.topology = Topology.discover(s, self.node, timeout)
+            short = self.topology.short_of_replicas(self.replicas, self.jump)
+            if short and s.rank == 0:
+                log.warning("ckptlib: %s", short)
         return self.topology
 
 

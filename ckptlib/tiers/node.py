@@ -75,6 +75,28 @@ class Topology:
                 out.append(peer)
         return out
 
+    def fewest_replicas(self, replicas: int, jump: int = 1) -> int:
+        """The fewest replicas any rank's files get (:meth:`peers`: one per other node reached),
+        counted per node: ``replicas`` unless the ring of nodes is too small for it or ``jump``
+        brings a rank back to its own node."""
+        n = len(set(self.nodes))
+        return min(len({(i + k * jump) % n for k in range(1, replicas + 1)} - {i}) for i in range(n))
+
+    def short_of_replicas(self, replicas: int, jump: int = 1) -> str | None:
+        """Why fewer replicas than ``replicas`` are placed, for a warning; None when all are, and
+        on one node (no other node to hold a copy: nothing a replica could save)."""
+        nodes = len(set(self.nodes))
+        if replicas < 1 or nodes < 2:
+            return None
+        got = self.fewest_replicas(replicas, jump)
+        if got >= replicas:
+            return None
+        why = (f"{nodes} nodes hold at most {nodes - 1} other-node copies" if replicas >= nodes else
+               f"replica_jump={jump} brings the ring of {nodes} nodes back to a rank's own node")
+        return (f"local tier: {replicas} replica(s) per rank asked for, {got} placed for some ranks ({why}); "
+                "a step whose only copies were on a lost node cannot be restored from the local tier. "
+                "Use a replica_jump that shares no factor with the node count, or fewer replicas")
+
     def pairs(self, replicas: int, jump: int = 1) -> list[tuple[int, int]]:
         """Every (source rank, holder rank) pair, sorted: the same on every rank."""
         return sorted((r, p) for r in range(len(self.nodes)) for p in self.peers(r, replicas, jump))

@@ -183,6 +183,23 @@ def test_node_index_and_placement() -> None:
     assert topo.is_leader(2) and not topo.is_leader(3)
 
 
+def test_fewer_replicas_than_asked_are_named() -> None:
+    """``fewest_replicas`` is what ``peers`` places (checked against it on every rank of many
+    layouts), and a layout that places fewer than asked gets a warning saying why (the manager
+    logs it once, on rank 0, when its tier learns the nodes); one node gets none."""
+    for nodes in [(0, 1), (0, 0, 1, 1), (0, 1, 2), (0, 0, 1, 1, 2, 2, 3, 3), (0, 1, 1, 2, 2, 2), (0, 1, 2, 3, 4, 5)]:
+        topo = Topology(nodes)
+        for replicas in range(0, 5):
+            for jump in range(1, 7):
+                placed = min(len(topo.peers(r, replicas, jump)) for r in range(len(nodes)))
+                assert topo.fewest_replicas(replicas, jump) == placed, (nodes, replicas, jump)
+                assert (topo.short_of_replicas(replicas, jump) is None) == (placed >= replicas), (nodes, replicas, jump)
+    two = Topology((0, 1))
+    assert "replica_jump=2 brings the ring of 2 nodes back" in str(two.short_of_replicas(1, 2))
+    assert "3 nodes hold at most 2 other-node copies" in str(Topology((0, 1, 2)).short_of_replicas(3))
+    assert Topology((0, 0)).short_of_replicas(1) is None  # one node: nothing a replica could save
+
+
 def test_ls_tier_column(tmp_path: Path) -> None:
     with ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), persist_every=2) as mgr:
         for step in (1, 2, 3):
