@@ -127,6 +127,28 @@ def test_damaged_step_raises_corrupt_and_the_newest_good_one_is_opened_with_a_wa
     assert "opening step 10 of" in caplog.text and "the newer step 20 is damaged" in caplog.text
 
 
+def test_step_deleted_after_open_is_not_called_corrupt(tmp_path: Path) -> None:
+    """A step pruned between ``open`` and a read raises CheckpointNotFoundError saying it was
+    deleted (open it again), not CorruptCheckpointError ("payload file is missing"), which
+    would send its user looking for bit rot; a payload file missing beside its manifest is
+    still damage."""
+    import shutil
+
+    root = tmp_path / "run"
+    with ckptlib.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((8,), float(step))})
+    with ckptlib.open(root, step=1) as ck:
+        shutil.rmtree(root / step_dir(1))  # ckptlib prune --keep-last 1, meanwhile
+        with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"was deleted while it was being read .*open it again"):
+            ck.read("/w")
+    with ckptlib.open(root, step=2) as ck:
+        (victim,) = payload_files(root / step_dir(2))
+        victim.unlink()
+        with pytest.raises(ckptlib.CorruptCheckpointError, match="payload file is missing"):
+            ck.read("/w")
+
+
 def test_corrupt_chunk_raises_only_where_read(big: tuple[Path, dict]) -> None:
     path, state = big
     flip_chunk_bit(path, "/model/w", 48)  # the chunk holding rows [48, 64)

@@ -23,11 +23,11 @@ from ckptlib.backends import ReadHandle, Storage, join
 from ckptlib.engine.bytes_view import Box, as_bytes
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.pool import run_all
-from ckptlib.errors import CorruptCheckpointError
+from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import NO_CHECKSUM, checksum
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
-from ckptlib.format.schema import Chunk, Manifest, Pack, Piece, volume
+from ckptlib.format.schema import MANIFEST_NAME, Chunk, Manifest, Pack, Piece, volume
 
 COALESCE_MAX = 8 << 20  # chunks smaller than this are fetched together with their neighbours
 COALESCE_GAP = 64 << 10
@@ -141,7 +141,7 @@ class Reader:
                 try:
                     h = self.storage.open_read(join(self.folder, entry.path))
                 except FileNotFoundError:
-                    raise CorruptCheckpointError("payload file is missing", self._where(file)) from None
+                    raise self._missing(file) from None
                 if h.size != entry.size:
                     h.close()
                     raise CorruptCheckpointError(
@@ -150,6 +150,20 @@ class Reader:
                     )
                 self._handles[file] = h
             return h
+
+    def _missing(self, file: int) -> CheckpointError:
+        """The error for a payload file that is not there: the whole step was deleted since its
+        manifest was read (pruned, retired: ``CheckpointNotFoundError``, open it again), or the
+        step is damaged (its manifest still there: ``CorruptCheckpointError``)."""
+        folder = f"{self.storage.url.rstrip('/')}/{self.folder}".rstrip("/")
+        try:
+            gone = self.storage.size(join(self.folder, MANIFEST_NAME)) is None
+        except OSError:
+            gone = False
+        if gone:
+            return CheckpointNotFoundError(f"{folder} was deleted while it was being read (pruned or retired since "
+                                           f"it was opened; {self.m.files[file].path} is gone): open it again")
+        return CorruptCheckpointError("payload file is missing", self._where(file))
 
     def _where(self, file: int) -> str:
         return f"{self.storage.url}/{join(self.folder, self.m.files[file].path)}"
