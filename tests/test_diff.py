@@ -84,3 +84,15 @@ def test_errors_exit_2(run_root: Path, tmp_path: Path, capsys: pytest.CaptureFix
     capsys.readouterr()
     assert cli(["diff", str(tmp_path / "x"), str(tmp_path / "y")]) == 2  # corrupt: an error, not "differs"
     assert "checksum mismatch" in capsys.readouterr().err
+
+
+def test_empty_tensors_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Tensors with no rows (or no columns) are compared, not an error."""
+    empty = {"rows": torch.zeros(0, 4), "flat": torch.zeros(0), "cols": torch.zeros(3, 0, dtype=torch.int64)}
+    ckptlib.save({"model": empty}, tmp_path / "a")
+    ckptlib.save({"model": {**empty, "rows": torch.zeros(0, 5)}}, tmp_path / "b")
+    code, doc = run_json(["diff", str(tmp_path / "a"), str(tmp_path / "a")], capsys)
+    assert code == 0 and doc["identical"] is True and doc["same"] == 3
+    code, doc = run_json(["diff", str(tmp_path / "a"), str(tmp_path / "b")], capsys)
+    assert code == 1 and [(r["name"], r["kind"]) for r in doc["changed"]] == [("/model/rows", "shape")]
+    assert doc["same"] == 2

@@ -142,6 +142,25 @@ def test_corrupt_chunk_stops_export(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert cli(["export", str(tmp_path / "ck"), "--to", "safetensors", str(tmp_path / "s")]) == 2  # no --select
 
 
+def test_empty_tensors_export(tmp_path: Path) -> None:
+    """Tensors with no rows (or no columns) export to both formats and read back equal."""
+    state = {"model": {"rows": torch.zeros(0, 4), "flat": torch.zeros(0), "cols": torch.zeros(3, 0, dtype=torch.int64),
+                       "w": random_tensor((5, 3), torch.float32, 7)}}
+    ckptlib.save(state, tmp_path / "ck")
+    ck = str(tmp_path / "ck")
+    assert cli(["export", ck, "--to", "safetensors", str(tmp_path / "st"), "--select", "model"]) == 0
+    got = st.load_file(str(tmp_path / "st" / "model-00001-of-00001.safetensors"))
+    assert set(got) == set(state["model"])
+    loaded = ckptlib.load(tmp_path / "st", select="model")
+    for k, want in state["model"].items():
+        assert_tensor_equal(got[k], want, f"safetensors {k}")
+        assert_tensor_equal(loaded["model"][k], want, f"load {k}")
+    assert cli(["export", ck, "--to", "zarr3", str(tmp_path / "z"), "--select", "model"]) == 0
+    group = zarr.open_group(str(tmp_path / "z"), mode="r")
+    for k, want in state["model"].items():
+        assert_tensor_equal(as_torch(group[f"model/{k}"][...], str(want.dtype).removeprefix("torch.")), want, k)
+
+
 @pytest.mark.parametrize("fmt", ["zarr3", "safetensors"])
 def test_export_memory_stays_bounded(tmp_path: Path, fmt: str) -> None:
     """Export a 384 MiB state in a subprocess; its peak RSS grows by well under the state's size."""

@@ -18,9 +18,11 @@ from ckptlib.read.view import CheckpointView
 
 
 def _block_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    if not a.numel():  # e.g. shape (3, 0): nothing differs (and no bytes per element to reshape by)
+        return 0, 0.0
     ba = a.reshape(-1).view(torch.uint8).reshape(a.numel(), -1)
     bb = b.reshape(-1).view(torch.uint8).reshape(b.numel(), -1)
-    changed = int((ba != bb).any(dim=1).sum()) if a.numel() else 0
+    changed = int((ba != bb).any(dim=1).sum())
     if not changed:
         return 0, 0.0
     if a.dtype.is_complex:

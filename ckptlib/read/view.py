@@ -123,12 +123,15 @@ class CheckpointView:
 
     def blocks(self, name: str, max_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, torch.Tensor]]:
         """``(row, block)`` pairs covering the tensor along dimension 0, each block at most
-        ``max_bytes`` (or one row); a 0-d tensor is one block. For streaming exports: every
-        block lives in one reused buffer, valid only until the next one is produced."""
+        ``max_bytes`` (or one row); a 0-d tensor is one block, a tensor with no rows none. For
+        streaming exports: every block lives in one reused buffer, valid only until the next one
+        is produced."""
         info = self.info(name)
         if not info.shape:
             yield 0, self.read(name)
             return
+        if not info.shape[0]:
+            return  # no rows (shape (0, ...)): nothing to read, and no block size to step by
         row = ITEMSIZE[info.dtype]
         for s in info.shape[1:]:
             row *= s
