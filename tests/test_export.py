@@ -138,8 +138,95 @@ def test_corrupt_chunk_stops_export(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         export_zarr3(ck, str(tmp_path / "z"))
     assert cli(["export", str(tmp_path / "ck"), "--to", "zarr3", str(tmp_path / "z2")]) == 2
     assert cli(["export", str(tmp_path / "ck"), "--to", "safetensors", str(tmp_path / "s"), "--select", "model"]) == 2
-    assert not [p for p in (tmp_path / "s").iterdir() if p.suffix == ".safetensors"]  # no partial file kept
+    assert not (tmp_path / "z").exists() and not (tmp_path / "z2").exists() and not (tmp_path / "s").exists()
     assert cli(["export", str(tmp_path / "ck"), "--to", "safetensors", str(tmp_path / "s")]) == 2  # no --select
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def two_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, str, str]:
+    """State A saved in ``good``; a different state B in ``bad``, with a flipped byte in the
+    payload of its last tensor (``/model/w``, the chunk at row 32): an export of ``bad`` writes
+    the tensors before it, then stops there."""
+    from ckptlib.engine import save as save_flow
+
+    monkeypatch.setattr(save_flow, "SaveOptions", functools.partial(save_flow.SaveOptions, chunk_bytes=128 << 10))
+    a = {"model": {"a": random_tensor((16, 16), torch.float32, 1), "b": random_tensor((16, 16), torch.float32, 2),
+                   "w": random_tensor((64, 4096), torch.float32, 3)}}
+    b = {"model": {k: v + 1 for k, v in a["model"].items()}}
+    ckptlib.save(a, tmp_path / "good")
+    ckptlib.save(b, tmp_path / "bad")
+    flip_chunk_bit(tmp_path / "bad", "/model/w", 32)
+    return a, str(tmp_path / "good"), str(tmp_path / "bad")
+
+
+def no_debris(tmp_path: Path) -> None:
+    left = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    assert not left, f"staging folders left behind: {left}"
+
+
+def test_failed_zarr3_export_leaves_out_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a, good, bad = two_steps(tmp_path, monkeypatch)
+    out = tmp_path / "z"
+    assert cli(["export", bad, "--to", "zarr3", str(out), "--select", "model"]) == 2
+    assert not out.exists()  # not even an empty folder
+    assert cli(["export", good, "--to", "zarr3", str(out), "--select", "model"]) == 0
+    before = files(out)
+    assert cli(["export", bad, "--to", "zarr3", str(out), "--select", "model"]) == 2
+    assert files(out) == before  # no array of B, none left at its fill value
+    group = zarr.open_group(str(out), mode="r")
+    for k, want in a["model"].items():
+        assert_tensor_equal(torch.from_numpy(group[f"model/{k}"][...]), want, k)
+    out.joinpath("nothing").mkdir()  # not a zarr node: refused, before anything is written
+    capsys.readouterr()
+    assert cli(["export", good, "--to", "zarr3", str(out), "--select", "model"]) == 2
+    assert "not a zarr3 export (nothing)" in capsys.readouterr().err
+    assert files(out) == before and out.joinpath("nothing").is_dir()
+    out.joinpath("nothing").rmdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(["export", bad, "--to", "zarr3", str(empty)]) == 2
+    assert empty.is_dir() and not list(empty.iterdir())  # an empty folder stays so
+    with ckptlib.open(bad) as ck, pytest.raises(ckptlib.CorruptCheckpointError, match="checksum"):
+        export_zarr3(ck, "file://" + str(out))  # a file:// URL is local too
+    assert files(out) == before
+    no_debris(tmp_path)
+
+
+def test_failed_safetensors_export_leaves_out_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    a, good, bad = two_steps(tmp_path, monkeypatch)
+    out = tmp_path / "st"
+    args = ["--to", "safetensors", str(out), "--select", "model", "--max-shard-size", "1KiB"]
+    assert cli(["export", bad, *args]) == 2
+    assert not out.exists()
+    assert cli(["export", good, *args]) == 0
+    before = files(out)
+    assert len(before) == 4  # a, b, w in a file each, and the index
+    assert cli(["export", bad, *args]) == 2  # a and b of B written, then the corrupt chunk of w
+    assert files(out) == before
+    loaded = ckptlib.load(out, select="model")["model"]
+    for k, want in a["model"].items():
+        assert_tensor_equal(loaded[k], want, k)
+    # a successful export with fewer files replaces the earlier one as a whole: no stale shards
+    ckptlib.save({"model": {"a": a["model"]["a"]}}, tmp_path / "one")
+    assert cli(["export", str(tmp_path / "one"), *args]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00001.safetensors", INDEX_NAME]
+    assert_tensor_equal(ckptlib.load(out, select="model")["model"]["a"], a["model"]["a"], "a")
+    # a folder holding anything else is refused before anything is written, and left alone
+    (out / "config.json").write_text("{}")
+    before = files(out)
+    capsys.readouterr()
+    assert cli(["export", good, *args]) == 2
+    assert "config.json" in capsys.readouterr().err and files(out) == before
+    (tmp_path / "file").write_text("x")
+    assert cli(["export", good, "--to", "safetensors", str(tmp_path / "file"), "--select", "model"]) == 2
+    assert (tmp_path / "file").read_text() == "x"
+    no_debris(tmp_path)
 
 
 def test_empty_tensors_export(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ Registered by :mod:`ckptlib.cli.main` (:func:`add_parser`), which calls :func:`c
 the command's worker thread (cli/deadline.py). Opens the checkpoint with ``ckptlib.open`` and streams it through
 :mod:`ckptlib.read.to_zarr3` or :mod:`ckptlib.read.to_safetensors`; a progress bar on a
 terminal, one JSON summary with ``--json``. Exit 0 when written, 2 on any error (a corrupt
-chunk included: the export stops at it, never writes wrong values).
+chunk included: the export stops at it, never writes wrong values, and leaves OUT as it was:
+the exporters write into a staging folder beside it, :mod:`ckptlib.read.staging`).
 """
 
 from __future__ import annotations

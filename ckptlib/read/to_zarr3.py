@@ -8,6 +8,9 @@ it overlaps (one block being read while the previous one is compressed and writt
 whatever the state's size. Attributes: ``ckptlib_path`` (the tensor's name),
 ``ckptlib_dtype`` (its dtype) and ``ckptlib_stored_as`` (``native``, or ``bits``: the raw bits
 as an unsigned int of the same width, for dtypes zarr3 lacks; see :mod:`ckptlib.read.dtypes`).
+A local ``out`` (a path or ``file://`` URL) is written as a staging folder beside it that
+replaces it only when every array is complete (:mod:`ckptlib.read.staging`): a failed export
+leaves ``out`` as it was. Any other kvstore URL is written in place.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ckptlib.read.dtypes import ZARR3_NATIVE, to_numpy, zarr3_dtype
+from ckptlib.read.staging import staged
 from ckptlib.read.view import BLOCK_BYTES, CheckpointView
 
 CHUNK_BYTES = 4 << 20
@@ -31,18 +35,42 @@ def array_key(name: str) -> str:
     return "/".join("%2E" * len(p) if p in (".", "..") else p for p in parts)
 
 
-def _base(out: str) -> str:
-    return out.rstrip("/") if "://" in out else "file://" + os.path.abspath(out)
+def _local(out: str) -> str | None:
+    """The folder ``out`` names on this machine (a path or ``file://`` URL); None for other URLs."""
+    if out.startswith("file://"):
+        return out[len("file://"):]
+    return None if "://" in out else out
+
+
+def owns(out: str, name: str) -> bool:
+    """Whether ``out/name`` is an entry an export writes (:mod:`ckptlib.read.staging`): the root
+    ``zarr.json``, or a folder holding a ``zarr.json`` (a group or array node)."""
+    path = os.path.join(out, name)
+    if os.path.islink(path):
+        return False
+    return os.path.isfile(path) if name == "zarr.json" else os.path.isfile(os.path.join(path, "zarr.json"))
 
 
 def export_zarr3(
     view: CheckpointView, out: str, select: str | None = None, progress: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
-    """Write every tensor of ``view`` (under ``select``) as a zarr3 array below ``out`` (a
-    local folder or a tensorstore kvstore URL); returns a summary. Existing arrays are replaced."""
+    """Write every tensor of ``view`` (under ``select``) as a zarr3 array below ``out``; returns a
+    summary. A local ``out`` may be missing, empty or an earlier export (then replaced as a
+    whole); anything else there raises ``FileExistsError`` before anything is written, and an
+    error while writing (a corrupt chunk) leaves it as it was. Another tensorstore kvstore URL is
+    written in place: existing arrays are replaced, and a failed export can leave some written."""
+    local = _local(out)
+    if local is None:
+        return _write(view, out.rstrip("/"), out, select, progress)
+    with staged(local, owns, "zarr3") as folder:
+        return _write(view, "file://" + folder, out, select, progress)
+
+
+def _write(view: CheckpointView, base: str, out: str, select: str | None,
+           progress: Callable[[int], None] | None) -> dict[str, Any]:
+    """Write the arrays below the kvstore URL ``base``; the summary names ``out``."""
     import tensorstore as ts
 
-    base = _base(out)
     kv = ts.KvStore.open(base + "/").result()
     group = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
     groups: set[str] = set()
