@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import signal
 import threading
@@ -310,6 +311,8 @@ class CheckpointManager:
             return
         if type(persist_every) is not int or persist_every < 1:
             raise ValueError("persist_every must be an int >= 1")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf):
+            raise ValueError(f"drain_rate must be None (no limit) or a finite number of bytes/s > 0, got {rate!r}")
         self._persist_every = persist_every
         node = node_index()
         self._tier = tier_local.LocalTier(open_storage(local_root(os.fspath(local), node)), node, replicas, jump,
@@ -358,6 +361,7 @@ class CheckpointManager:
         if self._schedule is None:
             raise ValueError("should_save needs CheckpointManager(save_interval_steps=N) or "
                              "save_interval='auto' with mtbf_hours=")
+        layout.step_dir(step)  # an int from 0 up, as save() takes (TypeError/ValueError naming it)
         waited = self._overlap.wait_seconds
         self._schedule.add_stall(waited - self._overlap_seen)
         self._overlap_seen = waited

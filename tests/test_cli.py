@@ -673,6 +673,11 @@ def test_real_subprocess(tmp_path: Path) -> None:
     assert p.stderr.startswith("ckptlib: no such folder")
     assert "Traceback" not in p.stderr
 
+    # `python -m ckptlib` is the same command line
+    p = subprocess.run([sys.executable, "-m", "ckptlib", "verify", root], capture_output=True, text=True, env=env,
+                       timeout=120, check=False)
+    assert p.returncode == 1 and "FAILED: step 2" in p.stdout, p.stdout + p.stderr
+
 
 def test_inspect_sorts_tensor_names_naturally(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     state = {f"layers.{i}.w": torch.zeros(2) for i in (10, 2, 1, 11, 3)}

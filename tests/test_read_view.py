@@ -246,3 +246,13 @@ def test_open_hints_on_object_stores(memory_url: str, moto_s3) -> None:
             ckptlib.open(f"{url}/parent/ck/manifest.json", storage_options=opts)
         with ckptlib.open(f"{url}/parent/ck", storage_options=opts) as ck:
             assert ck.read("/a").tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_tensor_name_without_its_leading_slash_gets_a_hint(tmp_path: Path) -> None:
+    ckptlib.save({"model": {"w": torch.ones(3)}}, tmp_path / "ck")
+    with ckptlib.open(tmp_path / "ck") as ck:
+        with pytest.raises(KeyError, match=r"did you mean '/model/w'\? tensor names start with '/'"):
+            ck.read("model/w")
+        with pytest.raises(KeyError, match=r"no tensor '/model/x' .*see \.tensors\(\)"):
+            ck.read("/model/x")
+        assert ck.read("/model/w").tolist() == [1.0, 1.0, 1.0]

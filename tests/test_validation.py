@@ -157,3 +157,19 @@ def test_step_numbers_are_ints_a_folder_name_can_hold(tmp_path: Path, step: Any,
             mgr.save(step, {"w": torch.ones(2)})
     assert layout.step_dir(layout.MAX_STEP) == "step-" + "9" * 20
     assert [i.step for i in ckptlib.CheckpointManager(tmp_path).steps()] == [3]
+
+
+def test_should_save_and_drain_rate_are_checked(tmp_path: Path) -> None:
+    """``should_save(step)`` takes the steps ``save`` takes (it used to answer True for -5 and
+    raise a raw TypeError for None); ``drain_rate`` is None (no limit) or a positive finite
+    number of bytes/s (0 and -1 used to mean "no limit" silently)."""
+    with ckptlib.CheckpointManager(tmp_path / "a", async_save=False, save_interval_steps=5) as mgr:
+        with pytest.raises(ValueError, match="step must be from 0"):
+            mgr.should_save(-5)
+        with pytest.raises(TypeError, match="step must be an int, got None"):
+            mgr.should_save(None)  # type: ignore[arg-type]
+        assert [s for s in range(12) if mgr.should_save(s)] == [0, 5, 10]
+    for rate in (0, -1, float("inf"), float("nan"), "1e6", True):
+        with pytest.raises(ValueError, match="drain_rate must be None"):
+            ckptlib.CheckpointManager(tmp_path / "b", local=tmp_path / "local", drain_rate=rate)
+    ckptlib.CheckpointManager(tmp_path / "b", local=tmp_path / "local", drain_rate=1e9).close()

@@ -105,7 +105,10 @@ class CheckpointView:
     def info(self, name: str) -> TensorInfo:
         e = self.manifest.tensors.get(name)
         if e is None:
-            raise KeyError(f"no tensor {name!r} in {self.where} (see .tensors() or `ckptlib inspect`)")
+            near = "/" + name if not name.startswith("/") and "/" + name in self.manifest.tensors else None
+            hint = f"did you mean {near!r}? tensor names start with '/'" if near else (
+                "see .tensors() or `ckptlib inspect`")
+            raise KeyError(f"no tensor {name!r} in {self.where} ({hint})")
         return TensorInfo(name, e.dtype, e.shape, e.nbytes)
 
     def read(self, name: str, index: Index = None) -> torch.Tensor:
