@@ -105,8 +105,10 @@ def _local_nodes(template: str) -> dict[int, int]:
 
 
 def _add_tiers(rows: list[dict[str, Any]], local: dict[int, int]) -> list[dict[str, Any]]:
-    """``tiers`` of every row (persistent status, local node count); local-only steps added."""
-    seen = {r["step"] for r in rows}
+    """``tiers`` of every row (persistent status, local node count); local-only steps added: a
+    step committed in node folders and not committed on the persistent tier (absent there, or
+    only an abandoned drain's ``.tmp-`` folder or a damaged copy) gets a row of its own."""
+    seen = {r["step"] for r in rows if r["kind"] == "step" and r["status"] == "committed"}
     for step in sorted(set(local) - seen, reverse=True):
         rows.append({"step": step, "status": "committed", "bytes": None, "world_size": None, "num_tensors": None,
                      "created": None, "age_seconds": None, "save_id": None, "path": "", "reason": "local tier only",

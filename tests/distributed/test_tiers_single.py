@@ -209,6 +209,17 @@ def test_ls_tier_column(tmp_path: Path) -> None:
         assert cli_main(["ls", str(tmp_path / "p"), "--local", str(tmp_path / "n{node}"), "--json"]) == 0
     rows = {r["step"]: r["tiers"] for r in json.loads(buf.getvalue())["steps"]}
     assert rows == {3: {"persistent": None, "local_nodes": 1}, 2: {"persistent": "committed", "local_nodes": 1}}
+    # A drain abandoned by close(drain=False) leaves step 3's .tmp- folder on the persistent tier:
+    # step 3 is still listed as committed locally (it used to show only as the debris row).
+    work = tmp_path / "p" / "step-000000000003.tmp-0123456789abcdef"
+    work.mkdir()
+    (work / ".ckptlib").write_text('{"save_id": "0123456789abcdef", "created": 0}')
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli_main(["ls", str(tmp_path / "p"), "--local", str(tmp_path / "n{node}"), "--json"]) == 0
+    doc = json.loads(buf.getvalue())
+    three = [(r["kind"], r["status"], r["tiers"]) for r in doc["steps"] if r["step"] == 3]
+    assert ("step", "committed", {"persistent": None, "local_nodes": 1}) in three and len(three) == 2, three
 
 
 def test_wait_persisted_after_the_failure_was_raised_still_says_not_persisted(tmp_path: Path) -> None:
