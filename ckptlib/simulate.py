@@ -300,11 +300,18 @@ def advise(cl: Cluster, *, failures: int = 5000, seed: int = 0) -> dict[str, Any
     best = max(plans, key=lambda p: p["goodput"])
     warnings = []
     if best["goodput"] < LOW_GOODPUT:
-        warnings.append(
-            f"the best plan leaves only {100 * best['goodput']:.2f} % of wall time to training: with a job "
-            f"MTBF of {cl.mtbf_s:.3g} s, most of it goes to restarts ({cl.restart_s:.3g} s each, before "
-            "loading, and started over when a failure hits one); no checkpoint interval fixes that: "
-            "shorten restarts (--restart-seconds) or make failures rarer")
+        lead = (f"the best plan leaves only {100 * best['goodput']:.2f} % of wall time to training: with a job "
+                f"MTBF of {cl.mtbf_s:.3g} s, most of it goes to ")
+        if best["stall_s"] > cl.restart_s:  # the save's stall, not the restarts, is what is too long
+            warnings.append(
+                lead + f"saving (each save stalls training {best['stall_s']:.3g} s, longer than a restart); no "
+                "checkpoint interval fixes that: shorten the stall (--stall-seconds: asynchronous saves, a "
+                "faster snapshot) or make failures rarer")
+        else:
+            warnings.append(
+                lead + f"restarts ({cl.restart_s:.3g} s each, before loading, and started over when a failure "
+                "hits one); no checkpoint interval fixes that: shorten restarts (--restart-seconds) or make "
+                "failures rarer")
     return {"derived": d, "plans": plans, "recommended": best["name"], "warnings": warnings}
 
 

@@ -189,6 +189,25 @@ def test_plan_with_failures_faster_than_restarts_ends_and_warns(capsys):
     assert "goodput" in captured.out and "ckptlib: warning: the best plan leaves only" in captured.err
 
 
+def test_plan_warning_names_a_stall_longer_than_a_restart(capsys):
+    # Each save stalls training longer than a restart takes: the warning blames the stall, not
+    # the restarts (it used to tell the user to shorten restarts).
+    doc = run_json(capsys, "--params", "7B", "--gpus", "8", "--mtbf-hours", "1", "--stall-seconds", "1e6",
+                   "--failures", "200")
+    (warning,) = doc["warnings"]
+    assert "most of it goes to saving" in warning and "--stall-seconds" in warning, warning
+    assert "--restart-seconds" not in warning
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--mtbf-hours", "1e308"], "argument --mtbf-hours: must be <= 1e+09, got '1e308'"),
+    (["--mtbf-hours", "24", "--failures", "100000000"], "argument --failures: must be <= 1,000,000, got 100000000"),
+])
+def test_plan_refuses_values_it_cannot_simulate_by_option(capsys, argv, message):
+    assert main(["plan", "--params", "7B", "--gpus", "8", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_plan_gives_no_warning_for_a_healthy_cluster(capsys):
     doc = run_json(capsys, "--params", "7B", "--gpus", "64", "--mtbf-hours", "24", "--failures", "300")
     assert doc["warnings"] == [] and doc["plans"][0]["goodput"] > 0.9

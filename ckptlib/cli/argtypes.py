@@ -9,8 +9,9 @@ import argparse
 from collections.abc import Callable
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer >= ``low`` (the parse error names the value)."""
+def int_at_least(low: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer >= ``low`` (and <= ``most``; the parse error names the
+    value)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -18,6 +19,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be <= {most:,}, got {value}")
         return value
 
     parse.__name__ = f"integer >= {low}"

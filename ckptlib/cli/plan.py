@@ -20,9 +20,9 @@ from .output import CliError, Output
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
-def _number(low: float, *, inclusive: bool = False, suffixes: bool = False) -> Any:
-    """An argparse type: a finite float > low (>= low when ``inclusive``); with ``suffixes``,
-    ``100B`` = 1e11, ``7K``, ``1.5T``."""
+def _number(low: float, *, inclusive: bool = False, suffixes: bool = False, high: float = math.inf) -> Any:
+    """An argparse type: a finite float > low (>= low when ``inclusive``), at most ``high``; with
+    ``suffixes``, ``100B`` = 1e11, ``7K``, ``1.5T``."""
 
     def parse(text: str) -> float:
         raw, scale = text.strip(), 1.0
@@ -34,6 +34,8 @@ def _number(low: float, *, inclusive: bool = False, suffixes: bool = False) -> A
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
             raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text!r}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:g}, got {text!r}")
         return value
 
     parse.__name__ = "number"
@@ -52,7 +54,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="model parameters, e.g. 100B, 7e9")
     p.add_argument("--gpus", type=int_at_least(1), required=True, metavar="G", help="GPUs in the job")
     rate = p.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--mtbf-hours", type=_number(0), metavar="H",
+    rate.add_argument("--mtbf-hours", type=_number(0, high=1e9), metavar="H",
                       help="mean time between failures of the whole job, hours")
     rate.add_argument("--per-gpu-failure-rate", type=_number(0), metavar="R",
                       help="failures per GPU-hour (job MTBF = 1 / (R x G)); e.g. 2e-5")
@@ -78,8 +80,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    "(default: from the bandwidths)")
     p.add_argument("--step-seconds", type=_number(0), metavar="S",
                    help="time of one training step: also print intervals in steps")
-    p.add_argument("--failures", type=int_at_least(100), default=5000, metavar="N",
-                   help="simulated failures per plan (default 5000)")
+    p.add_argument("--failures", type=int_at_least(100, most=1_000_000), default=5000, metavar="N",
+                   help="simulated failures per plan (default 5000, at most 1,000,000)")
     p.add_argument("--seed", type=int_at_least(0), default=0, metavar="N", help="simulation seed (default 0)")
     p.set_defaults(url="")
 
