@@ -46,3 +46,20 @@ def test_plain_paths_with_colons_stay_local(tmp_path: Path) -> None:
     url = tmp_path / "run:1"
     ckptlib.save({"w": torch.ones(2)}, url)
     assert torch.equal(ckptlib.load(url)["w"], torch.ones(2))
+
+
+def test_a_far_scheme_gets_no_hint_and_an_empty_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                ) -> None:
+    """A hint is only a small edit away ("foo" used to be offered "root://"), and an empty path
+    is refused rather than read as the current folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown URL scheme 'foo' in 'foo://x'$"):
+        check_url("foo://x")
+    with pytest.raises(ValueError, match=r"did you mean memory://x\?"):
+        check_url("memroy://x")
+    ckptlib.save({"w": torch.ones(2)}, tmp_path / "ck")
+    for call in (lambda: ckptlib.open(""), lambda: ckptlib.load(""), lambda: ckptlib.CheckpointManager(""),
+                 lambda: ckptlib.save({"w": torch.ones(2)}, "")):
+        with pytest.raises(ValueError, match="empty path or URL"):
+            call()
+    assert os.listdir(tmp_path) == ["ck"]  # nothing was written anywhere

@@ -22,6 +22,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
     (:class:`~ckptlib.backends.s3.S3Storage`, ``storage_options`` go to s3fs), or any other
     fsspec URL (``memory://``, ...)."""
     url = os.fspath(url)
+    _not_empty(url)
     check_url(url)
     if "://" not in url:
         from ckptlib.backends.posix import PosixStorage
@@ -44,6 +45,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     """``(parent URL, name)`` of a URL or local path (local paths made absolute): what
     ``ckptlib.load`` opens a storage on (the parent) and reads (the name). ``api.split_url``."""
+    _not_empty(os.fspath(url))
     url = os.fspath(url).rstrip("/")
     check_url(url)  # "s3:/bucket" is a usage error, never a local folder named "s3:"
     if "://" in url:
@@ -55,6 +57,24 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(.*)$", re.S)
+
+
+def _not_empty(url: str) -> None:
+    """Refuse an empty path (it would mean the current folder): :func:`open_storage`,
+    :func:`split_url`."""
+    if not url.strip():
+        raise ValueError("empty path or URL: pass a checkpoint folder, a run root or a URL (use '.' for the "
+                         "current folder)")
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions) between two short names."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
 
 
 def check_url(url: str) -> None:
@@ -70,7 +90,8 @@ def check_url(url: str) -> None:
     scheme, rest = m.group(1), m.group(2)
     if rest.startswith("//"):
         if scheme not in known:
-            close = difflib.get_close_matches(scheme, sorted(known), n=1, cutoff=0.5)
+            close = [k for k in difflib.get_close_matches(scheme, sorted(known), n=3, cutoff=0.5)
+                     if _edits(scheme, k) <= max(1, len(scheme) // 3)][:1]  # "foo" is not "root"
             hint = f"; did you mean {close[0]}://{rest[2:]}?" if close else ""
             raise ValueError(f"unknown URL scheme {scheme!r} in {url!r}{hint}")
     elif scheme.lower() in known:

@@ -61,7 +61,9 @@ def _fatal(e: BaseException, what: str) -> BaseException | None:
     if code == "NoSuchBucket":
         return FatalStorageError(errno.ENOENT, f"{what}: the bucket does not exist")
     if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-        return FatalStorageError(errno.EACCES, f"{what}: access denied ({code or status})")
+        return FatalStorageError(errno.EACCES, f"{what or 'the root'}: access denied ({code or status}); check the "
+                                 "credentials (storage options key/secret, or the AWS_* environment) and that they "
+                                 "may read and write this bucket")
     if code in ("InvalidBucketName", "InvalidArgument", "EntityTooSmall", "InvalidPart", "MalformedXML"):
         return FatalStorageError(f"{what}: {code}: {e}")
     return None
