@@ -147,6 +147,13 @@ def test_step_deleted_after_open_is_not_called_corrupt(tmp_path: Path) -> None:
         victim.unlink()
         with pytest.raises(ckptlib.CorruptCheckpointError, match="payload file is missing"):
             ck.read("/w")
+    one = tmp_path / "one"
+    ckptlib.save({"w": torch.zeros(8)}, one)
+    with ckptlib.open(one) as ck:
+        ckptlib.save({"w": torch.ones(8)}, one, overwrite=True)  # saved again meanwhile
+        with pytest.raises(ckptlib.CheckpointNotFoundError, match="was replaced by another save while it was being"):
+            ck.read("/w")
+    assert ckptlib.load(one)["w"].tolist() == [1.0] * 8
 
 
 def test_corrupt_chunk_raises_only_where_read(big: tuple[Path, dict]) -> None:
