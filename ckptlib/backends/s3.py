@@ -94,7 +94,8 @@ def _refuse_unknown(opts: dict[str, Any], fs_class: type) -> None:
     import difflib
     import inspect
 
-    known = [n for n in inspect.signature(fs_class.__init__).parameters if n not in ("self", "args", "kwargs")]
+    init = fs_class.__init__  # type: ignore[misc]  # the class's own arguments (its metaclass hides them)
+    known = [n for n in inspect.signature(init).parameters if n not in ("self", "args", "kwargs")]
     for name in opts:
         if name in known:
             continue
