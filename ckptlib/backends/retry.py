@@ -80,6 +80,8 @@ def is_transient(exc: BaseException) -> bool:
     code, status = error_code(exc)
     if code or status:
         return code in TRANSIENT_CODES or status in (429, 500, 502, 503, 504)
+    if _tls_misconfigured(exc):
+        return False
     if isinstance(exc, TimeoutError | ConnectionError | asyncio.IncompleteReadError):
         return True
     name = type(exc).__name__
@@ -95,6 +97,23 @@ def is_transient(exc: BaseException) -> bool:
         errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
         errno.EHOSTUNREACH, errno.ENETUNREACH,
     )
+
+
+TLS_SETUP_ERRORS = ("wrong version number", "certificate verify failed", "unknown protocol",
+                    "tlsv1 alert protocol version")
+"""TLS failures that another attempt cannot mend (an ``https://`` endpoint that speaks plain HTTP,
+a certificate the client does not trust), found in the error or its causes."""
+
+
+def _tls_misconfigured(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(5):  # the error and the few causes botocore/aiohttp chain under it
+        if seen is None:
+            return False
+        if any(w in str(seen).lower() for w in TLS_SETUP_ERRORS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 @dataclass(frozen=True, slots=True)
