@@ -424,7 +424,9 @@ class Campaign:
                     f"rank {o.rank} wrote no result (exit {o.returncode})\n{o.log[-2000:]}"
                 )
             elif "crash" in o.result:
-                last = o.result["crash"].strip().splitlines()[-1]
+                # the exception's own line: the traceback's last, or the one above ckptlib's
+                # notes (Python 3.11+ prints exception notes under it: "ckptlib: ... relaunch")
+                last = [ln for ln in o.result["crash"].strip().splitlines() if not ln.startswith("ckptlib: ")][-1]
                 if not faulted:
                     problems.append(f"rank {o.rank} crashed without a fault: {o.result['crash']}")
                 elif not SURVIVOR_ERRORS.search(last):
