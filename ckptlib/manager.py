@@ -308,6 +308,13 @@ class CheckpointManager:
         self._saves = 0
         self._persist_next = False
         if local is None:
+            given = {name: value for name, value, default in (
+                ("local_keep_last", keep_last, 2), ("replicas", replicas, 1), ("persist_every", persist_every, 1),
+                ("replica_jump", jump, 1), ("drain_rate", rate, None)) if value != default}
+            if given:  # a tier setting with no tier would be silently ignored
+                named = ", ".join(f"{k}={v!r}" for k, v in given.items())
+                raise ValueError(f"{named}: these set the node-local tier, and there is none; pass local= "
+                                 "(a node-local folder, docs/tiers.md) or leave them out")
             return
         if type(persist_every) is not int or persist_every < 1:
             raise ValueError("persist_every must be an int >= 1")

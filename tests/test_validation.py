@@ -173,3 +173,16 @@ def test_should_save_and_drain_rate_are_checked(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="drain_rate must be None"):
             ckptlib.CheckpointManager(tmp_path / "b", local=tmp_path / "local", drain_rate=rate)
     ckptlib.CheckpointManager(tmp_path / "b", local=tmp_path / "local", drain_rate=1e9).close()
+
+
+def test_tier_settings_without_a_tier_are_refused(tmp_path: Path) -> None:
+    """``persist_every``, ``replicas`` and the other tier settings mean nothing without
+    ``local=``: passing one used to be ignored silently (a job meant to drain every 10th save
+    wrote every save to the persistent tier, with no node-local copy). Now it is refused, naming
+    each setting; the defaults alone are accepted."""
+    with pytest.raises(ValueError, match=r"replicas=2, persist_every=10: these set the node-local tier"):
+        ckptlib.CheckpointManager(tmp_path / "a", persist_every=10, replicas=2)
+    for kw in ({"local_keep_last": 5}, {"replica_jump": 2}, {"drain_rate": 1e9}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}=.*pass local="):
+            ckptlib.CheckpointManager(tmp_path / "a", **kw)
+    ckptlib.CheckpointManager(tmp_path / "a", persist_every=1, replicas=1, local_keep_last=2).close()
