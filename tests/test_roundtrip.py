@@ -822,6 +822,26 @@ def test_more_dimensions_than_a_manifest_holds_is_refused_before_any_io(tmp_path
     assert ckptlib.load(tmp_path / "d")["a"].shape == (1,) * 64
 
 
+@pytest.mark.parametrize("version", ["1", "2"])
+@pytest.mark.parametrize(("local", "offset"), [((2, 3), (0, 0)), ((4, 2), (0, 1)), ((1, 1), (3, 2))])
+def test_shards_that_do_not_tile_fail_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str,
+                                               local: tuple[int, int], offset: tuple[int, int]) -> None:
+    """A Shard that leaves part of its (4, 3) tensor uncovered fails the save with CommitError,
+    in both formats; nothing of that step is committed and the older step stays the newest
+    (before the fix the save committed a step every reader refused as corrupt)."""
+    monkeypatch.setenv("CKPTLIB_FORMAT_VERSION", version)
+    state = {"s": ckptlib.Shard(torch.ones(local), (4, 3), offset)}
+    with ckptlib.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, {"s": torch.ones(4, 3)})
+        with pytest.raises(ckptlib.CommitError, match="do not tile"):
+            mgr.save(2, state)
+        assert [(i.step, i.status) for i in mgr.steps()] == [(1, "committed")]
+        assert mgr.latest_step() == 1
+    with pytest.raises(ckptlib.CommitError, match="do not tile"):
+        ckptlib.save(state, tmp_path / "one")
+    assert not (tmp_path / "one" / "manifest.json").exists()
+
+
 def test_resharded_load_of_packed_pieces_with_the_same_box_shape(tmp_path: Path) -> None:
     """A requested box with the same shape as a stored piece but another offset gets only the
     overlap (a whole-piece copy would put the wrong elements there)."""

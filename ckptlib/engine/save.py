@@ -442,6 +442,7 @@ class SaveSession:
                     body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
                                       staging.payload_prefix, tree=tree, metrics=metrics, layout=self.layout)
                     body["extra"] = extra or {}
+                    mf.check_built(body)  # never publish what a reader would refuse
                     data = encode_body(body)
                 nbytes = sum(size for _, size in body["files"])
                 if extra:  # adapter data: never publish what a reader would refuse

@@ -423,6 +423,26 @@ def _decode_piece(
     return Piece(pidx, raw_offset, offset, box)
 
 
+def check_built(body: dict[str, Any]) -> None:
+    """The coordinator, on a manifest body it built (``engine/save.py`` ``SaveSession.publish``),
+    before it commits: every tensor's pieces cover it exactly once, as :func:`decode` requires,
+    so ``Shard`` pieces that leave gaps or overlap fail the save instead of committing a
+    checkpoint no reader accepts. Only tensors stored in several pieces are looked at (v1
+    ``chunks``/``packed`` rows; v2 shardings, grids against the world size): O(those pieces)."""
+    v = Checker("", "the pieces saved do not tile the tensor (Shard offsets and shapes must cover "
+                    "each tensor exactly once): ")
+    if "indexes" in body:  # v2: the planner's layout
+        for name, t in body["tensors"].items():
+            decode_sharding(name, t, tuple(t["shape"]), body["world_size"], v)
+        return
+    for name, t in body["tensors"].items():
+        shape = tuple(t["shape"])
+        pieces = [Piece(0, 0, tuple(c[4]), tuple(c[5])) for c in t.get("chunks", ())]
+        pieces += [Piece(0, 0, tuple(p[2]), tuple(p[3])) for p in t.get("packed", ())]
+        if not (len(pieces) == 1 and pieces[0].shape == shape):
+            check_tiling(shape, pieces, f"tensor {name!r:.200}", v)
+
+
 _GRID_LIMIT = 1 << 22
 
 
