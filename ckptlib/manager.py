@@ -316,8 +316,9 @@ class CheckpointManager:
                 raise ValueError(f"{named}: these set the node-local tier, and there is none; pass local= "
                                  "(a node-local folder, docs/tiers.md) or leave them out")
             return
-        if type(persist_every) is not int or persist_every < 1:
-            raise ValueError("persist_every must be an int >= 1")
+        for name, value, low in (("local_keep_last", keep_last, 1), ("replicas", replicas, 0),
+                                 ("replica_jump", jump, 1), ("persist_every", persist_every, 1)):
+            argcheck.int_at_least(name, value, low)  # before the local tier's folder is opened
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf):
             raise ValueError(f"drain_rate must be None (no limit) or a finite number of bytes/s > 0, got {rate!r}")
         self._persist_every = persist_every

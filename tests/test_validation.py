@@ -39,6 +39,27 @@ def test_manager_arguments(tmp_path: Path, kwargs: dict[str, Any], exc: type[Exc
     assert not (tmp_path / "run").exists()  # refused before touching storage
 
 
+BAD_TIER_ARGS = [
+    ({"local_keep_last": "2"}, TypeError, "local_keep_last must be an int >= 1, got '2'"),
+    ({"local_keep_last": 0}, ValueError, "local_keep_last must be an int >= 1, got 0"),
+    ({"replicas": "1"}, TypeError, "replicas must be an int >= 0, got '1'"),
+    ({"replicas": -1}, ValueError, "replicas must be an int >= 0, got -1"),
+    ({"persist_every": 2.0}, TypeError, "persist_every must be an int >= 1, got 2.0"),
+    ({"persist_every": 0}, ValueError, "persist_every must be an int >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "message"), BAD_TIER_ARGS,
+                         ids=[next(iter(k)) + "=" + repr(next(iter(k.values()))) for k, _, _ in BAD_TIER_ARGS])
+def test_manager_tier_arguments(tmp_path: Path, kwargs: dict[str, Any], exc: type[Exception], message: str) -> None:
+    """The tier options are checked like the others (before the fix a string count failed deep
+    in the tier's code with "'<' not supported between instances of 'str' and 'int'")."""
+    with pytest.raises(exc) as info:
+        ckptlib.CheckpointManager(tmp_path / "run", local=tmp_path / "local" / "{node}", **kwargs)
+    assert message in str(info.value)
+    assert not (tmp_path / "local").exists()  # refused before the local tier's folder is made
+
+
 def test_manager_good_arguments_accepted(tmp_path: Path) -> None:
     with ckptlib.CheckpointManager(tmp_path, keep_last=2, keep_every=10, compression="zstd", save_timeout=30,
                                    snapshot_timeout=1.5, persist_nice=None, in_flight="skip") as mgr:

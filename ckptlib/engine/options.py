@@ -25,6 +25,14 @@ def positive_int(name: str, value: Any, *, optional: bool = False) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def int_at_least(name: str, value: Any, low: int) -> None:
+    """``value`` is an int >= ``low`` (counts where 0 may be allowed); bool is not an int here."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
 def positive_number(name: str, value: Any) -> None:
     """``value`` is an int or float > 0 (seconds, sizes)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
