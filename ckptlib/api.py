@@ -47,7 +47,7 @@ def save(
     parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
     coordinator = coordinator or default_coordinator()
-    flat = save_flow.prepare(state, coordinator.rank)
+    flat = save_flow.prepare(state, coordinator.rank, collective=coordinator.world_size > 1)
     save_flow.persist(storage, name, flat, step=None, metadata=metadata, options=opts,
                       coordinator=coordinator)
 

@@ -422,13 +422,15 @@ class CheckpointManager:
             self._queued_s = time.monotonic() - waited  # not the save's own stall (docs/scale.md)
             self._raise_pending()
         self._agree_interval()
-        flat = save_flow.prepare(state, self.coordinator.rank)
+        coord = self.coordinator
+        flat = save_flow.prepare(state, coord.rank, metadata=metadata, collective=coord.world_size > 1)
         crashpoints.point("snapshot", self.coordinator.rank)
         if self._tier is None:  # with tiers the drain makes it (the persistent tier may be down)
             self._ensure_root()
         save_id = save_flow.new_save_id()
         created = time.time()
-        if not self.options.async_save:
+        if not self.options.async_save or flat.error is not None:
+            # A state this rank cannot save fails the save on every rank now, and raises here.
             self._handles.append(handle)
             self._persist(handle, flat, step, metadata, save_id, created, metrics)
             self._raise_pending()

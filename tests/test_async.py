@@ -260,6 +260,16 @@ def test_snapshot_failure_raised_by_save_once(tmp_path, monkeypatch):
     assert ckpt_threads() == []
 
 
+def test_unsupported_metadata_raised_by_async_save_itself(tmp_path):
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    with pytest.raises(ckptlib.UnsupportedValueError, match=r"builtins\.set at /tags"):
+        mgr.save(1, make_state(), metadata={"tags": {"a", "b"}})  # not later, from wait()
+    mgr.wait()
+    mgr.save(2, make_state(), metadata={"tags": ["a", "b"]}).wait(timeout=60)
+    mgr.close()
+    assert [i.step for i in mgr.steps()] == [2] and os.listdir(tmp_path) == [layout.step_dir(2)]
+
+
 def test_background_snapshot_failure_surfaces_once_at_wait(tmp_path, monkeypatch):
     real = snap_mod.copy_round
     calls = {"n": 0}

@@ -146,9 +146,22 @@ REP_TAG = "rep"
 """The file tag of a rank's replicated pieces under :attr:`Placement.own_replicated`."""
 
 
-def prepare(state: Any, rank: int = 0) -> FlatState:
-    with paused_gc():
-        return flatten(state, rank)
+def prepare(state: Any, rank: int = 0, *, metadata: Any = None, collective: bool = False) -> FlatState:
+    """The caller's thread, before a save: ``state`` flattened (and ``metadata`` checked), raising
+    what cannot be saved (:class:`UnsupportedValueError`, or what a ``state_dict()`` raised).
+    ``collective`` (a save with other ranks, which will wait for this one): that failure is
+    returned instead, as an empty state with ``error`` set, for :func:`persist` to take part in
+    the save with, so that every rank fails it rather than waiting for this one or meeting its
+    next save; :func:`persist` then raises the error here and a :class:`CommitError` naming it
+    on the other ranks."""
+    try:
+        encode_metadata(metadata)
+        with paused_gc():
+            return flatten(state, rank)
+    except Exception as e:
+        if not collective:
+            raise
+        return FlatState(None, [], False, e)
 
 
 def encode_metadata(metadata: Any) -> Any:
@@ -217,7 +230,9 @@ class SaveSession:
         """Where this rank's payload files go (relative to the storage root)."""
         self._staging = staging  # the coordinator's, and a tier save's other node leaders' (their copy)
         self.stage_error = stage_error
-        """A node leader that could not open its node's staging folder (reported with the plan)."""
+        """Why this rank cannot take part, reported with the plan, which then fails on every rank:
+        a node leader could not open its node's staging folder, or this rank's state cannot be
+        saved (:func:`persist`, ``FlatState.error``)."""
         self._files: list[tuple[str, int]] = []
         self._chunks: list[Any] = []
         self._writes = 0
@@ -660,6 +675,8 @@ def persist(
     save = SaveSession.begin(storage, final, step=step, options=options, coordinator=coordinator, session=session,
                              save_id=save_id, created=created, placement=placement, proposal=proposal)
     save.index_tail = placement is None and rounds is None and after_write is None
+    if flat.error is not None:  # reported with the plan, which then fails on every rank
+        save.stage_error = save.stage_error or f"{type(flat.error).__name__}: {flat.error}"
     try:
         error = write_state(save, flat, rounds, before_write, arena)
         if after_write is not None:
@@ -669,6 +686,8 @@ def persist(
                            metadata=meta_tree, metrics=metrics)
     except BaseException as e:
         save.abort(e)  # a no-op after finish
+        if flat.error is not None:
+            raise flat.error from None  # this rank's own error; the others raise the plan's
         raise
 
 

@@ -50,6 +50,9 @@ class FlatState:
     items: list[TensorItem]
     per_rank: bool
     """True if the tree holds ``per_rank`` nodes (the manifest build must merge trees then)."""
+    error: BaseException | None = None
+    """Why this rank's state cannot be saved (``ckptlib.engine.save.prepare`` with ``collective``;
+    ``tree`` and ``items`` are then empty): the save fails on every rank, naming it."""
 
 
 def is_stateful(obj: Any) -> bool:

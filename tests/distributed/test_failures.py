@@ -106,3 +106,20 @@ def test_coordinator_frozen_or_killed_during_publish_fails_others_in_time(tmp_pa
         for p in procs:
             p.kill()
             p.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_state_one_rank_cannot_save_fails_every_rank_at_once(tmp_path, async_save):
+    """A value ckptlib cannot save on one rank only: that rank raises UnsupportedValueError from
+    save(), every other rank a CommitError naming it (no rank waits for it, and no rank's next
+    save meets this one's), nothing is committed, and the next save works everywhere."""
+    out = run("unsaveable", 2, tmp_path, {"victim": 1, "async": async_save}, timeout=90, env=ENV)
+    for rank, r in enumerate(out):
+        for key in ("manager", "one_shot"):
+            kind, message = r[key]
+            if rank == 1:
+                assert kind == "UnsupportedValueError" and "builtins.set at /extra/@rank1" in message, r
+            else:
+                assert kind == "CommitError" and "rank 1: UnsupportedValueError: cannot save builtins.set" in message, r
+        assert r["next"] is None and r["one_shot_next"] is None, r
+        assert r["restored"] == 3 and not r["one_exists"], r

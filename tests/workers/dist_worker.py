@@ -161,6 +161,33 @@ def sc_fail(rank: int, world: int, root: str, args: dict) -> dict:
     return {"error": None, "elapsed": time.monotonic() - t0}
 
 
+def sc_unsaveable(rank: int, world: int, root: str, args: dict) -> dict:
+    """Rank ``args["victim"]``'s state holds a value ckptlib cannot save (a set), in a manager's
+    save (``args["async"]``) and in a one-shot save; then every rank saves a good state. Records
+    what each save raised, and the step a fresh restore finds."""
+    out: dict = {}
+
+    def attempt(key: str, fn) -> None:
+        try:
+            fn()
+            out[key] = None
+        except ckptlib.CheckpointError as e:
+            out[key] = [type(e).__name__, str(e)]
+
+    state = make_state(world, rank, {})
+    bad = dict(state, extra=ckptlib.PerRank({1, 2} if rank == args["victim"] else [1, 2]))
+    with ckptlib.CheckpointManager(os.path.join(root, "ck"), async_save=args["async"], save_timeout=60) as mgr:
+        mgr.save(1, state).wait(timeout=60)
+        attempt("manager", lambda: mgr.save(2, bad).wait(timeout=60))
+        attempt("next", lambda: mgr.save(3, state).wait(timeout=60))
+    attempt("one_shot", lambda: ckptlib.save(bad, os.path.join(root, "one")))
+    attempt("one_shot_next", lambda: ckptlib.save(state, os.path.join(root, "two")))
+    out["one_exists"] = os.path.exists(os.path.join(root, "one"))
+    with ckptlib.CheckpointManager(os.path.join(root, "ck")) as mgr:
+        out["restored"] = mgr.restore(make_state(world, rank, {}))
+    return out
+
+
 def dp_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, step: int) -> None:
     """One data-parallel step of ``sc_train``'s job (also chaos_worker.py's ``ctrain``).
 
