@@ -123,3 +123,34 @@ def test_the_simulated_store_models_the_same_folder_rules() -> None:
     free.write(b"x")
     free.close()
     assert storage.size("elsewhere/new.bin") == 1
+
+
+def test_a_staging_folder_deleted_from_outside_fails_the_save_saying_so(tmp_path, monkeypatch) -> None:
+    """Something outside ckptlib deletes a save's staging folder before its manifest is written
+    (single process: no rank fenced it): the save fails once, saying the folder disappeared (not
+    that another rank fenced it), the previous step stands and the next save commits."""
+    import ckptlib
+    from ckptlib.format import layout
+
+    root = tmp_path / "run"
+    state = {"w": torch.arange(1000.0), "step": 1}
+    mgr = ckptlib.CheckpointManager(root, keep_last=1)
+    mgr.save(1, state).wait(timeout=60)
+    real = PosixStorage.put_atomic
+
+    def deleted_first(self: PosixStorage, path: str, data: bytes) -> None:
+        if path.endswith("manifest.json"):
+            shutil.rmtree(os.path.join(self.root, path.split("/")[0]))
+        real(self, path, data)
+
+    monkeypatch.setattr(PosixStorage, "put_atomic", deleted_first)
+    handle = mgr.save(2, state)
+    with pytest.raises(CommitError, match="disappeared during the save") as e:
+        handle.wait(timeout=60)
+    assert "another rank" not in str(e.value)
+    mgr.wait()  # raised once
+    monkeypatch.undo()
+    assert os.listdir(root) == [layout.step_dir(1)]
+    mgr.save(3, state).wait(timeout=60)
+    mgr.close()
+    assert os.listdir(root) == [layout.step_dir(3)]

@@ -176,7 +176,7 @@ def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: b
     # A fence moves the folder away; the put above would have recreated it, without the marker.
     # Nothing below recreates it, so after this check the rename can only fail once fenced.
     if storage.size(join(st.work, layout.MARKER)) is None:
-        raise _fenced_error(storage, st, where)
+        raise _fenced_error(storage, st, where) if _fenced(storage, st) else _vanished_error(storage, st)
     folder = parent(st.final)
     try:
         storage.sync_dir(st.payload_prefix)
@@ -403,6 +403,17 @@ def _fenced_error(storage: Storage, st: Staging, detail: str) -> CommitError:
     return CommitError(
         f"{storage.url.rstrip('/')}/{st.final} was not committed: another rank gave up waiting for this "
         f"coordinator and fenced the save ({detail}); every rank reports it failed; save again"
+    )
+
+
+def _vanished_error(storage: Storage, st: Staging) -> CommitError:
+    """:func:`_publish_rename` found its staging folder gone and no rank's fence holding it: it
+    was removed from outside the save (the root or the folder deleted, a cleanup job)."""
+    url = storage.url.rstrip("/")
+    return CommitError(
+        f"{url}/{st.final} was not committed: its staging folder {st.work} disappeared during the save "
+        f"(deleted by something other than ckptlib: a cleanup job, a person, another job using {url}?); "
+        f"older steps are untouched. Stop whatever deletes files under {url}, then save again"
     )
 
 
