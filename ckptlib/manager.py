@@ -615,20 +615,31 @@ class CheckpointManager:
                     t.wait(limit)
                 self._drainer.stop(limit)
                 self._raise_pending()
-        finally:
-            self._closed = True
-            if self._drainer is not None:
-                self._drainer.abandon()  # drain=False or a failed close: no drain thread outlives close
-            stuck = self._worker.busy()
-            self._worker.stop(0.0 if stuck else 5.0)  # idle: it ends at once
-            if not stuck:
-                self._stager.release()  # never free memory a stuck writer still reads
-                if self._tier is not None:
-                    self._tier.storage.release_spares()  # a memory tier's recycled pages
-            self._finalizer.detach()
-            atexit.unregister(self._finalizer)
-            if self._final is not None:
-                self._final.watcher.uninstall()
+        except BaseException as e:
+            if not isinstance(e, Exception) and self._worker.busy():
+                # Ctrl-C (or SystemExit) while a save is in flight: the manager stays open, so that
+                # close() again, or the interpreter-exit drain, lets that save commit and reports it.
+                raise
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        """:meth:`close`, after waiting: mark the manager closed and free what it holds (a
+        staging arena a stuck writer still reads is kept), restore signal handlers."""
+        self._closed = True
+        if self._drainer is not None:
+            self._drainer.abandon()  # drain=False or a failed close: no drain thread outlives close
+        stuck = self._worker.busy()
+        self._worker.stop(0.0 if stuck else 5.0)  # idle: it ends at once
+        if not stuck:
+            self._stager.release()  # never free memory a stuck writer still reads
+            if self._tier is not None:
+                self._tier.storage.release_spares()  # a memory tier's recycled pages
+        self._finalizer.detach()
+        atexit.unregister(self._finalizer)
+        if self._final is not None:
+            self._final.watcher.uninstall()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -356,6 +356,50 @@ def test_close_with_save_in_flight_commits_and_releases(tmp_path, monkeypatch):
     assert_same(restored(tmp_path, 7), before)
 
 
+CTRL_C_IN_CLOSE = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time, torch
+    sys.path.insert(0, sys.argv[3])
+    import ckptlib
+    from ckptlib.backends.posix import PosixStorage
+    real = PosixStorage.open_write_in
+    def slow(self, path):  # each payload file takes a while: the save is in flight for seconds
+        time.sleep(0.5)
+        return real(self, path)
+    PosixStorage.open_write_in = slow
+    mgr = ckptlib.CheckpointManager(sys.argv[1])
+    h = mgr.save(7, {"w": torch.full((1 << 20,), 7.0)})
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        mgr.close()  # Ctrl-C lands here
+    except KeyboardInterrupt:
+        print("interrupted", h.done(), flush=True)
+        if sys.argv[2] == "exit":
+            raise  # the process ends: the exit drain commits the save
+    mgr.close()  # again: waits for the save, then releases
+    print("closed", h.done(), h.error, mgr._stager.nbytes, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("then", ["close", "exit"])
+def test_ctrl_c_in_close_keeps_the_save_in_flight(tmp_path, then):
+    """Ctrl-C while close() waits for a save in flight: close() raises KeyboardInterrupt but the
+    manager stays open, so the save still commits, by close() called again (which then frees the
+    staging arena) or by the drain at interpreter exit, as after Ctrl-C anywhere else."""
+    script = tmp_path / "worker.py"
+    script.write_text(CTRL_C_IN_CLOSE)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), then, ROOT],
+                       capture_output=True, text=True, timeout=120)
+    assert "interrupted False" in p.stdout, p.stdout + p.stderr
+    if then == "close":
+        assert p.returncode == 0 and "closed True None 0" in p.stdout, p.stdout + p.stderr
+    else:
+        assert p.returncode != 0 and "KeyboardInterrupt" in p.stderr
+    assert os.listdir(tmp_path / "ck") == [layout.step_dir(7)]
+    assert torch.equal(ckptlib.load(tmp_path / "ck" / layout.step_dir(7))["w"], torch.full((1 << 20,), 7.0))
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
