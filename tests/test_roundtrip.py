@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -587,6 +588,16 @@ def test_unsupported_leaf_names_path_and_writes_nothing(tmp_path: Path, value: A
 def test_unsupported_dtype_value(tmp_path: Path) -> None:
     with pytest.raises(ckptlib.UnsupportedValueError, match="/a/b"):
         ckptlib.save({"a": {"b": torch.qint8}}, tmp_path / "ck")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensor_is_unsupported(tmp_path: Path, layout: torch.layout) -> None:
+    with warnings.catch_warnings():  # torch: the strided nested API is a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    with pytest.raises(ckptlib.UnsupportedValueError, match="/a/n"):
+        ckptlib.save({"a": {"n": nt}}, tmp_path / "ck")
     assert list(tmp_path.iterdir()) == []
 
 

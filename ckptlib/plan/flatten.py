@@ -188,6 +188,9 @@ class _Flattener:
     ) -> dict[str, Any]:
         if t.layout is not torch.strided:
             raise UnsupportedValueError(f"tensor at {path}: layout {t.layout} is not supported")
+        if t.is_nested:  # strided layout, but no single shape
+            raise UnsupportedValueError(f"tensor at {path} is a nested tensor, which ckptlib cannot store; "
+                                        "save its components instead (t.unbind())")
         if t.is_meta:
             raise UnsupportedValueError(f"tensor at {path} is on the meta device (it has no data)")
         if t.dtype not in NAMES:
