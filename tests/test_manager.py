@@ -56,6 +56,17 @@ def test_restore_empty_root_returns_none(tmp_path):
     assert ckptlib.CheckpointManager(tmp_path / "never").steps() == []
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_root_that_is_a_file_fails_save_saying_so(tmp_path, under):
+    (tmp_path / "f").write_text("not a folder")
+    root = tmp_path / "f" / "run" if under else tmp_path / "f"
+    mgr = ckptlib.CheckpointManager(root)
+    with pytest.raises(ckptlib.StorageError, match="is a file, not a folder"):
+        mgr.save(1, {"w": torch.ones(3)})
+    mgr.close()
+    assert (tmp_path / "f").read_text() == "not a folder"
+
+
 def test_retention_keep_last_and_every(tmp_path):
     state = make_state()
     with ckptlib.CheckpointManager(tmp_path, keep_last=2, keep_every=20, async_save=False) as mgr:

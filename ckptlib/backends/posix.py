@@ -350,6 +350,9 @@ class PosixStorage(Storage):
         try:
             os.makedirs(self._p(path), exist_ok=True)
         except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where a folder must be
+                e = OSError(e.errno, f"{e.strerror}: it or a folder above it is a file, not a folder; "
+                                     "move that file away or pass another path")
             raise _storage_error("mkdir", self._p(path), e) from e
 
     def rename(self, src: str, dst: str) -> None:
