@@ -5,6 +5,7 @@ changed; ``strict=False`` loads what matches and returns the rest as ``.missing`
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,24 @@ def test_fresh_optimizer_takes_the_saved_state(tmp_path: Path) -> None:
     ckptlib.load(tmp_path / "ck", into={"m": m2, "opt": opt2})  # strict
     assert_same(m2.state_dict(), m.state_dict())
     assert_same(opt2.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_optimizer_over_other_parameters_is_refused_before_reading(tmp_path: Path, strict: bool) -> None:
+    """An optimizer built over more parameters than the saved one (a layer added): its state
+    cannot be loaded in part, so the load refuses by name before anything is read or changed
+    (it raised torch's ValueError from load_state_dict, after the model was loaded)."""
+    m, opt = _trained()
+    ckptlib.save({"m": m, "opt": opt}, tmp_path / "ck")
+    m2 = nn.Linear(3, 2)
+    extra = nn.Parameter(torch.zeros(4))
+    opt2 = torch.optim.Adam([*m2.parameters(), extra], lr=0.5)
+    weight = m2.weight.detach().clone()
+    with pytest.raises(ckptlib.StateMismatchError,
+                       match=re.escape("/opt/param_groups: checkpoint has parameter groups of [2] parameters, "
+                                       "the optimizer [3]")):
+        ckptlib.load(tmp_path / "ck", into={"m": m2, "opt": opt2}, strict=strict)
+    assert torch.equal(m2.weight, weight) and opt2.state_dict()["state"] == {}
 
 
 def test_module_with_an_extra_buffer(tmp_path: Path) -> None:

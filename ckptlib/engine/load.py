@@ -9,7 +9,8 @@ read. Keys (dict keys, as ``/``-joined paths): ``strict=True`` (the default) rai
 :class:`StateMismatchError` naming every key missing on either side, before any byte is read;
 ``strict=False`` loads the keys both sides hold, leaves the target's other keys as they are and
 reports both lists (:attr:`Merge.missing`, :attr:`Merge.unexpected`). An empty dict in the
-target (a fresh optimizer's ``state``) takes whatever the checkpoint holds there.
+target (a fresh optimizer's ``state``) takes whatever the checkpoint holds there; an optimizer's
+moments are read laid out like their parameters (:meth:`Merge.optimizer_targets`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ class Merge:
             raise StateMismatchError(f"{path or '<root>'}: checkpoint has a tensor, target has {type(target).__name__}")
         if isinstance(v, tree_codec.Stateful) and is_stateful(target):
             sd = target.state_dict()
+            if isinstance(target, torch.optim.Optimizer):
+                sd = self.optimizer_targets(target, sd, v, path)
             merged = self.merge(sd, dict(v), path)
             self.loads.append(lambda: target.load_state_dict(resolve_lazy(merged)))
             return target
@@ -173,6 +176,50 @@ class Merge:
                 return tuple(items)
             return self.fresh(v)
         return self.fresh(v)
+
+    def optimizer_targets(self, optim: torch.optim.Optimizer, sd: dict[str, Any], saved: dict[str, Any],
+                          path: str) -> dict[str, Any]:
+        """Called by :meth:`merge` for an optimizer target: its ``state_dict()`` ``sd``, checked
+        against the saved one and, when its ``state`` is empty (a fresh optimizer), given targets
+        for the saved per-parameter state. A saved tensor of its parameter's shape is read into
+        ``torch.empty_like(param)``: a DTensor parameter's moments (FSDP2, TP) arrive as DTensors
+        with its placements, this rank's box only, as ``optimizer.step()`` needs them; other
+        values are taken as saved. Parameter groups of other sizes raise
+        :class:`StateMismatchError` before any byte is read (``load_state_dict`` would refuse
+        them after the read, with the rest of the state already loaded)."""
+        groups, saved_groups = sd.get("param_groups"), saved.get("param_groups")
+        if not (isinstance(groups, list) and isinstance(saved_groups, list)):
+            return sd
+        mine = [len(g["params"]) for g in groups]
+        theirs = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
+                  for g in saved_groups]
+        if mine != theirs:
+            raise StateMismatchError(
+                f"{path or '<root>'}/param_groups: checkpoint has parameter groups of {theirs} parameters, "
+                f"the optimizer {mine}; build the optimizer over the parameters it was saved with"
+            )
+        saved_state = saved.get("state")
+        if sd.get("state") or not isinstance(saved_state, dict):
+            return sd
+        params = {i: p for g, own in zip(groups, optim.param_groups, strict=True)
+                  for i, p in zip(g["params"], own["params"], strict=True)}
+        state: dict[Any, Any] = {}
+        for i, entries in saved_state.items():
+            p = params.get(i)
+            if p is None or not isinstance(entries, dict):
+                continue
+            state[i] = {k: self._like(p, x) for k, x in entries.items()}
+        return {**sd, "state": state}
+
+    def _like(self, param: torch.Tensor, v: Any) -> torch.Tensor | None:
+        """Target for the saved value ``v`` of ``param``'s optimizer state: an empty tensor laid
+        out like ``param`` when ``v`` is a tensor of its shape, else None (read as saved)."""
+        if not isinstance(v, tree_codec.TensorRef):
+            return None
+        e = self.m.tensors[v.name]
+        if e.shape != tuple(param.shape):
+            return None
+        return torch.empty_like(param, dtype=DTYPES[e.dtype], requires_grad=False)
 
     def check_keys(self) -> None:
         """After :meth:`merge` with ``strict=True``: raise :class:`StateMismatchError` naming the
