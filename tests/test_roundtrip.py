@@ -546,6 +546,25 @@ def test_load_into_module_shape_mismatch(tmp_path: Path) -> None:
         ckptlib.load(path, into={"m": nn.Linear(4, 5)})
 
 
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        pytest.param(lambda: nn.Linear(4, 3, device="meta"), r"/m/weight: target is on the meta device", id="meta"),
+        pytest.param(lambda: {"weight": torch.zeros(3).expand(4, 3).t(), "bias": torch.zeros(3)},
+                     r"/m/weight: target is an expanded view", id="expanded"),
+    ],
+)
+def test_load_into_a_target_without_memory_of_its_own(tmp_path: Path, make: Any, match: str) -> None:
+    """A meta-device target was "loaded" silently (still meta, no data); an expanded view raised
+    torch's RuntimeError after other values had been set. Both are refused by key, up front."""
+    path = tmp_path / "ck"
+    ckptlib.save({"m": nn.Linear(4, 3), "n": 5}, path)
+    state = {"m": make(), "n": 0}
+    with pytest.raises(ckptlib.StateMismatchError, match=match):
+        ckptlib.load(path, into=state)
+    assert state["n"] == 0
+
+
 # --------------------------------------------------------------------------- unsupported values
 
 

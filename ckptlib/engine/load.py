@@ -237,13 +237,21 @@ class Merge:
         )
 
     def tensor(self, target: torch.Tensor | Shard, name: str, path: str) -> None:
-        """Plan reading the saved tensor ``name`` into ``target`` (a tensor or a ``Shard`` of it)."""
+        """Plan reading the saved tensor ``name`` into ``target`` (a tensor or a ``Shard`` of it).
+        A target that cannot hold the bytes (on the meta device, an expanded view) raises
+        :class:`StateMismatchError` here, before any byte is read or any target changed."""
         e = self.m.tensors[name]
         if isinstance(target, Shard):
             t, offset, gshape = target.local, tuple(target.global_offset), tuple(target.global_shape)
         else:
             t, offset, gshape = target, (0,) * target.dim(), tuple(target.shape)
         where = path or "<root>"
+        if t.is_meta:
+            raise StateMismatchError(f"{where}: target is on the meta device (it has no memory to load into); "
+                                     "materialize it first, e.g. module.to_empty(device='cpu')")
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+            raise StateMismatchError(f"{where}: target is an expanded view (its elements share memory); "
+                                     "load into a tensor of its own (.clone() it)")
         if gshape != e.shape:
             raise StateMismatchError(f"{where}: checkpoint shape {list(e.shape)}, target shape {list(gshape)}")
         if DTYPES[e.dtype] != t.dtype:
