@@ -156,6 +156,53 @@ def test_step_deleted_after_open_is_not_called_corrupt(tmp_path: Path) -> None:
     assert ckptlib.load(one)["w"].tolist() == [1.0] * 8
 
 
+@pytest.mark.parametrize("version", ["1", "2"])
+@pytest.mark.parametrize("gap", ["before-sizes", "after-sizes"])
+@pytest.mark.parametrize("meanwhile", ["pruned", "replaced"])
+def test_load_of_a_step_deleted_or_replaced_meanwhile_is_not_called_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str, gap: str, meanwhile: str
+) -> None:
+    """``ckptlib.load`` of a step that another process prunes or saves again with overwrite
+    between its manifest read and its reads: CheckpointNotFoundError saying so, wherever the
+    gap falls (the size check and the v2 index read said CorruptCheckpointError "payload file
+    is missing"; seen by a reader looping over a trainer's newest step). A payload file
+    missing beside its manifest is still damage."""
+    import shutil
+
+    from ckptlib.engine import load as load_flow
+
+    monkeypatch.setenv("CKPTLIB_FORMAT_VERSION", version)
+    ck = tmp_path / "ck"
+    ckptlib.save({"w": torch.zeros(8)}, ck)
+
+    def meanwhile_do() -> None:
+        if meanwhile == "pruned":
+            shutil.rmtree(ck)
+        else:
+            ckptlib.save({"w": torch.ones(8)}, ck, overwrite=True)
+
+    real = load_flow.check_files
+
+    def check_files(*args: object) -> None:
+        if gap == "before-sizes":
+            meanwhile_do()
+        real(*args)
+        if gap == "after-sizes":
+            meanwhile_do()
+
+    monkeypatch.setattr(load_flow, "check_files", check_files)
+    said = "was deleted while it was being read" if meanwhile == "pruned" else "was replaced by another save"
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=said):
+        ckptlib.load(ck, into={"w": torch.zeros(8)})
+    monkeypatch.setattr(load_flow, "check_files", real)
+    if meanwhile == "replaced":
+        assert ckptlib.load(ck)["w"].tolist() == [1.0] * 8
+        (victim,) = payload_files(ck)
+        victim.unlink()
+        with pytest.raises(ckptlib.CorruptCheckpointError, match="payload file is missing"):
+            ckptlib.load(ck)
+
+
 def test_corrupt_chunk_raises_only_where_read(big: tuple[Path, dict]) -> None:
     path, state = big
     flip_chunk_bit(path, "/model/w", 48)  # the chunk holding rows [48, 64)

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from ckptlib.backends import Storage, join
 from ckptlib.engine.gc_pause import paused_gc
+from ckptlib.engine.scan import missing_file
 from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format.checksum import checksum
 from ckptlib.format.dtypes import ITEMSIZE
@@ -82,7 +83,7 @@ def _load_one(storage: Storage, folder: str, m: Manifest, i: int,
                 raise CorruptCheckpointError(f"{what} size is {h.size} bytes, manifest records {size}", where)
             data = h.read(size - ix.size, ix.size)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{what} is missing", where) from None
+        raise missing_file(storage, folder, m, ix.path, what) from None
     if len(data) != ix.size:
         raise CorruptCheckpointError(f"short read: {len(data)} of {ix.size} bytes", where)
     if checksum(data) != ix.checksum:

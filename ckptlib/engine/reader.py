@@ -23,8 +23,8 @@ from ckptlib.backends import ReadHandle, Storage, join
 from ckptlib.engine.bytes_view import Box, as_bytes
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.pool import run_all
-from ckptlib.engine.scan import read_manifest
-from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.engine.scan import missing_file
+from ckptlib.errors import CheckpointError, CorruptCheckpointError
 from ckptlib.format import codec as codecs
 from ckptlib.format.checksum import NO_CHECKSUM, checksum
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
@@ -153,23 +153,8 @@ class Reader:
             return h
 
     def _missing(self, file: int) -> CheckpointError:
-        """The error for a payload file that is not there: the step was deleted since its
-        manifest was read (pruned, retired), or replaced by another save of it (``overwrite``):
-        ``CheckpointNotFoundError``, open it again; else the step is damaged (its manifest, the
-        one read, still there: ``CorruptCheckpointError``)."""
-        folder = f"{self.storage.url.rstrip('/')}/{self.folder}".rstrip("/")
-        lost = f"{self.m.files[file].path} is gone): open it again"
-        try:
-            now = read_manifest(self.storage, self.folder, pieces=False).save_id
-        except CheckpointNotFoundError:
-            return CheckpointNotFoundError(f"{folder} was deleted while it was being read (pruned or retired since "
-                                           f"it was opened; {lost}")
-        except (CheckpointError, OSError):
-            now = self.m.save_id  # unreadable now: the damage stands
-        if now != self.m.save_id:
-            return CheckpointNotFoundError(f"{folder} was replaced by another save while it was being read "
-                                           f"(saved again with overwrite since it was opened; {lost}")
-        return CorruptCheckpointError("payload file is missing", self._where(file))
+        """The error for a payload file that is not there (:func:`~ckptlib.engine.scan.missing_file`)."""
+        return missing_file(self.storage, self.folder, self.m, self.m.files[file].path)
 
     def _where(self, file: int) -> str:
         return f"{self.storage.url}/{join(self.folder, self.m.files[file].path)}"

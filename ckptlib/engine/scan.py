@@ -102,9 +102,33 @@ def check_files(storage: Storage, folder: str, m: Manifest) -> None:
         if size is None:
             if storage.exists(join(folder, f.path)):
                 raise CorruptCheckpointError("payload is a symlink or not a regular file; refused", where)
-            raise CorruptCheckpointError("payload file is missing", where)
+            raise missing_file(storage, folder, m, f.path)
         if size != f.size:
             raise CorruptCheckpointError(f"payload file size is {size} bytes, manifest records {f.size}", where)
+
+
+def missing_file(storage: Storage, folder: str, m: Manifest, path: str, what: str = "payload file"
+                 ) -> CheckpointError:
+    """The error for file ``path`` of ``folder`` that ``m`` (its manifest, read earlier) names and
+    that is not there. The step was deleted since (pruned, retired) or replaced by another save
+    of it (``overwrite``): :class:`CheckpointNotFoundError`, open it again. Else the step is
+    damaged (the manifest that was read is still there): :class:`CorruptCheckpointError`. Called
+    by :func:`check_files`, the reader (``engine/reader.py``) and the index loader
+    (``engine/index_io.py``), so a load racing a prune or an overwrite says so wherever it meets
+    the gap."""
+    at = f"{storage.url.rstrip('/')}/{folder}".rstrip("/")
+    lost = f"{path} is gone): open it again"
+    try:
+        now = read_manifest(storage, folder, pieces=False).save_id
+    except CheckpointNotFoundError:
+        return CheckpointNotFoundError(f"{at} was deleted while it was being read (pruned or retired since "
+                                       f"it was opened; {lost}")
+    except (CheckpointError, OSError):
+        now = m.save_id  # unreadable now: the damage stands
+    if now != m.save_id:
+        return CheckpointNotFoundError(f"{at} was replaced by another save while it was being read "
+                                       f"(saved again with overwrite since it was opened; {lost}")
+    return CorruptCheckpointError(f"{what} is missing", f"{storage.url.rstrip('/')}/{join(folder, path)}")
 
 
 def _check_indexes(storage: Storage, folder: str, m: Manifest, load: bool) -> None:
