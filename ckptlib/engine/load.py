@@ -213,8 +213,9 @@ class Merge:
 
     def _like(self, param: torch.Tensor, v: Any) -> torch.Tensor | None:
         """Target for the saved value ``v`` of ``param``'s optimizer state: an empty tensor laid
-        out like ``param`` when ``v`` is a tensor of its shape, else None (read as saved)."""
-        if not isinstance(v, tree_codec.TensorRef):
+        out like ``param`` when ``v`` is a tensor of its shape, else None (read as saved). Not
+        for a 0-d parameter, whose shape a 0-d ``step`` shares (it stays a CPU tensor)."""
+        if not isinstance(v, tree_codec.TensorRef) or param.dim() == 0:
             return None
         e = self.m.tensors[v.name]
         if e.shape != tuple(param.shape):
