@@ -76,3 +76,34 @@ def test_a_restore_that_found_nothing_damaged_replaces_nothing(tmp_path):
         assert mgr.restore(state(0)) == 1
         with pytest.raises(ckptlib.StepExistsError):
             mgr.save(1, state(2))
+
+
+def test_a_step_deleted_during_restore_is_passed_over_not_replaced(tmp_path, monkeypatch, caplog):
+    """A step deleted (by an outside ``ckptlib prune``, a person) between the restore's listing
+    and its reads is "vanished": the restore falls back to the older step, as for damage, but
+    the step is not counted damaged, so the next save of that number is no overwrite (it used
+    to be a ``CheckpointNotFoundError`` that ended the restore, once the reads learned to tell
+    a deleted step from a damaged one)."""
+    import shutil
+
+    from ckptlib.engine import load as load_flow
+
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+    real = load_flow.check_files
+
+    def check_files(storage, folder, m):  # the first step read, step 2, is deleted meanwhile
+        if m.step == 2:
+            shutil.rmtree(tmp_path / layout.step_dir(2))
+        return real(storage, folder, m)
+
+    monkeypatch.setattr(load_flow, "check_files", check_files)
+    target = state(0)
+    with caplog.at_level(logging.WARNING, logger="ckptlib"), ckptlib.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(target) == 1
+        assert torch.equal(target["w"], state(1)["w"])
+        mgr.save(2, state(2)).wait()
+    assert "step 2 vanished while it was read, trying an older one" in caplog.text
+    assert "was deleted while it was being read" in caplog.text
+    assert "found damaged by restore()" not in caplog.text  # not saved with overwrite

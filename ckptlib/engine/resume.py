@@ -60,7 +60,10 @@ class Resumed(Generic[T]):
 
 
 def corruption_of(error: BaseException) -> str | None:
-    """The default damage test: a :class:`CorruptCheckpointError` means "try an older step"."""
+    """The default damage test: a :class:`CorruptCheckpointError` means "try an older step"; so
+    does a :class:`CheckpointNotFoundError`, the step deleted (or replaced) while it was read."""
+    if isinstance(error, CheckpointNotFoundError):
+        return f"vanished: {error}"
     return str(error) if isinstance(error, CorruptCheckpointError) else None
 
 
@@ -83,7 +86,8 @@ def resume_newest(
     (fall back), or None for a failure every rank must raise (a state that does not match).
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
     ``corrupt``: gets the steps passed over because a rank found them damaged while loading
-    (every rank the same list, also when the loop then raises).
+    (every rank the same list, also when the loop then raises); not those passed over because
+    they vanished meanwhile (a :class:`CheckpointNotFoundError` that ``damaged`` accepts).
     """
     if isinstance(coord, Session):
         return _loop(coord, list_candidates, attempt, timeout, where, label, damaged, corrupt)
@@ -119,11 +123,11 @@ def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: C
         except Exception as e:  # every rank must learn the outcome before anyone raises
             why = damaged(e)
             if why is not None:
-                mine = ("corrupt", why)
+                mine = ("gone" if isinstance(e, CheckpointNotFoundError) else "corrupt", why)
             else:
                 mine, own_error = (type(e).__name__, str(e)), e
         verdicts = [mine] if s.world <= 1 else [tuple(v) for v in s.exchange(list(mine), deadline=deadline())]
-        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt")]
+        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt", "gone")]
         if fatal:
             r, kind, msg = fatal[0]
             cls = StateMismatchError if kind == "StateMismatchError" else CheckpointError
@@ -131,13 +135,16 @@ def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: C
                 f"loading {label} {cand.step}: rank {r}: {kind}: {msg}"
             )
             raise cls(text) from own_error
-        bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind == "corrupt"]
+        bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind in ("corrupt", "gone")]
         if bad:
             detail = "; ".join(bad)
-            log.warning("ckptlib: %s %d is corrupt, trying an older one: %s", label, cand.step, detail)
-            skipped.append(f"{label} {cand.step}: corrupt: {detail}")
+            damage = any(kind == "corrupt" for kind, _ in verdicts)
+            what = "corrupt" if damage else "vanished"
+            log.warning("ckptlib: %s %d %s, trying an older one: %s", label, cand.step,
+                        "is corrupt" if damage else "vanished while it was read", detail)
+            skipped.append(f"{label} {cand.step}: {what}: {detail}")
             corrupt_seen = True
-            if corrupt is not None:
+            if corrupt is not None and damage:
                 corrupt.append(cand.step)
             continue
         log.info("ckptlib: restored %s %d from %s", label, cand.step, where)

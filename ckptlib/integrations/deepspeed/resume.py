@@ -21,7 +21,7 @@ from ckptlib.backends import Storage, open_storage
 from ckptlib.engine.resume import Candidate, resume_newest, step_candidates
 from ckptlib.engine.scan import StepInfo, check_files, read_manifest
 from ckptlib.engine.verify import verify_chunks
-from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.errors import CorruptCheckpointError
 from ckptlib.integrations.deepspeed.install import engine_of
 from ckptlib.integrations.deepspeed.tags import tag_of
 
@@ -67,12 +67,6 @@ def candidates(storage: Storage) -> list[Candidate]:
     return step_candidates(storage, judge)
 
 
-def _damaged(e: BaseException) -> str | None:
-    if isinstance(e, CorruptCheckpointError):
-        return str(e)
-    return f"vanished: {e}" if isinstance(e, CheckpointNotFoundError) else None
-
-
 def newest_consistent(
     engine: Any,
     load_dir: str | os.PathLike[str] | None = None,
@@ -100,7 +94,7 @@ def newest_consistent(
             verify_chunks(storage, c.folder, m, files=set(mine))
 
     got = resume_newest(
-        coord, lambda: candidates(storage), verify_share, timeout=timeout, where=root, damaged=_damaged
+        coord, lambda: candidates(storage), verify_share, timeout=timeout, where=root
     )
     if got is None:
         return None, None, []
