@@ -36,7 +36,7 @@ from typing import Any
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage
-from ckptlib.backends.posix import PosixStorage, free_bytes
+from ckptlib.backends.posix import SPARE_DIR, PosixStorage, free_bytes
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import retire
@@ -178,10 +178,11 @@ def check_room(tier: LocalTier, s: Session, topo: Topology, planned: int, held: 
     (``planned``: the bytes this rank writes; ``held``: the bytes of its mapped arena, already
     on the memory root and counted as the step in flight): every node whose local root is a
     memory file system (tmpfs) must have room for ``local_keep_last + 1`` copies of what it
-    holds per step (its ranks' files and the replicas it keeps for its peers). Raises
+    holds per step (its ranks' files and the replicas it keeps for its peers); what the root
+    already holds for the tier counts as room (:func:`reusable_bytes`). Raises
     :class:`CommitError` on every rank, saying what is missing where, before anything is written."""
-    mine = [planned, free_bytes(tier.storage.url) if topo.is_leader(s.rank) and tier.storage.memory else None,
-            tier.storage.url, held]
+    leader = topo.is_leader(s.rank) and tier.storage.memory
+    mine = [planned, free_bytes(tier.storage.url) + reusable_bytes(tier) if leader else None, tier.storage.url, held]
     copies = tier.keep_last + 1
 
     def decide(reports: list[Any]) -> list[Any]:
@@ -211,8 +212,20 @@ def check_room(tier: LocalTier, s: Session, topo: Topology, planned: int, held: 
         raise CommitError(f"not enough room for the local tier: {why}")
 
 
+def reusable_bytes(tier: LocalTier) -> int:
+    """A node leader, in :func:`check_room`: bytes its local root already holds that are among
+    the ``local_keep_last + 1`` copies the check asks room for, so count as room: the newest
+    ``keep_last`` locally committed steps (a relaunch, or a restore's write-back, finds them
+    there; retention retires them as the run saves) and the spares (taken by the next save's
+    files, else freed at the next deletion)."""
+    storage = tier.storage
+    newest = sorted(local_steps(storage))[-tier.keep_last:]
+    folders = [layout.step_dir(step) for step in newest] + [SPARE_DIR]
+    return sum(retire.tree_bytes(storage, folder) or 0 for folder in folders)
+
+
 def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Collection[int], rank: int = 0,
