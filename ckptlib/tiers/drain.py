@@ -215,18 +215,31 @@ class Drainer:
         self.after: Callable[[], None] | None = None
         """Called on the drain thread after each successful drain (the manager's retention)."""
         self._thread: threading.Thread | None = None
+        self._warn_at = tier.keep_last + 1
+        """Steps waiting to be drained that draw the next backlog warning (:meth:`submit`)."""
 
     def pending_steps(self) -> set[int]:
         return {t.step for t in self.tickets if not t.done()}
 
     def submit(self, ticket: DrainTicket) -> None:
-        """The persist thread, after the local commit of ``ticket.step``."""
+        """The persist thread, after the local commit of ``ticket.step``. Local retention keeps
+        every step whose drain is pending, so drains slower than saves grow the local tier (on a
+        memory tier, the node's RAM) without bound: rank 0 warns when more than
+        ``local_keep_last`` steps wait, and again each time that backlog doubles."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ckptlib-drain", daemon=True)
             self._thread.start()
         self.tickets.append(ticket)
         self.history[ticket.step] = ticket
         self._queue.put(ticket)
+        backlog = len(self.pending_steps())
+        if backlog >= self._warn_at:
+            self._warn_at = 2 * backlog
+            if self.coord.rank == 0:
+                log.warning("ckptlib: drains fall behind saves: %d steps wait to be drained to %s, and the local "
+                            "tier keeps each one until it is (beyond local_keep_last=%d; on a memory tier, in "
+                            "RAM). Drain less often (a larger persist_every), or give the drain more bandwidth "
+                            "(drain_rate, the persistent tier)", backlog, self.persistent.url, self.tier.keep_last)
 
     def _run(self) -> None:
         if self._on_start is not None:

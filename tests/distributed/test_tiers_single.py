@@ -168,6 +168,38 @@ def test_pending_drain_is_not_deleted_by_local_retention(tmp_path: Path, monkeyp
     assert persisted(tmp_path / "p") == [1]
 
 
+def test_drains_falling_behind_are_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Local retention keeps every step whose drain is pending, so drains slower than saves
+    grow the local tier without bound (on a memory tier, the node's RAM): the manager warns
+    once more than ``local_keep_last`` steps wait, and again when the backlog doubles, not at
+    every save."""
+    import threading
+
+    from ckptlib.tiers import drain
+
+    gate = threading.Event()
+    real = drain.drain_step
+
+    def held(*args: object, **kwargs: object) -> bool:
+        assert gate.wait(60), "test gate never opened"
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(drain, "drain_step", held)
+    mgr = ckptlib.CheckpointManager(tmp_path / "p", local=str(tmp_path / "n{node}"), local_keep_last=1)
+    warned = []
+    with caplog.at_level(logging.WARNING, logger="ckptlib"):
+        for step in range(1, 7):
+            mgr.save(step, state(step)).wait()
+            warned.append(caplog.text.count("drains fall behind saves"))
+    assert warned == [0, 1, 1, 2, 2, 2], warned  # at 2 waiting steps, then at 4
+    assert "4 steps wait to be drained" in caplog.text and "local_keep_last=1" in caplog.text
+    assert len(list((tmp_path / "n0").glob("step-*"))) == 6  # all kept: their drains are pending
+    gate.set()
+    mgr.close(drain=True)
+    assert persisted(tmp_path / "p") == [1, 2, 3, 4, 5, 6]
+
+
 def test_node_index_and_placement() -> None:
     assert node_index({}) == 0
     assert node_index({"GROUP_RANK": "3"}) == 3
