@@ -202,6 +202,18 @@ _RAISED: dict[str, type[CommitError]] = {
 }
 
 
+def _other_target(final: str, theirs: str, rank: int) -> str | None:
+    """:meth:`SaveSession.begin`, every rank: why this rank cannot take part when the coordinator
+    opened another folder than ``final`` (ranks called ``save`` with different steps: the
+    coordinator's folder would get this rank's bytes), else None. Reported with the plan, which
+    then fails the save on every rank."""
+    if theirs == final:
+        return None
+    return (f"StepMismatch: rank {rank} saves {final} but the coordinator (rank 0) saves {theirs}: every rank must "
+            "call save() with the same step at the same time (with save_on_signal, every rank must be signalled "
+            "and act on it at the same step); nothing was written")
+
+
 def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool = False) -> CommitError:
     detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
     timed_out = any(msg.startswith(("StorageTimeoutError", "CommitTimeoutError")) for msg in failures.values())
@@ -287,14 +299,16 @@ class SaveSession:
             if s.is_coordinator:
                 sid, made = save_id or new_save_id(), time.time() if created is None else created
                 staging, error = _open_staging(storage, final, sid, opts)
-                opening = [sid, made, staging.payload_prefix if staging else None, error, proposal]
+                opening = [sid, made, staging.payload_prefix if staging else None, error, proposal, final]
             got = s.share(opening, deadline=deadline, what="open the save")
             sid, made, prefix, error, proposal = str(got[0]), float(got[1]), got[2], got[3], got[4]
+            stage_error = _other_target(final, str(got[5]), s.rank)
             if error:  # the same error on every rank, before any payload is written
                 refused = _REFUSED.get(error[0])
+                if stage_error is not None:  # the coordinator's refusal is about another step, not this one
+                    raise _fail(storage, final, {s.rank: stage_error})
                 raise refused(error[1]) if refused else _fail(storage, final, {0: f"{error[0]}: {error[1]}"})
-            stage_error = None
-            if where.stage_here and not s.is_coordinator:
+            if where.stage_here and not s.is_coordinator and stage_error is None:
                 staging, err = _open_staging(storage, final, sid, opts, node=True)
                 stage_error = None if err is None else f"{err[0]}: {err[1]}"
             save = cls(storage, final, s, opts, sid, step, made, deadline, prefix, staging, own, stage_error, where)

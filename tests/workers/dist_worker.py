@@ -9,6 +9,7 @@ the expected bytes of any piece.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import zlib
@@ -304,6 +305,45 @@ def sc_fsdp_resume(rank: int, world: int, root: str, args: dict) -> dict:
     fsdp_train(ref_model, ref_opt, range(3))
     want = fsdp_full(ref_model, ref_opt)
     return {"bad": [k for k in want if not torch.equal(got[k], want[k])]}
+
+
+def sc_step_mismatch(rank: int, world: int, root: str, args: dict) -> dict:
+    """Every rank saves a different step at once (a bug in the caller): what each save raises,
+    then a save of one step by all, and what is on disk."""
+    state = {"w": shard("emb", 0, world, rank), "step": ckptlib.PerRank(rank)}
+    out: dict = {}
+    with ckptlib.CheckpointManager(os.path.join(root, "ck"), save_timeout=30) as mgr:
+        try:
+            mgr.save(1 + rank, state).wait(timeout=60)
+            out["mismatch"] = None
+        except ckptlib.CheckpointError as e:
+            out["mismatch"] = [type(e).__name__, str(e)]
+        mgr.save(5, state).wait(timeout=60)
+    out["steps"] = sorted(os.listdir(os.path.join(root, "ck")))
+    return out
+
+
+def sc_preempt_skew(rank: int, world: int, root: str, args: dict) -> dict:
+    """save_on_signal in flag mode; each rank gets its SIGTERM at another step (rank r at step
+    20 + 3r; saves every 10 steps). Returns the exit code of the final checkpoint and its step."""
+    w = torch.zeros(1000)
+
+    def state(step: int) -> dict:
+        return {"w": ckptlib.Shard(w, (world * 1000,), (rank * 1000,)), "step": step}
+
+    mgr = ckptlib.CheckpointManager(os.path.join(root, "ck"), save_timeout=30)
+    mgr.save_on_signal(deadline=60)
+    for step in range(1, 100):
+        w.fill_(step)
+        if step % 10 == 0:
+            mgr.save(step, state(step))
+        if step == 20 + 3 * rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            mgr.maybe_save_on_preemption(step, state(step))
+        except SystemExit as e:
+            return {"exit": e.code, "step": step}
+    return {"exit": None}
 
 
 def main() -> int:
