@@ -734,21 +734,24 @@ class CheckpointManager:
         keys: dict[str, list[str]] = {}
         corrupt: list[int] = []
         try:
-            if self._tier is not None:
-                got = tier_restore.restore(
-                    self._tier, self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-                    timeout=self.options.save_timeout, strict=strict, keys=keys,
-                )
-            else:
-                got = resume.restore(
-                    self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
-                    timeout=self.options.save_timeout, strict=strict, keys=keys, corrupt=corrupt,
-                )
+            with FinalCheckpoint.holding(self._final):  # a save_in_handler signal waits until restore returns
+                if self._tier is not None:
+                    got = tier_restore.restore(
+                        self._tier, self.storage, state, self.coordinator, step=step, verify=verify,
+                        per_rank=per_rank, timeout=self.options.save_timeout, strict=strict, keys=keys,
+                    )
+                else:
+                    got = resume.restore(
+                        self.storage, state, self.coordinator, step=step, verify=verify, per_rank=per_rank,
+                        timeout=self.options.save_timeout, strict=strict, keys=keys, corrupt=corrupt,
+                    )
         except Exception as e:
             note_relaunch(e, "the restore did not finish", "the newest committed step")
             raise
         finally:
             self._replace.update(corrupt)
+        if self._final is not None:
+            self._final.after_restore(self, got)
         if strict or got is None:
             return got
         return LoadResult(state, keys["missing"], keys["unexpected"], got)

@@ -602,6 +602,52 @@ def test_sigterm_deadline_watchdog_exits_with_failure_code(tmp_path):
     assert code == 1 and took < 20
 
 
+RESTORE_WORKER = textwrap.dedent(
+    """
+    import sys, time, torch
+    sys.path.insert(0, sys.argv[2])
+    import ckptlib
+    from ckptlib.engine import load
+    w = torch.zeros(100_000)
+    step = 0
+    mgr = ckptlib.CheckpointManager(sys.argv[1])
+    mgr.save_on_signal(lambda: (step, {"w": w, "step": step}), deadline=30, save_in_handler=True)
+    real = load.load_checkpoint
+    def slow(*args, **kwargs):  # the signal lands while the restore reads
+        print("loading", flush=True)
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+    load.load_checkpoint = slow
+    step = mgr.restore({"w": w, "step": step})
+    print("restore returned", flush=True)  # the handler ends the process before this
+    """
+)
+
+
+def test_sigterm_during_restore_with_save_in_handler_saves_no_torn_state(tmp_path):
+    root = tmp_path / "ckpt"
+    with ckptlib.CheckpointManager(root, async_save=False) as mgr:
+        for step in (3, 5):
+            mgr.save(step, {"w": torch.full((100_000,), float(step)), "step": step})
+    script = tmp_path / "restore_worker.py"
+    script.write_text(RESTORE_WORKER)
+    p = subprocess.Popen([sys.executable, str(script), str(root), ROOT], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "loading"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
+    assert p.returncode == 0, err
+    assert "restore returned" not in out
+    assert [(i.step, i.status) for i in ckptlib.CheckpointManager(root).steps()] == [(3, "committed"), (5, "committed")]
+    out_state = ckptlib.load(root / layout.step_dir(5))
+    assert out_state["step"] == 5 and torch.equal(out_state["w"], torch.full((100_000,), 5.0))
+
+
 def test_overlap_with_streaming_budget(tmp_path, monkeypatch):
     state = make_state(6)
     before = all_tensors(state)

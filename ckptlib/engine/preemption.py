@@ -17,7 +17,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn, Protocol
@@ -148,6 +149,29 @@ class FinalCheckpoint:
         assert self.state_fn is not None
         self.save_and_exit(mgr, *self.state_fn())
 
+    @staticmethod
+    @contextmanager
+    def holding(final: FinalCheckpoint | None) -> Iterator[None]:
+        """``with FinalCheckpoint.holding(mgr._final):`` around a manager call the handler must not
+        re-enter (``restore``): a ``save_in_handler`` signal landing inside is deferred."""
+        if final is None:
+            yield
+            return
+        final.busy = True
+        try:
+            yield
+        finally:
+            final.busy = False
+
+    def after_restore(self, mgr: _Manager, step: int | None) -> None:
+        """The manager's ``restore()`` returned ``step``: a signal deferred during it needs no new
+        save when a step was restored (the state is that committed step): close and exit. With
+        nothing restored, the deferred final save runs as after a save."""
+        if self.deferred and step is not None:
+            self.deferred = False
+            self.save_and_exit(mgr, step, None)
+        self.after_save(mgr)
+
     def after_save(self, mgr: _Manager) -> None:
         """The manager's ``save()`` returned: run a final save deferred during it."""
         if self.deferred:
@@ -158,7 +182,8 @@ class FinalCheckpoint:
     def save_and_exit(self, mgr: _Manager, step: int, state: Any) -> NoReturn:
         """Wait for earlier saves, save ``(step, state)``, close, and raise ``SystemExit``:
         ``exit_code`` once committed, ``failure_exit_code`` if anything failed. Every wait
-        gets what is left of the watcher's deadline."""
+        gets what is left of the watcher's deadline. ``state`` None: ``step`` is committed
+        already (:meth:`after_restore`), nothing is saved."""
         watcher = self.watcher
         code = watcher.failure_exit_code
         try:
@@ -167,7 +192,8 @@ class FinalCheckpoint:
             except CheckpointError as e:  # an earlier save failed: the final one may still work
                 log.warning("ckptlib: an earlier save failed: %s", e)
             try:
-                mgr.save(step, state).wait(max(0.1, watcher.time_left()))
+                if state is not None:
+                    mgr.save(step, state).wait(max(0.1, watcher.time_left()))
             except StepExistsError:
                 pass  # this step is already committed
             mgr.close(max(0.1, watcher.time_left()))
