@@ -730,6 +730,8 @@ class CheckpointManager:
         :class:`~ckptlib.engine.load.LoadResult` (``.step``, ``.missing``, ``.unexpected``)."""
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False, got {strict!r}")
+        if step is not None:
+            layout.step_dir(step)  # an int from 0 up, as save() takes (TypeError/ValueError naming it)
         self.wait()
         keys: dict[str, list[str]] = {}
         corrupt: list[int] = []

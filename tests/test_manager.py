@@ -286,3 +286,24 @@ def test_closed_manager_refuses_saves(tmp_path):
     mgr.close()
     with pytest.raises(ckptlib.CheckpointError, match="closed"):
         mgr.save(1, make_state())
+
+
+def test_restore_pinned_step_absent_incomplete_or_not_a_step_says_what_to_do(tmp_path):
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        for step in (1, 2, 4):
+            mgr.save(step, {"w": torch.full((8,), float(step))})
+    (tmp_path / layout.step_dir(3)).mkdir()  # a save that never committed
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    state = {"w": torch.zeros(8)}
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"no step 7 under .*newest committed step \(step 4\)"):
+        mgr.restore(state, step=7)
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"step 3 under .* is incomplete: .*ckptlib ls"):
+        mgr.restore(state, step=3)
+    with pytest.raises(TypeError, match="step must be an int, got True"):
+        mgr.restore(state, step=True)  # not step 1
+    with pytest.raises(TypeError, match="step must be an int, got '4'"):
+        mgr.restore(state, step="4")
+    with pytest.raises(ValueError, match="step must be from 0"):
+        mgr.restore(state, step=-1)
+    assert torch.equal(state["w"], torch.zeros(8))  # nothing was loaded
+    assert mgr.restore(state, step=2) == 2 and torch.equal(state["w"], torch.full((8,), 2.0))

@@ -204,5 +204,17 @@ def restore(
     if got is not None and keys is not None:
         keys.update(got.value)
     if got is None and step is not None:
-        raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
+        raise missing_step(step, storage.url, step_candidates(storage))
     return got.candidate.step if got else None
+
+
+def missing_step(step: int, where: str, candidates: list[Candidate] | None = None) -> CheckpointNotFoundError:
+    """``restore(step=N)`` found nothing to load at N (every rank, after the resume loop): the
+    error, saying whether N is absent or incomplete (from ``candidates``, newest first, when the
+    caller listed them) and what to do instead."""
+    here = [c for c in candidates or [] if c.step == step]
+    what = f"step {step} under {where} is {here[0].status}: {here[0].reason}" if here else f"no step {step} under {where}"
+    newest = next((c.step for c in candidates or [] if c.status == "committed"), None)
+    hint = "" if newest is None else f" (step {newest})"
+    return CheckpointNotFoundError(f"{what}; restore without step= loads the newest committed step{hint}, and "
+                                   f"`ckptlib ls {where}` lists every step with its status")

@@ -48,7 +48,7 @@ from ckptlib.backends import Storage, join
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
-from ckptlib.engine.resume import Candidate, resume_newest
+from ckptlib.engine.resume import Candidate, missing_step, resume_newest
 from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.errors import (
     CheckpointError,
@@ -197,7 +197,7 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, st
     if got is not None and last.get("step") == got.candidate.step:
         write_back(tier, persistent, s, topo, last, timeout=timeout)
     if got is None and step is not None:
-        raise CheckpointNotFoundError(f"no step {step} under {tier.storage.url} or {persistent.url}")
+        raise missing_step(step, f"{tier.storage.url} or {persistent.url}")
     return got.candidate.step if got else None
 
 
