@@ -204,7 +204,8 @@ def restore(
     if got is not None and keys is not None:
         keys.update(got.value)
     if got is None and step is not None:
-        raise missing_step(step, storage.url, step_candidates(storage))
+        # Rank 0 lists again for its message (an error path; the other ranks' say less).
+        raise missing_step(step, storage.url, step_candidates(storage) if coord.rank == 0 else None)
     return got.candidate.step if got else None
 
 
