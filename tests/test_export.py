@@ -5,12 +5,15 @@ pieces are consolidated; a corrupt chunk stops the export; memory stays bounded 
 
 from __future__ import annotations
 
+import _thread
 import functools
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -226,6 +229,33 @@ def test_failed_safetensors_export_leaves_out_as_it_was(tmp_path: Path, monkeypa
     (tmp_path / "file").write_text("x")
     assert cli(["export", good, "--to", "safetensors", str(tmp_path / "file"), "--select", "model"]) == 2
     assert (tmp_path / "file").read_text() == "x"
+    no_debris(tmp_path)
+
+
+def test_ctrl_c_during_export_removes_its_staging_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while an export writes: the command's worker is stopped too and deletes its
+    staging folder before the process exits (exit 130, one line, and with ``--json`` a JSON error
+    document); OUT is never created. The interrupt lands while a file is being written."""
+    from ckptlib.read import to_safetensors
+
+    ckptlib.save({"model": {"w": random_tensor((8, 8), torch.float32, 1)}}, tmp_path / "ck")
+    writing = threading.Event()
+
+    def slow_write(*args: object, **kwargs: object) -> None:
+        writing.set()
+        for _ in range(100):  # bounded: the worker of a CLI that ignores Ctrl-C ends too
+            time.sleep(0.05)
+
+    monkeypatch.setattr(to_safetensors, "_write_file", slow_write)
+    threading.Thread(target=lambda: writing.wait(10) and _thread.interrupt_main(), daemon=True).start()
+    out = tmp_path / "st"
+    code = cli(["export", str(tmp_path / "ck"), "--to", "safetensors", str(out), "--select", "model", "--json"])
+    captured = capsys.readouterr()
+    assert code == 130
+    assert json.loads(captured.out) == {"error": "interrupted", "exit_code": 130}
+    assert captured.err.strip() == "ckptlib: interrupted"
+    assert not out.exists()
     no_debris(tmp_path)
 
 

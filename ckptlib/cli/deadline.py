@@ -8,12 +8,16 @@ Who calls what, on which thread:
   the watch until it returns;
 - when one call has been in flight for ``timeout`` seconds, :func:`run` raises
   :class:`StalledError` on the caller's thread (the worker is left blocked; it is a daemon);
-  on a terminal it also shows a status line on stderr while a call takes more than a second.
+  on a terminal it also shows a status line on stderr while a call takes more than a second;
+- on Ctrl-C (``KeyboardInterrupt`` on the caller's thread), :func:`run` raises it in the worker
+  too and waits up to :data:`INTERRUPT_GRACE` seconds for the worker to unwind (an export
+  deletes its staging folder, docs/cli.md "Exit status") before re-raising it to ``main``.
 The worker's own exception, if any, is raised once, on the caller's thread.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import sys
@@ -34,6 +38,8 @@ ENV = "CKPTLIB_CLI_TIMEOUT"
 STATUS_AFTER = 1.0
 """A call in flight this long shows the status line (terminals only)."""
 POLL = 0.1
+INTERRUPT_GRACE = 10.0
+"""Seconds Ctrl-C waits for the worker to undo what it started (a second Ctrl-C stops waiting)."""
 
 
 class StalledError(CliError):
@@ -137,11 +143,15 @@ def run(fn: Callable[[], T], watch: Watch, *, status: bool) -> T:
     global _current
     box: dict[str, Any] = {}
 
+    finished = threading.Event()
+
     def work() -> None:
         try:
             box["result"] = fn()
         except BaseException as e:  # raised again on the caller's thread, once
             box["error"] = e
+        finally:
+            finished.set()
 
     _current = watch
     worker = threading.Thread(target=work, name="ckptlib-cli", daemon=True)
@@ -166,6 +176,9 @@ def run(fn: Callable[[], T], watch: Watch, *, status: bool) -> T:
                 elif shown:
                     sys.stderr.write("\r\x1b[K")
                     shown = False
+    except KeyboardInterrupt:
+        _interrupt(worker, finished)
+        raise
     finally:
         if shown:
             sys.stderr.write("\r\x1b[K")
@@ -174,3 +187,16 @@ def run(fn: Callable[[], T], watch: Watch, *, status: bool) -> T:
     if "error" in box:
         raise box["error"]
     return cast(T, box["result"])
+
+
+def _interrupt(worker: threading.Thread, finished: threading.Event) -> None:
+    """Raise ``KeyboardInterrupt`` in ``worker`` (at its next Python instruction: a storage call in
+    progress finishes first) and wait up to :data:`INTERRUPT_GRACE` seconds for it to end, so its
+    ``finally``/``except`` blocks run before the process exits (daemon threads are stopped dead
+    at exit). Called by :func:`run` on the caller's thread. ``finished`` (set by the worker), not
+    ``worker.is_alive()``: a ``join`` that Ctrl-C interrupted can leave the thread marked as
+    stopped while it still runs (CPython 3.11, the bpo-45274 handling in Thread.join)."""
+    if worker.ident is None or finished.is_set():
+        return
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(KeyboardInterrupt))
+    finished.wait(INTERRUPT_GRACE)

@@ -201,9 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("CKPTLIB_TRACEBACK"):
             raise
         return fail(f"{args.url}: {type(e).__name__}: {e} (set CKPTLIB_TRACEBACK=1 for details)")
-    except KeyboardInterrupt:
-        out.note("ckptlib: interrupted", style="red")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # the command's worker was stopped too (deadline.run)
+        return fail("interrupted", EXIT_INTERRUPTED)
 
 
 def _command(name: str) -> Callable[[argparse.Namespace, Any], int]:
