@@ -133,7 +133,8 @@ def test_crash_debris_cleaned_only_if_ours(tmp_path):
 def test_step_exists_and_corrupt_step_is_set_aside(tmp_path):
     mgr = ckptlib.CheckpointManager(tmp_path, async_save=False)
     mgr.save(3, make_state(3))
-    with pytest.raises(ckptlib.StepExistsError):
+    # The manager takes no overwrite=: its message says what to do instead (it said "pass overwrite=True").
+    with pytest.raises(ckptlib.StepExistsError, match=r"CheckpointManager\.save never replaces a committed step"):
         mgr.save(3, make_state(4))
     (tmp_path / layout.step_dir(3) / "manifest.json").write_bytes(b"{}")  # damage it
     mgr.save(3, make_state(4))

@@ -125,8 +125,10 @@ DCP users and tests look for)."""
 
 
 def _exists_message(url: str) -> str:
-    return (f"{EXISTS}: {url} already holds a committed checkpoint; not replacing it "
-            "(pass overwrite=True, or delete it first)")
+    return (f"{EXISTS}: {url} already holds a committed checkpoint; not replacing it. ckptlib.save: pass "
+            "overwrite=True, or delete it first. CheckpointManager.save never replaces a committed step: save "
+            "under a new step number (a loop that resumes at the step restore() returned saves it again: "
+            "start at the next one)")
 
 
 def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False) -> Staging:
