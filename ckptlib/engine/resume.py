@@ -139,10 +139,9 @@ def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: C
         if bad:
             detail = "; ".join(bad)
             damage = any(kind == "corrupt" for kind, _ in verdicts)
-            what = "corrupt" if damage else "vanished"
             log.warning("ckptlib: %s %d %s, trying an older one: %s", label, cand.step,
                         "is corrupt" if damage else "vanished while it was read", detail)
-            skipped.append(f"{label} {cand.step}: {what}: {detail}")
+            skipped.append(f"{label} {cand.step}: {'corrupt' if damage else 'vanished'}: {detail}")
             corrupt_seen = True
             if corrupt is not None and damage:
                 corrupt.append(cand.step)
@@ -205,17 +204,19 @@ def restore(
         keys.update(got.value)
     if got is None and step is not None:
         # Rank 0 lists again for its message (an error path; the other ranks' say less).
-        raise missing_step(step, storage.url, step_candidates(storage) if coord.rank == 0 else None)
+        raise missing_step(step, storage.url, f"ckptlib ls {storage.url}",
+                           step_candidates(storage) if coord.rank == 0 else None)
     return got.candidate.step if got else None
 
 
-def missing_step(step: int, where: str, candidates: list[Candidate] | None = None) -> CheckpointNotFoundError:
+def missing_step(step: int, where: str, ls: str, candidates: list[Candidate] | None = None
+                 ) -> CheckpointNotFoundError:
     """``restore(step=N)`` found nothing to load at N (every rank, after the resume loop): the
     error, saying whether N is absent or incomplete (from ``candidates``, newest first, when the
-    caller listed them) and what to do instead."""
+    caller listed them) and what to do instead (``ls``: the command that lists the steps)."""
     here = [c for c in candidates or [] if c.step == step]
     what = f"step {step} under {where} is {here[0].status}: {here[0].reason}" if here else f"no step {step} under {where}"
     newest = next((c.step for c in candidates or [] if c.status == "committed"), None)
     hint = "" if newest is None else f" (step {newest})"
     return CheckpointNotFoundError(f"{what}; restore without step= loads the newest committed step{hint}, and "
-                                   f"`ckptlib ls {where}` lists every step with its status")
+                                   f"`{ls}` lists every step with its status")

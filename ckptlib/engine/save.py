@@ -471,7 +471,8 @@ class SaveSession:
                     body = build_body(results, self.step, self.save_id, self.created, staging.mode, metadata,
                                       staging.payload_prefix, tree=tree, metrics=metrics, layout=self.layout)
                     body["extra"] = extra or {}
-                    mf.check_built(body)  # never publish what a reader would refuse
+                    if not extra:  # never publish what a reader would refuse (with extra: the decode below)
+                        mf.check_built(body)
                     data = encode_body(body)
                 nbytes = sum(size for _, size in body["files"])
                 if extra:  # adapter data: never publish what a reader would refuse

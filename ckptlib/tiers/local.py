@@ -199,9 +199,9 @@ def check_room(tier: LocalTier, s: Session, topo: Topology, planned: int, held: 
             if free is not None:
                 free += held_on[node]
             if free is not None and need[node] * copies > free:
-                short.append(f"node {node}'s memory tier {url} has {_gib(free)} free; local_keep_last + 1 = {copies} "
-                             f"copies of what it holds per step ({_gib(need[node])}: its ranks' files and the "
-                             f"replicas it keeps) need {_gib(need[node] * copies)}: {_gib(need[node] * copies - free)} "
+                short.append(f"node {node}'s memory tier {url} has {_size(free)} free; local_keep_last + 1 = {copies} "
+                             f"copies of what it holds per step ({_size(need[node])}: its ranks' files and the "
+                             f"replicas it keeps) need {_size(need[node] * copies)}: {_size(need[node] * copies - free)} "
                              "missing")
         why = None if not short else ("; ".join(short) + ". Lower local_keep_last or replicas, or give the file "
                                       "system more room (a larger /dev/shm), or put local= on a disk")
@@ -224,7 +224,8 @@ def reusable_bytes(tier: LocalTier) -> int:
     return sum(retire.tree_bytes(storage, folder) or 0 for folder in folders)
 
 
-def _gib(n: float) -> str:
+def _size(n: float) -> str:
+    """Bytes for :func:`check_room`'s message: GiB from 1 GiB up, else MiB."""
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 

@@ -197,7 +197,8 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, st
     if got is not None and last.get("step") == got.candidate.step:
         write_back(tier, persistent, s, topo, last, timeout=timeout)
     if got is None and step is not None:
-        raise missing_step(step, f"{tier.storage.url} or {persistent.url}")
+        raise missing_step(step, f"{tier.storage.url} or {persistent.url}",
+                           f"ckptlib ls {persistent.url} --local <the local= template>")
     return got.candidate.step if got else None
 
 

@@ -53,6 +53,8 @@ def test_persist_every_and_persist_flag(tmp_path: Path) -> None:
     assert t[7] == {"local": "committed", "persistent": None}
     out = zeros()
     assert again.restore(out) == 7 and torch.equal(out["w"], state(7)["w"]) and out["n"] == 7
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"no step 99 .*`ckptlib ls \S+ --local "):
+        again.restore(zeros(), step=99)  # the command that lists both tiers (it named "A or B" as one URL)
     again.close()
 
 
