@@ -215,7 +215,7 @@ class Drainer:
         self.after: Callable[[], None] | None = None
         """Called on the drain thread after each successful drain (the manager's retention)."""
         self._thread: threading.Thread | None = None
-        self._warn_at = tier.keep_last + 1
+        self._warn_at = self._first_warning = tier.keep_last + 1
         """Steps waiting to be drained that draw the next backlog warning (:meth:`submit`)."""
 
     def pending_steps(self) -> set[int]:
@@ -225,14 +225,21 @@ class Drainer:
         """The persist thread, after the local commit of ``ticket.step``. Local retention keeps
         every step whose drain is pending, so drains slower than saves grow the local tier (on a
         memory tier, the node's RAM) without bound: rank 0 warns when more than
-        ``local_keep_last`` steps wait, and again each time that backlog doubles."""
+        ``local_keep_last`` steps wait, and again each time that backlog doubles; once it is back
+        under ``local_keep_last + 1``, the next backlog is warned about afresh. ``history`` keeps
+        only drains that matter to ``steps()`` (pending or failed), so it does not grow with a long
+        run's saves."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ckptlib-drain", daemon=True)
             self._thread.start()
         self.tickets.append(ticket)
-        self.history[ticket.step] = ticket
+        kept = {s: t for s, t in self.history.items() if t.status != "persisted"}
+        kept[ticket.step] = ticket
+        self.history = kept  # one rebinding: steps() on the training thread reads either dict whole
         self._queue.put(ticket)
         backlog = len(self.pending_steps())
+        if backlog < self._first_warning:
+            self._warn_at = self._first_warning
         if backlog >= self._warn_at:
             self._warn_at = 2 * backlog
             if self.coord.rank == 0:

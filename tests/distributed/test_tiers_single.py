@@ -192,14 +192,24 @@ def test_drains_falling_behind_are_warned_about(tmp_path: Path, monkeypatch: pyt
     warned = []
     with caplog.at_level(logging.WARNING, logger="ckptlib"):
         for step in range(1, 7):
-            mgr.save(step, state(step)).wait()
+            last = mgr.save(step, state(step))
+            last.wait()
             warned.append(caplog.text.count("drains fall behind saves"))
     assert warned == [0, 1, 1, 2, 2, 2], warned  # at 2 waiting steps, then at 4
     assert "4 steps wait to be drained" in caplog.text and "local_keep_last=1" in caplog.text
     assert len(list((tmp_path / "n0").glob("step-*"))) == 6  # all kept: their drains are pending
     gate.set()
-    mgr.close(drain=True)
+    last.wait_persisted()  # drains run in order: 1-5 are persisted too
     assert persisted(tmp_path / "p") == [1, 2, 3, 4, 5, 6]
+    gate.clear()  # a second episode is warned about afresh, at 2 waiting steps again
+    with caplog.at_level(logging.WARNING, logger="ckptlib"):
+        for step in (7, 8):
+            mgr.save(step, state(step)).wait()
+    assert caplog.text.count("drains fall behind saves") == 3
+    assert sorted(mgr._drainer.history) == [7, 8]  # persisted drains are not kept for the run's life
+    gate.set()
+    mgr.close(drain=True)
+    assert persisted(tmp_path / "p") == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_node_index_and_placement() -> None:
