@@ -162,6 +162,13 @@ class Storage(ABC):
     def release_spares(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free what :meth:`recycle` kept (the manager's ``close()``; ``ckptlib prune``)."""
 
+    def dead_arenas(self, *, remove: bool = False, only: Collection[str] | None = None) -> list[tuple[str, int]]:
+        """A memory tier's snapshot files (``.ckptlib-arena/``) whose process is gone: (name,
+        bytes), removed when ``remove``; ``only``: just these names. Called by the local tier's
+        cleanup (:func:`ckptlib.tiers.inventory.arena_debris`) and ``ckptlib prune --local``
+        through :func:`ckptlib.engine.retire.remove_debris`. None elsewhere (the default)."""
+        return []
+
 
     # -- reading
     @abstractmethod

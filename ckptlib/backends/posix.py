@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import shutil
 import stat
@@ -86,6 +87,10 @@ WRITEBACK_MIN = 1 << 20  # writes at least this big start their writeback at onc
 SPARE_DIR = ".ckptlib-spare"
 """A memory root's files kept for reuse: at most one per name, all from the step retention deleted last."""
 SPARE_MIN = 1 << 20  # smaller files are not worth keeping
+ARENA_DIR = ".ckptlib-arena"
+"""A memory root's mapped snapshot files (ckptlib/engine/mapped_arena.py). Each is locked
+(:func:`lock_arena`) by the process that maps it; the kernel drops the lock when that process
+dies, however it dies, so a file whose lock is free is a dead process's (:func:`sweep_arenas`)."""
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     _renameat2 = getattr(_libc, "renameat2", None)
@@ -94,6 +99,55 @@ try:
         _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 except OSError:  # pragma: no cover - exotic platforms
     _renameat2 = _sync_file_range = None
+
+
+def lock_arena(fd: int) -> bool:
+    """Take the exclusive ``flock`` of an arena file without waiting: its owner right after it
+    creates the file (``Ring``, training thread), a sweeper to prove the owner gone. False when
+    another open file of it holds the lock (or the file system has no locks)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def sweep_arenas(root: str, *, remove: bool, only: Collection[str] | None = None) -> list[tuple[str, int]]:
+    """The files in ``root``'s :data:`ARENA_DIR` that no live process holds (name, bytes), each
+    removed under its lock when ``remove``; ``only``: just these names. Called by a ``Ring``'s
+    first arena (training thread), a node leader's cleanup after a local commit and ``ckptlib
+    prune --local``. A file is judged and removed while this call holds its lock, and its owner
+    checks after locking that the name is still its file, so a file being created is never
+    taken from its owner (the owner falls back to ordinary memory for that save)."""
+    folder = os.path.join(root, ARENA_DIR)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found: list[tuple[str, int]] = []
+    for name in names:
+        if only is not None and name not in only:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not lock_arena(fd):
+                continue
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                continue
+            if remove:
+                os.unlink(path)
+            found.append((name, st.st_size))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)  # drops the lock
+    return found
 
 
 def _rename_noreplace(src: str, dst: str) -> int:
@@ -332,6 +386,11 @@ class PosixStorage(Storage):
     def release_spares(self) -> None:
         if self.memory:
             shutil.rmtree(os.path.join(self.root, SPARE_DIR), ignore_errors=True)
+
+    def dead_arenas(self, *, remove: bool = False, only: Collection[str] | None = None) -> list[tuple[str, int]]:
+        if not self.memory:
+            return []
+        return sweep_arenas(self.root, remove=remove, only=only)
 
     def put_atomic(self, path: str, data: bytes) -> None:
         full = self._p(path)

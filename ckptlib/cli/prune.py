@@ -257,6 +257,7 @@ def _prune_local(args: argparse.Namespace) -> dict[str, Any]:
                                       "bytes": retire.tree_bytes(f.storage, layout.step_dir(s))})
             debris = retire.find_debris(f.storage, None, min_age=min_age, grace=min_age)
             debris += inventory.write_back_debris(f.storage, None, min_age=min_age)  # crashed write-backs
+            debris += inventory.arena_debris(f.storage)  # a memory tier's snapshot files of dead processes
             node["debris"] = [_debris_row(d, retire.tree_bytes(f.storage, d.path)) for d in debris]
             if args.dry_run:
                 node["bytes_freed"] = sum(p["bytes"] or 0 for p in node["steps"] if not p["keep"]) + sum(

@@ -22,8 +22,11 @@ Safety: a file is handed out only when it is in the arena folder (never adopted,
 back from the spares and checked); an adopted file that was deleted, or taken by someone
 else, is unmapped and forgotten. Space is reserved with ``posix_fallocate`` before mapping, so
 a full tmpfs gives ``None`` (the stager falls back to ordinary memory), never a SIGBUS.
-Files a dead process left in the arena folder are removed by the next :class:`Ring` of the
-same rank. Single-threaded by contract: ``take`` on the training thread, ``adopt`` on the
+Each arena file is locked (``flock``, :func:`ckptlib.backends.posix.lock_arena`) by the process
+that maps it; the kernel drops the lock when the process dies. Files of dead processes (lock
+free) are removed by the next :class:`Ring` on that root (any rank), by a node leader's cleanup
+after each local commit and by ``ckptlib prune --local``
+(:func:`ckptlib.backends.posix.sweep_arenas`). Single-threaded by contract: ``take`` on the training thread, ``adopt`` on the
 persist thread, never at the same time (the manager joins a save before the next begins).
 """
 
@@ -40,10 +43,10 @@ from typing import Any
 
 import torch
 
-from ckptlib.backends.posix import SPARE_DIR, rename_noreplace
+from ckptlib.backends.posix import ARENA_DIR, SPARE_DIR, lock_arena, rename_noreplace, sweep_arenas
 from ckptlib.errors import StorageError
 
-ARENA_DIR = ".ckptlib-arena"
+__all__ = ["ARENA_DIR", "Arena", "Ring"]
 _SEQ = itertools.count(1)  # file names unique in this process, across its rings (managers)
 
 
@@ -171,10 +174,16 @@ class Ring:
         except OSError:
             return None
         try:
+            if not lock_arena(fd):
+                os.close(fd)  # a sweeper holds it (it took it between our create and our lock)
+                return None
+            st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)  # a sweeper took it between our create and our lock: not ours now
+                return None
             os.posix_fallocate(fd, 0, nbytes)  # no room: an error now, never a SIGBUS later
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            st = os.fstat(fd)
         except (OSError, ValueError):
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -201,23 +210,8 @@ class Ring:
             a.mm.close()  # BufferError: a snapshot's views still use it (freed with them)
 
     def _sweep(self) -> None:
-        """Once: remove this rank's files left by processes that are gone."""
+        """Once: remove the files of processes that are gone (their lock is free), any rank's."""
         if self._swept:
             return
         self._swept = True
-        prefix = f"r{self.rank:05d}-"
-        for n in os.listdir(self.folder):
-            parts = n.split("-")
-            if not n.startswith(prefix) or len(parts) != 3 or not parts[1].isdigit():
-                continue
-            pid = int(parts[1])
-            if pid == os.getpid():
-                continue
-            try:
-                os.kill(pid, 0)
-                continue  # alive (another job on this root, or a reused pid): not ours to remove
-            except ProcessLookupError:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.folder, n))
-            except OSError:
-                continue  # EPERM: alive, another user's
+        sweep_arenas(self.root, remove=True)

@@ -114,7 +114,9 @@ class Debris:
     puts it back), ``claim`` (an ``overwrite``
     save's claim, format/layout.py ``CLAIM``, left in the committed save's folder once its
     manifest is in place), ``upload`` (a multipart upload), ``partial`` (a local tier's crashed
-    restore write-back's temporary file, :func:`ckptlib.tiers.inventory.write_back_debris`)."""
+    restore write-back's temporary file, :func:`ckptlib.tiers.inventory.write_back_debris`),
+    ``arena`` (a memory tier's snapshot file of a dead process,
+    :func:`ckptlib.tiers.inventory.arena_debris`)."""
 
     path: str
     save_id: str
@@ -242,6 +244,9 @@ def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
                 continue  # something took its place meanwhile: judged again next time
             log.info("ckptlib: putting %s back: %s", d.path, d.why)
             storage.rename(d.path, m.group(1))
+        elif d.kind == "arena":  # only if still dead: judged again under its lock
+            if not storage.dead_arenas(remove=True, only=(d.path.rsplit("/", 1)[-1],)):
+                continue
         elif d.kind in ("claim", "partial"):  # one file, in a committed step's folder
             storage.delete(d.path)
         elif d.kind in ("damaged", "step"):

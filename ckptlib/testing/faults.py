@@ -362,6 +362,9 @@ class FaultyStorage(_VerifyOnExit, Storage):
     def release_spares(self) -> None:
         self.inner.release_spares()
 
+    def dead_arenas(self, *, remove: bool = False, only: Collection[str] | None = None) -> list[tuple[str, int]]:
+        return self.inner.dead_arenas(remove=remove, only=only)
+
     def open_write(self, path: str) -> WriteStream:
         self.injector.before("open_write", path)
         return _FaultyWrite(self, path, self.inner.open_write(path))

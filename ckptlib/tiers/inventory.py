@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ckptlib.backends import Storage, join
+from ckptlib.backends.posix import ARENA_DIR
 from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.retire import Debris
 from ckptlib.engine.scan import read_manifest
@@ -271,6 +272,17 @@ def new_write_back_id() -> str:
 def write_back_tmp(path: str, write_back_id: str, started: float | None = None) -> str:
     """The temporary name a write-back of ``path`` writes and verifies before its rename."""
     return f"{path}.wb-{int(time.time() if started is None else started)}-{write_back_id}.partial"
+
+
+def arena_debris(storage: Storage) -> list[Debris]:
+    """A memory tier's snapshot files (``.ckptlib-arena/``, ckptlib/engine/mapped_arena.py) that
+    dead processes left (kind ``arena``; removable: no live process holds their lock, the proof
+    :func:`ckptlib.backends.posix.sweep_arenas` uses, checked again when each is removed). Called
+    by a node leader's cleanup after a local commit and ``ckptlib prune --local``. Deletes
+    nothing."""
+    return [Debris(join(ARENA_DIR, name), "", "arena", None, True,
+                   "snapshot file of a memory-tier process that is gone (nothing holds its lock)")
+            for name, _ in storage.dead_arenas()]
 
 
 def write_back_debris(storage: Storage, active_ids: Collection[str] | None, *, min_age: float = 0.0,

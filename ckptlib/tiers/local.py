@@ -46,7 +46,12 @@ from ckptlib.errors import CommitError
 from ckptlib.format import layout
 from ckptlib.plan.flatten import FlatState, TensorItem
 from ckptlib.tiers import replicas as replica_flow
-from ckptlib.tiers.inventory import local_steps, retired_by_local_retention, write_back_debris
+from ckptlib.tiers.inventory import (
+    arena_debris,
+    local_steps,
+    retired_by_local_retention,
+    write_back_debris,
+)
 from ckptlib.tiers.node import Topology
 
 log = logging.getLogger("ckptlib")
@@ -235,13 +240,15 @@ def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Co
     saves and apply local retention: the newest ``keep_last`` locally committed steps stay, so
     does every step in ``protect`` (drain pending). Failures are logged, never raised.
     Debris includes the temporary files of crashed restore write-backs
-    (:func:`ckptlib.tiers.inventory.write_back_debris`; none of this process's in flight)."""
+    (:func:`ckptlib.tiers.inventory.write_back_debris`; none of this process's in flight) and a
+    memory tier's snapshot files of dead processes (:func:`ckptlib.tiers.inventory.arena_debris`)."""
     from ckptlib.tiers.write_back import ACTIVE_WRITE_BACKS  # write_back imports this module
 
     deleted: list[int] = []
     try:
         retire.clean_debris(tier.storage, active_ids)
         retire.remove_debris(tier.storage, write_back_debris(tier.storage, set(ACTIVE_WRITE_BACKS)))
+        retire.remove_debris(tier.storage, arena_debris(tier.storage))  # dead processes' snapshots
         for step in retired_by_local_retention(local_steps(tier.storage), tier.keep_last, protect):
             crashpoints.point("local_retention", rank)
             retire.delete_step(tier.storage, layout.step_dir(step),
