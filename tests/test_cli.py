@@ -433,16 +433,16 @@ def test_truncated_payload_shows_corrupt_in_ls(
     assert (code, doc["status"]) == (0, "corrupt")
 
 
-def test_verify_all_fails_on_incomplete_leftovers(
+def test_verify_all_reports_a_crashed_saves_folder_as_debris_not_a_failure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = make_root(tmp_path / "run", steps=(1, 2))
     crash_debris(root, 3, "ab" * 16, time.time() - 7200)
     code, doc = run_json(capsys, "verify", root, "--all")
-    assert code == 1
+    assert code == 0  # a staging folder is not a checkpoint (tests/test_verify_live_root.py: real kills)
     row = doc["steps"][-1]
-    assert (row["step"], row["status"]) == (3, "incomplete")
-    assert "crashed" in row["reason"]
+    assert (row["step"], row["status"]) == (3, "debris")
+    assert "crashed" in row["reason"] and "ckptlib prune" in row["reason"]
     assert run(capsys, "verify", root)[0] == 0  # newest committed step (2) is fine
 
 
@@ -453,8 +453,10 @@ def test_verify_with_no_committed_step_fails(
     root.mkdir()
     crash_debris(str(root), 1, "cd" * 16, time.time())
     code, doc = run_json(capsys, "verify", str(root))
-    assert code == 1
-    assert doc["steps"][0]["status"] == "incomplete"
+    assert code == 1  # nothing verified
+    assert doc["steps"][0]["status"] == "in progress"
+    code, out, _ = run(capsys, "verify", str(root), "--all")
+    assert code == 1 and "FAILED: nothing verified" in out and "OK" not in out, out
     (tmp_path / "empty").mkdir()
     code, out, _ = run(capsys, "verify", str(tmp_path / "empty"))
     assert code == 1  # verified nothing: an empty folder is not "all good"

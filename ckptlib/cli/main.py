@@ -93,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int_at_least(0), metavar="N", help="verify step N")
     which.add_argument("--all", action="store_true",
-                       help="verify every step (any step that is not committed fails)")
+                       help="verify every step (any step that is not committed fails, except a save's "
+                       "staging folder: in progress, or debris)")
+    p.add_argument("--debris-min-age", type=seconds, default=3600.0, metavar="SECONDS",
+                   help="a save's .tmp- folder started less than this long ago is 'in progress', an "
+                   "older one 'debris' (as prune judges it); neither fails verify (default 3600)")
     _tier_options(p, "check")
 
     p = sub.add_parser("prune", parents=[common], help="delete old steps by retention policy",

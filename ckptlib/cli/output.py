@@ -28,7 +28,7 @@ stripped (:meth:`Output.print`)."""
 
 STATUS_STYLE = {
     "committed": "green", "ok": "green", "corrupt": "bold red", "incomplete": "yellow",
-    "gone": "dim", "quarantined": "red", "debris": "yellow",
+    "gone": "dim", "quarantined": "red", "debris": "yellow", "in progress": "cyan",
 }
 
 

@@ -8,6 +8,7 @@ terminal only) is advanced from that thread by :func:`ckptlib.engine.scan.check_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,38 @@ def _plan_verify(args: argparse.Namespace, target: Target) -> tuple[list[_Check]
     return [_Check(i, i.path, i.step) for i in chosen], newer
 
 
+NOT_FAILURES = ("committed", "gone", "in progress", "debris")
+"""Row statuses that do not fail ``verify``: a save's staging folder is not a checkpoint."""
+
+
+def _judge_leftovers(target: Target, checks: list[_Check], min_age: float) -> None:
+    """Re-label the not-committed rows that are a save's staging rather than a step (a
+    ``.tmp-``/``.abort-`` folder; on object stores a step folder without manifest), by the
+    verdict ``ckptlib prune`` gives (:func:`ckptlib.engine.retire.find_debris`, same
+    ``--debris-min-age``): ``in progress`` while its save may still run, else ``debris``, with
+    what to do. A POSIX step folder without manifest is never a save of ours: it stays
+    ``incomplete``. Caller: :func:`cmd_verify`, before any deep check."""
+    from ckptlib.engine import retire
+
+    todo = [c for c in checks if c.info.status == "incomplete" and c.folder]
+    if not todo:
+        return
+    found = {d.path: d for d in retire.find_debris(target.storage, None, min_age=min_age, grace=min_age,
+                                                   steps=[c.info for c in checks])}
+    for c in todo:
+        d = found.get(c.folder)
+        if d is None or d.kind not in ("tmp", "abort", "step") or (
+                d.kind == "step" and target.storage.supports_atomic_rename):
+            continue
+        if not d.removable and d.age_seconds is not None and d.age_seconds < min_age:
+            status, reason = "in progress", f"a save in progress, not a checkpoint yet ({d.why})"
+        elif d.removable:
+            status, reason = "debris", f"not a checkpoint: {d.why}; `ckptlib prune` removes it"
+        else:
+            status, reason = "debris", f"not a checkpoint: {d.why}; remove it by hand once no save writes it"
+        c.info = dataclasses.replace(c.info, status=status, reason=reason)
+
+
 def _verify_row(c: _Check) -> dict[str, Any]:
     r = c.result or c.info
     return {
@@ -100,6 +133,8 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     target = open_target(args.url, args.storage_options)
     try:
         checks, newer = _plan_verify(args, target)
+        if target.kind == "root":
+            _judge_leftovers(target, checks, max(getattr(args, "debris_min_age", 3600.0), 0.0))
         total = sum(stored_bytes(c.info.manifest) for c in checks if c.info.status == "committed")
         with Progress(out, total, "verifying") as progress:
             for c in checks:
@@ -122,7 +157,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
         target.storage.close()
 
     rows = [_verify_row(c) for c in checks]
-    failed = [r for r in rows if r["status"] not in ("committed", "gone")]
+    failed = [r for r in rows if r["status"] not in NOT_FAILURES]
     verified = any(r["status"] == "committed" for r in rows)  # an empty or wrong folder is not "all good"
     code = EXIT_BAD if failed or not verified else EXIT_OK
     out.exit_code = code
@@ -148,9 +183,12 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
         names = "; ".join(f"step {step_label(r['step'])} ({r['status']}: {target.short(r['reason'])})"
                           for r in failed)
         out.print(Text(f"FAILED: {names}", style="bold red"))
+    elif not verified:  # only saves in progress or their debris: no checkpoint to vouch for
+        out.print(Text("FAILED: nothing verified: no committed step (only saves in progress or their debris)",
+                       style="bold red"))
     else:
-        out.print(Text(f"OK: {len(rows)} step(s) verified, {human_bytes(checked)} checked",
-                       style="green"))
+        n = sum(r["status"] == "committed" for r in rows)
+        out.print(Text(f"OK: {n} step(s) verified, {human_bytes(checked)} checked", style="green"))
     return code
 
 
@@ -230,6 +268,8 @@ def _verify_tiers(args: argparse.Namespace, out: Output, tier: str) -> int:
                 chosen[s] = max(sorted(set(counts)), key=counts.count) if counts else ""
         checks = [_Check(i, i.path, i.step) for i in infos if i.step in steps and (
             args.all or ((args.step is not None or i.status == "committed") and layout.parse_step(i.path) is not None))]
+        if target is not None:  # a drain's staging folder on the persistent tier is no failure
+            _judge_leftovers(target, checks, max(args.debris_min_age, 0.0))
         todo: list[_NodeStep] = []
         for f in folders:
             for s in steps:
@@ -324,7 +364,7 @@ def _report_tiers(args: argparse.Namespace, out: Output, tier: str, target: Targ
             "copies": [{"name": c.name, "rank": c.rank, "copy": c.copy, "status": c.status, "reason": c.reason}
                        for c in ns.copies],
         })
-    pers_bad = [r for r in pers_rows if r["status"] not in ("committed", "gone")]
+    pers_bad = [r for r in pers_rows if r["status"] not in NOT_FAILURES]
     node_bad = [ns for ns in todo if ns.status in ("damaged", "unreadable")]  # "other save": stale, not bad
     lost = [v for v in verdicts if not v["restorable"]]
     code = EXIT_BAD if pers_bad or node_bad or lost or not verdicts else EXIT_OK
