@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -227,28 +229,69 @@ def test_object_store_damaged_step_waits_for_its_grace(memory_url: str, capsys: 
     assert [(r["step"], r["status"]) for r in doc["steps"]] == [(2, "committed"), (3, "committed")]
 
 
-def test_an_unreadable_step_says_which_and_what_to_do(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Tests run as root, whom chmod does not stop: the storage's read is made to fail as it does
-    # for another user on a step folder of mode 000.
-    from ckptlib.backends.posix import PosixStorage
+def _unprivileged(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` where file permissions apply: as root (these tests' user), without the
+    capabilities that let root read any file (setpriv), so chmod 000 really denies."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: chmod does not stop root")
+        drop = "-dac_override,-dac_read_search"
+        argv = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *argv]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
 
-    root = make_root(tmp_path / "run", (1, 2))
-    real = PosixStorage.open_read
 
-    def denied(self: PosixStorage, path: str) -> Any:
-        if path.startswith(layout.step_dir(1)):
-            raise PermissionError(13, "Permission denied", os.path.join(self.root, path))
-        return real(self, path)
+@pytest.fixture
+def unreadable_step_2(tmp_path: Path):
+    """A root of steps 1-3 and a crashed save's old .tmp- folder; step 2's folder is mode 000."""
+    root = make_root(tmp_path / "run", (1, 2, 3))
+    crash_dir = Path(root, layout.step_dir(4) + ".tmp-" + "ab" * 16)
+    crash_dir.mkdir()
+    (crash_dir / layout.MARKER).write_text(json.dumps({"save_id": "ab" * 16, "created": OLD}))
+    locked = Path(root, layout.step_dir(2))
+    locked.chmod(0)
+    try:
+        yield root
+    finally:
+        locked.chmod(0o755)
 
-    monkeypatch.setattr(PosixStorage, "open_read", denied)
-    for argv in (["ls", root], ["verify", root], ["prune", root, "--keep-last", "1", "--dry-run"]):
-        assert main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert f"cannot read {root}/{layout.step_dir(1)}/manifest.json: permission denied" in err, err
-        assert "fix its permissions" in err and "Traceback" not in err
-    assert Path(root, layout.step_dir(1)).exists()
+
+def test_an_unreadable_step_stops_verify_and_prune_and_says_what_to_do(unreadable_step_2: str) -> None:
+    root = unreadable_step_2
+    for argv in (["verify", root], ["prune", root, "--keep-last", "1"], ["inspect", root]):
+        p = _unprivileged([sys.executable, "-m", "ckptlib", *argv])
+        assert p.returncode == 2, (argv, p.stdout, p.stderr)
+        assert f"cannot read {root}/{layout.step_dir(1 + 1)}/manifest.json: permission denied" in p.stderr, p.stderr
+        assert "fix its permissions" in p.stderr and "Traceback" not in p.stderr
+    assert Path(root, layout.step_dir(1)).exists() and Path(root, layout.step_dir(4) + ".tmp-" + "ab" * 16).exists()
+
+
+def test_ls_lists_an_unreadable_step_as_such_and_goes_on(unreadable_step_2: str) -> None:
+    # ls shows step 2 with the reason, lists the others, says prune would stop, and exits 2
+    # (an access error) after the listing.
+    root = unreadable_step_2
+    p = _unprivileged([sys.executable, "-m", "ckptlib", "ls", root, "--json"])
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    rows = {r["path"]: r for r in json.loads(p.stdout)["steps"]}
+    assert [rows[layout.step_dir(s)]["status"] for s in (1, 2, 3)] == ["committed", "unreadable", "committed"]
+    assert "permission denied" in rows[layout.step_dir(2)]["reason"]
+    assert all(r["prune"] is None or not r["prune"]["removes"] for r in rows.values())  # prune would stop
+    p = _unprivileged([sys.executable, "-m", "ckptlib", "ls", root])
+    assert p.returncode == 2 and "unreadable" in p.stdout and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+    assert "fix its permissions" in p.stderr
+    # restore never skips it: it might be the newest good step
+    p = _unprivileged([sys.executable, "-c", RESTORE, root])
+    assert "CheckpointError" in p.stdout and "permission denied" in p.stdout, (p.stdout, p.stderr)
+
+
+RESTORE = """
+import sys, torch, ckptlib
+try:
+    with ckptlib.CheckpointManager(sys.argv[1]) as mgr:
+        print("restored", mgr.restore({"w": torch.zeros(128, 64), "b": torch.zeros(4), "step": 0}))
+except ckptlib.CheckpointError as e:
+    print("CheckpointError", e)
+"""
 
 
 def test_verify_notes_a_newer_step_that_is_unusable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ the defaults ``prune`` uses), so ``ls`` shows exactly what ``prune`` would do wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from ckptlib.format import layout
 from .output import Output, has_rows, human_age, human_bytes, status_text, table
 from .target import (
     EXIT_OK,
+    EXIT_USAGE,
     ROOT_HINT,
     Target,
     list_steps,
@@ -54,13 +56,19 @@ def _debris_step(path: str) -> int | None:
 
 
 def _rows(target: Target, infos: list[StepInfo], now: float) -> list[dict[str, Any]]:
-    """Step rows, each with the debris verdict when it is debris, then the other debris."""
-    debris = retire.find_debris(target.storage, None, min_age=retire.DEFAULT_GRACE, now=now, steps=infos)
+    """Step rows, each with the debris verdict when it is debris, then the other debris. With an
+    ``unreadable`` step, ``prune`` stops before it judges anything: every verdict says so."""
+    blocked = [i.path for i in infos if i.status == "unreadable"]
+    judged = [i for i in infos if i.status != "unreadable"]
+    debris = retire.find_debris(target.storage, None, min_age=retire.DEFAULT_GRACE, now=now, steps=judged)
+    if blocked:
+        why = f"prune stops while {', '.join(blocked)} cannot be read (fix its permissions first)"
+        debris = [dataclasses.replace(d, removable=False, why=why) for d in debris]
     by_path = {d.path: d for d in debris}
     rows = []
     for i in infos:
         d = by_path.pop(i.path, None)
-        size = None if i.status == "committed" else retire.tree_bytes(target.storage, i.path)
+        size = None if i.status in ("committed", "unreadable") else retire.tree_bytes(target.storage, i.path)
         row = _ls_row(i, now, size)
         row["kind"] = "step" if layout.parse_step(i.path) is not None else "debris"
         row["prune"] = _verdict(d)
@@ -136,7 +144,7 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         if target.kind == "checkpoint":
             rows = [_ls_row(single(target), now, None)]
         else:
-            rows = _rows(target, list_steps(target), now)
+            rows = _rows(target, list_steps(target, unreadable=True), now)
     finally:
         target.storage.close()
     tiered = getattr(args, "local", None) is not None
@@ -144,7 +152,7 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         rows = _add_tiers(rows, _local_nodes(args.local))
     out.emit({"url": args.url, "kind": target.kind, "steps": rows})
     if not has_rows(out, rows, f"no checkpoints under {target.where()} (no step-* folders yet)"):
-        return EXIT_OK
+        return _unreadable_exit(out, rows)
     t = table("step", "status", "size", "ranks", "age", *(["tiers"] if tiered else []), "reason",
               right=("step", "size", "ranks", "age"), fold=("reason",))
     for r in rows:
@@ -172,4 +180,14 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         size = human_bytes(sum(r["bytes"] or 0 for r in unusable))
         summary += f"; {len(unusable)} not usable ({size}), {removable} of them removable by prune"
     out.print(summary)
-    return EXIT_OK
+    return _unreadable_exit(out, rows)
+
+
+def _unreadable_exit(out: Output, rows: list[dict[str, Any]]) -> int:
+    """Exit 2 (an access error) after the listing when a step could not be read, with its
+    reason on stderr: it may be the newest good step, and restore stops on it too."""
+    bad = [r for r in rows if r["status"] == "unreadable"]
+    for r in bad:
+        out.note(f"ckptlib: {r['reason']}", style="red")
+    out.exit_code = EXIT_USAGE if bad else EXIT_OK
+    return out.exit_code

@@ -67,10 +67,11 @@ def open_target(url: str, storage_options: dict[str, Any] | None, hint: str = AN
     return Target(url, storage, "root")
 
 
-def list_steps(target: Target, hint: str = ROOT_HINT) -> list[StepInfo]:
-    """Every step under a root, oldest first (a missing root is a :class:`CliError`)."""
+def list_steps(target: Target, hint: str = ROOT_HINT, *, unreadable: bool = False) -> list[StepInfo]:
+    """Every step under a root, oldest first (a missing root is a :class:`CliError`);
+    ``unreadable``: see :func:`ckptlib.engine.scan.scan` (``ls`` only)."""
     try:
-        infos = scan(target.storage)
+        infos = scan(target.storage, unreadable=unreadable)
     except CheckpointNotFoundError:
         raise CliError(f"no such folder {target.where()} — {hint}") from None
     return sorted(infos, key=lambda i: (i.step, i.status == "committed", i.path))

@@ -8,6 +8,7 @@ checks every chunk. The pure choice of a step lives in :mod:`ckptlib.plan.select
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,13 +25,18 @@ from ckptlib.format.decode import decode
 from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, IndexRef, Manifest
 
 
+class UnreadableStepError(StorageError):
+    """A manifest this user may not read (:func:`read_manifest`): a :class:`StorageError`, so
+    every caller stops on it; ``scan(unreadable=True)`` (``ckptlib ls``) lists the step instead."""
+
+
 @dataclass(slots=True)
 class StepInfo:
     """One step found under a manager root (see ``CheckpointManager.steps``)."""
 
     step: int
     status: str
-    """``committed``, ``incomplete`` or ``corrupt``."""
+    """``committed``, ``incomplete`` or ``corrupt`` (``unreadable``: only from ``scan(unreadable=True)``)."""
     bytes: int = 0
     """Payload bytes (committed steps), or 0."""
     created: float | None = None
@@ -77,10 +83,12 @@ def read_manifest(storage: Storage, folder: str, *, pieces: bool = True) -> Mani
             return m
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest; never committed?)") from None
-    except PermissionError as e:  # not proof of anything about the step: the caller stops
-        raise StorageError(f"cannot read {where}: permission denied ({e.strerror or e}); every step folder "
-                           "under a root must be readable by this user: fix its permissions (or move the "
-                           "folder out of the root)") from e
+    except OSError as e:  # denied: not proof of anything about the step: the caller stops
+        if e.errno not in (errno.EACCES, errno.EPERM):  # a backend's StorageError carries the errno too
+            raise
+        raise UnreadableStepError(f"cannot read {where}: permission denied ({e.strerror or e}); every step "
+                                  "folder under a root must be readable by this user: fix its permissions (or "
+                                  "move the folder out of the root)") from e
     except MemoryError:  # a resource error, not proof of corruption: typed, but not Corrupt
         raise CheckpointError(f"out of memory while reading the manifest {where}") from None
     raise CheckpointNotFoundError(f"no checkpoint at {where}: {record.describe()}")
@@ -177,8 +185,11 @@ def check_step(
     return info
 
 
-def scan(storage: Storage, *, deep: bool = False) -> list[StepInfo]:
-    """Every step under the root, newest first, with in-progress/crashed/fenced saves as incomplete."""
+def scan(storage: Storage, *, deep: bool = False, unreadable: bool = False) -> list[StepInfo]:
+    """Every step under the root, newest first, with in-progress/crashed/fenced saves as incomplete.
+    A step folder whose manifest this user may not read stops the scan (:class:`StorageError`:
+    restore never skips what may be the newest good step); ``unreadable=True`` (``ckptlib ls``
+    only) lists it instead, status ``unreadable``, the reason saying what to do."""
     try:
         entries = storage.listdir("")
     except FileNotFoundError:
@@ -190,7 +201,12 @@ def scan(storage: Storage, *, deep: bool = False) -> list[StepInfo]:
     for ent in entries:
         step = layout.parse_step(ent.name)
         if step is not None and ent.is_dir:
-            infos.append(check_step(storage, ent.name, step, deep=deep))
+            try:
+                infos.append(check_step(storage, ent.name, step, deep=deep))
+            except UnreadableStepError as e:
+                if not unreadable:
+                    raise
+                infos.append(StepInfo(step, "unreadable", reason=str(e), path=ent.name))
             committed_names.add(ent.name)
     for ent in entries:
         m = layout.TMP_RE.match(ent.name)
