@@ -57,3 +57,27 @@ def test_a_relaunch_counts_the_steps_it_finds_on_the_root_as_room(
         mgr.save(step, state(step)).wait(timeout=60)
     assert [i.step for i in mgr.steps() if i.tiers["local"] == "committed"] == [4, 5]
     mgr.close()
+
+
+def test_a_dead_processs_arena_files_are_room_before_the_first_save(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed run leaves its mapped snapshot files in ``.ckptlib-arena/`` (no process holds
+    their lock). The relaunch's room check frees them before it measures, also when its save
+    stages in ordinary memory (no arena of its own to sweep them first)."""
+    from ckptlib.backends.posix import ARENA_DIR
+
+    dead = shm / "n0" / ARENA_DIR
+    dead.mkdir(parents=True)
+    (dead / "r00000-999999-1").write_bytes(b"\0" * (2 * MIB))  # nobody holds its lock
+
+    def used() -> int:
+        return sum(p.stat().st_size for p in shm.rglob("*") if p.is_file())
+
+    monkeypatch.setattr(local_tier, "free_bytes", lambda _url: 4 * MIB - used())  # a 4 MiB tmpfs
+    mgr = manager(tmp_path, shm)  # 3 copies of 1 MiB fit in 4 MiB, not beside the 2 MiB left behind
+    mgr._stager.ring = None  # this save stages in ordinary memory
+    mgr.save(1, state(1)).wait(timeout=60)
+    assert not list(dead.iterdir())
+    into = state(0)
+    assert mgr.restore(into) == 1 and bool((into["w"] == 1).all())
+    mgr.close()

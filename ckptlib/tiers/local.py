@@ -184,9 +184,13 @@ def check_room(tier: LocalTier, s: Session, topo: Topology, planned: int, held: 
     on the memory root and counted as the step in flight): every node whose local root is a
     memory file system (tmpfs) must have room for ``local_keep_last + 1`` copies of what it
     holds per step (its ranks' files and the replicas it keeps for its peers); what the root
-    already holds for the tier counts as room (:func:`reusable_bytes`). Raises
+    already holds for the tier counts as room (:func:`reusable_bytes`), and the leader first
+    removes the mapped snapshot files of dead processes (a killed run's: nobody holds their
+    lock), which would otherwise stay until the first local commit. Raises
     :class:`CommitError` on every rank, saying what is missing where, before anything is written."""
     leader = topo.is_leader(s.rank) and tier.storage.memory
+    if leader:
+        tier.storage.dead_arenas(remove=True)
     mine = [planned, free_bytes(tier.storage.url) + reusable_bytes(tier) if leader else None, tier.storage.url, held]
     copies = tier.keep_last + 1
 
