@@ -114,7 +114,8 @@ class SaveHandle:
         """
         limit = self._timeout + 30.0 if timeout is None else timeout
         if not self._event.wait(limit):
-            raise CommitTimeoutError(f"save of step {self.step} still running after {limit:.0f}s")
+            raise CommitTimeoutError(f"save of step {self.step} still running after {limit:g}s of waiting; it goes "
+                                     "on and may still commit: wait() again to learn its outcome")
         err = self._take_error()
         if err is not None:
             raise err

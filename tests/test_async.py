@@ -715,3 +715,31 @@ def test_async_saves_on_object_store_commit_mode(memory_url, budget):
         target = make_state(99)
         assert mgr.restore(target) == 1
     assert_same(all_tensors(target), before)
+
+
+def test_a_wait_that_runs_out_says_the_save_goes_on(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``handle.wait(timeout)`` / ``mgr.wait(timeout)`` that run out raise ``CommitTimeoutError``
+    while the save goes on and then commits: the message must say so (it read like a failed
+    save), and a later wait reports the commit."""
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    gate = threading.Event()
+    real = mgr.storage.open_write
+
+    def held(path: str) -> Any:
+        assert gate.wait(60), "test gate never opened"
+        return real(path)
+
+    monkeypatch.setattr(mgr.storage, "open_write", held)
+    want = {"w": torch.arange(1000.0)}
+    h = mgr.save(1, want)
+    with pytest.raises(ckptlib.CommitTimeoutError, match=r"goes on and may still commit") as e:
+        h.wait(timeout=0.05)
+    assert "0.05s" in str(e.value)
+    with pytest.raises(ckptlib.CommitTimeoutError, match=r"goes on and may still commit"):
+        mgr.wait(timeout=0.05)
+    gate.set()
+    h.wait()
+    mgr.close()
+    out = {"w": torch.zeros(1000)}
+    assert ckptlib.CheckpointManager(tmp_path).restore(out) == 1
+    assert_same(out, want)

@@ -76,7 +76,8 @@ class PersistWorker:
     def join(self, limit: float) -> None:
         """Training thread: wait until the submitted job is over, at most ``limit`` seconds."""
         if self.busy() and not self._done.wait(limit):
-            raise CommitTimeoutError(f"background save still running after {limit:.0f}s")
+            raise CommitTimeoutError(f"background save still running after {limit:g}s of waiting; it goes on and "
+                                     "may still commit while this process lives: wait() again to learn its outcome")
 
     def stop(self, wait: float) -> None:
         """``close``: let the thread end after the job it runs, if any, waiting for it at most
