@@ -22,6 +22,7 @@ from ckptlib.errors import (
     CorruptCheckpointError,
     FatalStorageError,
     ManifestVersionError,
+    MissingDependencyError,
     NonFiniteError,
     ReplicaMismatchError,
     StateMismatchError,
@@ -78,7 +79,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointView",
     "CommitError", "CommitTimeoutError", "CommitUnknownError", "CorruptCheckpointError", "FatalStorageError",
-    "LoadResult", "ManifestVersionError", "NonFiniteError", "PerRank", "ReplicaMismatchError", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
+    "LoadResult", "ManifestVersionError", "MissingDependencyError", "NonFiniteError", "PerRank", "ReplicaMismatchError", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
     "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TargetNotEmptyError",
     "TensorInfo",
     "UnsupportedValueError", "__version__", "load", "load_metadata", "open", "save",

@@ -6,6 +6,9 @@ handlers keep working) and pickles cleanly: errors cross processes in distribute
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 class CheckpointError(Exception):
     """Base class of every error ckptlib raises on purpose."""
@@ -94,3 +97,28 @@ class FatalStorageError(StorageError):
 
 class UnsupportedValueError(CheckpointError, TypeError):
     """A state leaf cannot be saved without pickle (e.g. an arbitrary Python object)."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """A feature needs an optional package that is not installed. The message names the feature
+    and the command that installs it (``pip install "ckptlib[EXTRA]"``); ``extra`` holds EXTRA.
+    Raised by :func:`require` (also an ``ImportError``, so existing handlers keep working)."""
+
+    def __init__(self, feature: str, extra: str, package: str = "") -> None:
+        super().__init__(f"{feature} needs the optional package {package or extra!r}, which is not "
+                         f"installed: pip install \"ckptlib[{extra}]\"")
+        self.feature, self.extra, self.package = feature, extra, package
+
+    def __reduce__(self):  # keep pickling exact across processes
+        return (type(self), (self.feature, self.extra, self.package))
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """Import the optional ``module`` (e.g. ``"s3fs"``) that ``feature`` needs, or raise
+    :class:`MissingDependencyError` naming ``pip install "ckptlib[extra]"``. Called, on the
+    caller's thread, by the code that first uses an optional package (the S3 backend, tensorstore
+    arrays and zarr3 export, the framework integrations), never at ``import ckptlib`` time."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingDependencyError(feature, extra, module.split(".")[0]) from e

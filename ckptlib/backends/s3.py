@@ -43,7 +43,7 @@ from ckptlib.backends.retry import (
     error_code,
 )
 from ckptlib.backends.s3_upload import CLEANUP_ATTEMPT, CLEANUP_DEADLINE, S3Write, missing, numbered
-from ckptlib.errors import StorageError
+from ckptlib.errors import StorageError, require
 
 T = TypeVar("T")
 
@@ -110,7 +110,7 @@ class S3Storage(Storage):
     supports_atomic_rename = False
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        import s3fs  # lazy: the s3 extra is optional
+        s3fs = require("s3fs", "s3", "an s3:// URL")  # lazy: the s3 extra is optional
 
         opts = dict(storage_options or {})
         self.supports_conditional_put = _flag(opts.pop("ckptlib_conditional_put", True))

@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(str(e), e.code)
     except (CheckpointError, OSError, ValueError, ImportError) as e:
         text = str(e) or type(e).__name__
-        if isinstance(e, ImportError):
+        if isinstance(e, ImportError) and not isinstance(e, CheckpointError):
             text = f"{text} (a storage backend package is missing?)"
         return fail(f"{args.url}: {text}" if args.url not in text else text)
     except Exception as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckptlib.errors import require
 from ckptlib.read.dtypes import TENSORSTORE_NATIVE, bits_dtype, to_numpy
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def lazy_array(view: CheckpointView, name: str) -> Any:
-    import tensorstore as ts
+    ts = require("tensorstore", "zarr", "CheckpointView.array()")
 
     info = view.info(name)
     entry = view.manifest.tensors[name]

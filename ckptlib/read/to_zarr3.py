@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
+from ckptlib.errors import require
 from ckptlib.read.dtypes import ZARR3_NATIVE, to_numpy, zarr3_dtype
 from ckptlib.read.staging import staged
 from ckptlib.read.view import BLOCK_BYTES, CheckpointView
@@ -69,7 +70,7 @@ def export_zarr3(
 def _write(view: CheckpointView, base: str, out: str, select: str | None,
            progress: Callable[[int], None] | None) -> dict[str, Any]:
     """Write the arrays below the kvstore URL ``base``; the summary names ``out``."""
-    import tensorstore as ts
+    ts = require("tensorstore", "zarr", "export to zarr3")
 
     kv = ts.KvStore.open(base + "/").result()
     group = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()

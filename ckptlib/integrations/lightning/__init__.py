@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptlib.errors import require
 from ckptlib.integrations.lightning.resume import checkpoint_candidates, newest_checkpoint
 from ckptlib.integrations.values import PickledValue
 
@@ -24,6 +25,7 @@ __all__ = ["CkptlibCheckpointIO", "PickledValue", "RNGCallback", "checkpoint_can
 
 def __getattr__(name: str) -> Any:
     if name in ("CkptlibCheckpointIO", "RNGCallback"):
+        require("lightning.pytorch", "lightning", f"ckptlib.integrations.lightning.{name}")
         from ckptlib.integrations.lightning import checkpoint_io
 
         return getattr(checkpoint_io, name)

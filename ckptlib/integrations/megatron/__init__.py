@@ -8,16 +8,21 @@ strategies, :func:`register`), :mod:`.resume` (:func:`iterations`, :func:`load_l
 ``latest_checkpointed_iteration.txt``).
 """
 
-from ckptlib.integrations.megatron.layout import BACKEND
-from ckptlib.integrations.megatron.load import LoadCommonStrategy, LoadStrategy, register
-from ckptlib.integrations.megatron.resume import (
+from ckptlib.errors import require
+
+# Without megatron-core, say which extra to install instead of failing deep inside layout.py.
+require("megatron.core.dist_checkpointing", "megatron", "ckptlib.integrations.megatron")
+
+from ckptlib.integrations.megatron.layout import BACKEND  # noqa: E402
+from ckptlib.integrations.megatron.load import LoadCommonStrategy, LoadStrategy, register  # noqa: E402
+from ckptlib.integrations.megatron.resume import (  # noqa: E402
     IterationInfo,
     iteration_dir,
     iterations,
     latest_iteration,
     load_latest,
 )
-from ckptlib.integrations.megatron.save import SaveStrategy, schedule
+from ckptlib.integrations.megatron.save import SaveStrategy, schedule  # noqa: E402
 
 __all__ = [
     "BACKEND", "IterationInfo", "LoadCommonStrategy", "LoadStrategy", "SaveStrategy",
