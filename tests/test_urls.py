@@ -63,3 +63,31 @@ def test_a_far_scheme_gets_no_hint_and_an_empty_path_is_refused(tmp_path: Path, 
         with pytest.raises(ValueError, match="empty path or URL"):
             call()
     assert os.listdir(tmp_path) == ["ck"]  # nothing was written anywhere
+
+
+def test_tilde_is_the_home_folder_never_a_folder_named_tilde(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~/ckpt`` (as fsspec reads it) is under $HOME: a folder named ``~`` in the working
+    directory is one ``rm -rf ~`` away from deleting the user's home."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    w = torch.arange(6, dtype=torch.float32)
+    ckptlib.save({"w": w}, "~/one")
+    with ckptlib.CheckpointManager("~/run", async_save=False) as mgr:
+        mgr.save(3, {"w": w}).wait()
+    with ckptlib.CheckpointManager("file://~/run") as mgr:
+        assert mgr.latest_step() == 3
+    with ckptlib.CheckpointManager("~/tiered", local="~/loc/n{node}", replicas=0, async_save=False) as mgr:
+        mgr.save(4, {"w": w}).wait()
+    assert cli_main(["ls", "~/tiered", "--local", "~/loc/n{node}"]) == 0
+    assert os.listdir(work) == []
+    assert sorted(os.listdir(home)) == ["loc", "one", "run", "tiered"]
+    assert os.listdir(home / "loc") == ["n0"]
+    assert torch.equal(ckptlib.load(str(home / "one"))["w"], w)
+    assert torch.equal(ckptlib.load("~/run/step-000000000003")["w"], w)
+    with ckptlib.open("~/run") as ckpt:
+        assert ckpt.step == 3 and torch.equal(ckpt.read("/w"), w)

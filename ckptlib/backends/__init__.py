@@ -52,7 +52,7 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
         scheme, rest = url.split("://", 1)
         parent, _, name = rest.rpartition("/")
         return f"{scheme}://{parent}", name
-    url = os.path.abspath(url)
+    url = os.path.abspath(os.path.expanduser(url))  # "~/ckpt": the home folder, as PosixStorage
     return os.path.dirname(url), os.path.basename(url)
 
 

@@ -265,8 +265,9 @@ class PosixStorage(Storage):
 
     def __init__(self, root: str, *, visibility_timeout: float | None = None, **_ignored: Any) -> None:
         """``visibility_timeout``: seconds to keep retrying a missing or short file (None: by
-        mount type). Other storage options are ignored (POSIX has no other settings)."""
-        self.root = os.path.abspath(root)
+        mount type). Other storage options are ignored (POSIX has no other settings). A leading
+        ``~`` is the home folder, as in fsspec (never a folder named ``~``)."""
+        self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
         if visibility_timeout is None:
             probe = self.root

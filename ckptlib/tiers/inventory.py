@@ -24,6 +24,7 @@ Nothing here imports torch (tests/test_cli_imports.py runs the commands with ``-
 from __future__ import annotations
 
 import glob
+import os
 import re
 import secrets
 import time
@@ -244,6 +245,7 @@ def node_folders(template: str, nodes: Sequence[int] | None = None) -> list[tupl
     by each of ``nodes``, or, without ``nodes``, matched against the folders that exist (the
     index read back from the name; None when it is not a number). A template without
     ``{node}`` is one folder (node None)."""
+    template = os.path.expanduser(template)  # as local_root does
     if "{node}" not in template:
         return [(None, template)]
     if nodes is not None:

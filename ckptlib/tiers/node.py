@@ -31,8 +31,9 @@ def node_index(env: Mapping[str, str] = os.environ) -> int:
 
 
 def local_root(template: str, node: int) -> str:
-    """The node-local root: ``{node}`` in ``template`` replaced by the node index."""
-    return template.replace("{node}", str(node))
+    """The node-local root: ``{node}`` in ``template`` replaced by the node index (a leading
+    ``~``: the home folder, as for every local path)."""
+    return os.path.expanduser(template).replace("{node}", str(node))
 
 
 @dataclass(frozen=True, slots=True)
