@@ -16,7 +16,8 @@ from ckptlib.cli.main import main as cli_main
 @pytest.mark.parametrize(
     ("url", "hint"),
     [("s3:/bucket/run1", "did you mean s3://bucket/run1?"), ("s3:bucket", "did you mean s3://bucket?"),
-     ("memory:/x", "did you mean memory://x?"), ("s4://bucket/x", "did you mean s3://bucket/x?")],
+     ("memory:/x", "did you mean memory://x?"), ("s4://bucket/x", "did you mean s3://bucket/x?"),
+     ("file:/data/run1", "did you mean file:///data/run1?"), ("file:run1", "did you mean file://run1?")],
 )
 def test_malformed_or_unknown_scheme_is_refused_with_a_hint(
     url: str, hint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

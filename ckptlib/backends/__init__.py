@@ -95,5 +95,7 @@ def check_url(url: str) -> None:
             hint = f"; did you mean {close[0]}://{rest[2:]}?" if close else ""
             raise ValueError(f"unknown URL scheme {scheme!r} in {url!r}{hint}")
     elif scheme.lower() in known:
+        # file:/abs means the absolute path: file:///abs (file://abs would be the relative "abs")
+        local = scheme.lower() in ("file", "local") and rest.startswith("/")
         raise ValueError(f"{url!r} is not a valid URL (a scheme needs '://'); did you mean "
-                         f"{scheme}://{rest.lstrip('/')}?")
+                         f"{scheme}://{rest if local else rest.lstrip('/')}?")
