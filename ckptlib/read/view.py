@@ -103,6 +103,8 @@ class CheckpointView:
         ]
 
     def info(self, name: str) -> TensorInfo:
+        """Name, dtype, shape and size of the tensor ``name`` (``"/model/0.weight"``); a
+        ``KeyError`` that names the nearest match when there is none. Any thread; no I/O."""
         e = self.manifest.tensors.get(name)
         if e is None:
             near = "/" + name if not name.startswith("/") and "/" + name in self.manifest.tensors else None
@@ -173,6 +175,7 @@ class CheckpointView:
         return resolve_lazy(result)
 
     def close(self) -> None:
+        """Release the reader's threads and the storage; also at the end of a ``with`` block."""
         self._reader.close()
         self.storage.close()
 
