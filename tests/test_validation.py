@@ -105,6 +105,18 @@ def test_strict_must_be_a_bool(tmp_path: Path) -> None:
         ckptlib.load(tmp_path / "ck", into={"w": torch.zeros(2)}, strict="no")
 
 
+def test_restore_into_none_is_refused_not_reported_as_restored(tmp_path: Path) -> None:
+    """It returned the step (1) while loading nothing anywhere: a resume that looked done."""
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+        with pytest.raises(TypeError, match="loads in place into the tensors of `state`, got None"):
+            mgr.restore(None)
+        with pytest.raises(TypeError, match="strict must be True or False, got 'no'"):
+            mgr.restore({"w": torch.zeros(2)}, strict="no")  # type: ignore[call-overload]
+        state = {"w": torch.zeros(2)}
+        assert mgr.restore(state) == 1 and torch.equal(state["w"], torch.ones(2))
+
+
 # --------------------------------------------------------------------------- wrong load paths
 
 

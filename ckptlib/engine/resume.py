@@ -170,6 +170,18 @@ def step_candidates(
     ]
 
 
+def check_target(state: Any, strict: Any) -> None:
+    """Refuse, before any rank meets, a ``CheckpointManager.restore(state, strict=...)`` that
+    cannot load in place: ``state`` None (a restore into nothing would report a step restored
+    while loading nothing) or ``strict`` not a bool. Caller's (training) thread."""
+    if state is None:
+        raise TypeError("restore(state) loads in place into the tensors of `state`, got None: pass "
+                        "the state to fill (e.g. {'model': model, 'optim': optim}); for a fresh copy "
+                        "use ckptlib.open(url).load() or ckptlib.load(step_folder)")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
+
+
 def restore(
     storage: Storage,
     state: Any,
