@@ -347,7 +347,8 @@ class CheckpointManager:
         With a local tier, ``persist`` forces (True) or skips (False) the drain of this step to
         ``url``; None follows ``persist_every`` (preemption saves are always drained)."""
         if self._closed:
-            raise CheckpointError("CheckpointManager is closed")
+            raise CheckpointError(f"save({step}): this CheckpointManager is closed (close() ran, or its with block "
+                                  "ended); nothing was saved. Save before closing, or open a new manager")
         if type(step) is not int or not 0 <= step <= layout.MAX_STEP:
             raise ValueError(f"step must be an int from 0 to {layout.MAX_STEP}, got {step!r}")
         metrics = check_metrics(metrics)

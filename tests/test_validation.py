@@ -117,6 +117,15 @@ def test_restore_into_none_is_refused_not_reported_as_restored(tmp_path: Path) -
         assert mgr.restore(state) == 1 and torch.equal(state["w"], torch.ones(2))
 
 
+def test_save_after_close_says_what_happened_and_what_to_do(tmp_path: Path) -> None:
+    with ckptlib.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    with pytest.raises(ckptlib.CheckpointError, match=r"save\(2\): this CheckpointManager is closed \(close\(\) ran, "
+                       r"or its with block ended\); nothing was saved. Save before closing, or open a new manager"):
+        mgr.save(2, {"w": torch.ones(2)})
+    assert [i.step for i in mgr.steps()] == [1]
+
+
 # --------------------------------------------------------------------------- wrong load paths
 
 
