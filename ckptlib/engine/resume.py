@@ -31,6 +31,7 @@ from ckptlib.errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
+from ckptlib.format.schema import MANIFEST_NAME
 
 log = logging.getLogger("ckptlib")
 T = TypeVar("T")
@@ -199,8 +200,13 @@ def restore(
     ``strict``/``keys``: as :func:`ckptlib.engine.load.load_checkpoint` (keys of the step restored);
     ``corrupt``: as :func:`resume_newest`."""
 
-    def listing() -> list[Candidate]:
+    def listing() -> list[Candidate]:  # the coordinator: its error reaches every rank
         cands = step_candidates(storage)
+        if not cands and storage.exists(MANIFEST_NAME):  # a first run would start from scratch
+            raise CheckpointNotFoundError(
+                f"{storage.url} is a single checkpoint written by ckptlib.save() (it holds {MANIFEST_NAME}), not a "
+                f"CheckpointManager run root: load it with ckptlib.load({storage.url!r}, into=state), and give "
+                "CheckpointManager a folder of its own")
         return cands if step is None else [c for c in cands if c.step == step]
 
     def attempt(c: Candidate) -> dict[str, list[str]]:
