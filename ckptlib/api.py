@@ -12,6 +12,7 @@ from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.engine import load as load_flow
 from ckptlib.engine import safetensors_folder, target
 from ckptlib.engine import save as save_flow
+from ckptlib.engine.options import flag
 from ckptlib.engine.scan import read_manifest
 from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format.schema import Manifest
@@ -81,8 +82,8 @@ def load(
     it as, or None to skip it. Such files carry no checksums (``verify`` has nothing to check);
     damaged headers raise ``CorruptCheckpointError`` before any tensor is read.
     """
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {strict!r}")
+    flag("strict", strict)
+    flag("verify", verify)  # verify=None would silently skip every checksum
     parent, name = split_url(url)
     storage = open_storage(parent, storage_options)
     rank, world = _rank_world()

@@ -730,7 +730,7 @@ class CheckpointManager:
         ``per_rank``: policy for ``PerRank`` values of another world size (error, rank0, all).
         ``strict``: as ``ckptlib.load``; with ``strict=False`` a step restored is returned as a
         :class:`~ckptlib.engine.load.LoadResult` (``.step``, ``.missing``, ``.unexpected``)."""
-        resume.check_target(state, strict)
+        resume.check_target(state, strict, verify)
         if step is not None:
             layout.step_dir(step)  # an int from 0 up, as save() takes (TypeError/ValueError naming it)
         self.wait()

@@ -126,6 +126,27 @@ def test_save_after_close_says_what_happened_and_what_to_do(tmp_path: Path) -> N
     assert [i.step for i in mgr.steps()] == [1]
 
 
+def test_verify_none_is_refused_not_a_silent_skip_of_every_checksum(tmp_path: Path) -> None:
+    """``verify=None`` (falsy) loaded a checkpoint with a flipped bit without a word."""
+    from helpers import flip_bit
+
+    with ckptlib.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, {"w": torch.arange(64, dtype=torch.float32)})
+    step = tmp_path / "run" / "step-000000000001"
+    flip_bit(next(p for p in step.rglob("*.bin")), 8)
+    with pytest.raises(TypeError, match="verify must be True or False, got None"):
+        ckptlib.load(step, verify=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="verify must be True or False, got None"):
+        ckptlib.open(tmp_path / "run", verify=None)  # type: ignore[arg-type]
+    with ckptlib.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(TypeError, match="verify must be True or False, got None"):
+            mgr.restore({"w": torch.zeros(64)}, verify=None)  # type: ignore[call-overload]
+        with pytest.raises(ckptlib.CorruptCheckpointError):
+            mgr.restore({"w": torch.zeros(64)})
+    with pytest.raises(ckptlib.CorruptCheckpointError):
+        ckptlib.load(step)
+
+
 # --------------------------------------------------------------------------- wrong load paths
 
 

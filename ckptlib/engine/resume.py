@@ -24,6 +24,7 @@ from ckptlib.backends import Storage
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
+from ckptlib.engine.options import flag
 from ckptlib.engine.scan import StepInfo, scan
 from ckptlib.errors import (
     CheckpointError,
@@ -171,16 +172,17 @@ def step_candidates(
     ]
 
 
-def check_target(state: Any, strict: Any) -> None:
-    """Refuse, before any rank meets, a ``CheckpointManager.restore(state, strict=...)`` that
-    cannot load in place: ``state`` None (a restore into nothing would report a step restored
-    while loading nothing) or ``strict`` not a bool. Caller's (training) thread."""
+def check_target(state: Any, strict: Any, verify: Any) -> None:
+    """Refuse, before any rank meets, a ``CheckpointManager.restore(state, strict=..., verify=...)``
+    that cannot load in place: ``state`` None (a restore into nothing would report a step
+    restored while loading nothing), or ``strict``/``verify`` not a bool (``verify=None`` would
+    skip every checksum). Caller's (training) thread."""
     if state is None:
         raise TypeError("restore(state) loads in place into the tensors of `state`, got None: pass "
                         "the state to fill (e.g. {'model': model, 'optim': optim}); for a fresh copy "
                         "use ckptlib.open(url).load() or ckptlib.load(step_folder)")
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {strict!r}")
+    flag("strict", strict)
+    flag("verify", verify)
 
 
 def restore(

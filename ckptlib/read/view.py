@@ -24,6 +24,7 @@ import torch
 from ckptlib.backends import Storage, join, open_storage, split_url
 from ckptlib.engine import hugepages, index_io, safetensors_folder, target
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
+from ckptlib.engine.options import flag
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import StepInfo, check_files, check_step, read_manifest, scan
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -196,6 +197,7 @@ def open_view(
     """Open ``url`` read-only: a checkpoint folder, or a CheckpointManager root (its newest
     committed step, or ``step``). Raises :class:`CheckpointNotFoundError` when there is no
     such committed step, :class:`CorruptCheckpointError` for a bad manifest or payload size."""
+    flag("verify", verify)  # verify=None would silently skip every checksum
     storage = open_storage(url, storage_options)
     try:
         found = _safetensors(url, storage, storage_options)
