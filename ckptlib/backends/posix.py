@@ -258,6 +258,15 @@ class _PosixRead(ReadHandle):
             os.close(self.fd)
             self.fd = -1
 
+    def __del__(self) -> None:
+        # A handle dropped unclosed (a ``ckptlib.open`` view never closed, a reader that
+        # raised) gives its descriptor back when collected: a long job that opens views must
+        # not run out of descriptors. ``close`` set fd to -1, so a number reused since is safe.
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the module may be half torn down: nothing to report to
+            pass
+
 
 class PosixStorage(Storage):
     supports_atomic_rename = True
