@@ -551,8 +551,7 @@ class CheckpointManager:
         """Persist thread, every rank, after a local commit: queue the drain, then (node
         leaders) local debris and retention, sparing steps whose drain is pending."""
         assert self._tier is not None and self._drainer is not None
-        if handle._drain is not None:
-            self._drainer.submit(handle._drain)
+        self._drainer.committed_locally(handle.step, handle._drain)  # queues the drain, if any
         topo = self._tier.topology
         if topo is not None and topo.is_leader(self.coordinator.rank):
             tier_local.after_local_commit(self._tier, self._active_ids | {save_id}, self._drainer.pending_steps(),
@@ -615,7 +614,7 @@ class CheckpointManager:
                 limit = self.options.save_timeout + 30.0 if timeout is None else timeout
                 for t in list(self._drainer.tickets):
                     t.wait(limit)
-                self._drainer.stop(limit)
+                self._drainer.stop(limit)  # then local retention once more (drains pending no more)
                 self._raise_pending()
         except BaseException as e:
             if not isinstance(e, Exception) and self._worker.busy():

@@ -45,6 +45,10 @@ class Coordinator(ABC):
         """``timeout`` seconds from now, on :attr:`clock`."""
         return self.clock.now() + timeout
 
+    def close(self) -> None:  # noqa: B027 - optional hook: a local coordinator holds nothing
+        """Done with this coordinator (a manager's drain coordinator, once its drain thread
+        ended): release what it holds. No meeting; idempotent; never raises."""
+
     def transfer(self, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],
                  timeout: float) -> list[bytes]:
         """Send each ``(rank, data)`` and receive each ``(rank, size)``, in list order (a pair of

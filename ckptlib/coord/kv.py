@@ -217,6 +217,10 @@ class TorchKV:
             except BaseException as e:  # handed to the caller
                 call.error = e
             call.finish()
+            # Hold no finished call while idle: its function's closure can reach the session and
+            # the coordinator (a posted leave), and a coordinator kept alive by its own worker's
+            # last call is never dropped, so that worker and its connection never ended.
+            del call
 
     def _submit(self, fn: Callable[[Any], Any]) -> _Call:
         if self._worker is None:
@@ -230,6 +234,8 @@ class TorchKV:
 
     def _run(self, fn: Callable[[Any], Any], extra: float = 0.0) -> Any:
         if self.host:
+            if self._store is None:
+                raise StoreUnreachable("this coordinator's store connection was closed")
             try:
                 return fn(self._store)
             except Exception as e:
@@ -254,6 +260,13 @@ class TorchKV:
         worker = self._worker
         if wait and worker is not None:
             worker.join(wait)
+
+    def close(self) -> None:
+        """A closed coordinator's: :meth:`stop`, and a host drops its own connection now (no
+        call follows; a worker's goes when the worker ends)."""
+        self.stop()
+        if self.host:
+            self._store = None
 
     # -- KV
     def set(self, key: str, value: bytes) -> None:

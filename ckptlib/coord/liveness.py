@@ -104,6 +104,7 @@ class Pulse:
     def __init__(self, store: Any, rank: int, every: float, limit: float) -> None:
         self.every, self.limit, self.rank = every, limit, rank
         self._users = 0
+        self._released = False  # halted by the last release(), not at interpreter exit
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._watches: list[Ticket] = []
@@ -128,6 +129,7 @@ class Pulse:
         with Pulse._guard:
             self._users -= 1
             if self._users <= 0:
+                self._released = True
                 self._stop.set()
 
     def stop(self) -> None:
@@ -192,6 +194,10 @@ class Pulse:
                     except Exception:
                         pass  # the waiter sees t.failures within a period
             self._stop.wait(max(0.0, self.every - (time.monotonic() - start)))
+        if self._released:  # keys discarded just before the last coordinator's close still go (not at exit)
+            with self._lock:
+                litter, self._litter = self._litter, []
+            kv.discard(litter)
 
 
 _PULSES: weakref.WeakSet[Pulse] = weakref.WeakSet()

@@ -38,7 +38,10 @@ was seen to come back with the same value though the coordinator's one ``multi_s
 once (torch 2.13's TCPStore; the cause is not known); the next answer comes from a later request
 on the coordinator's connection, after that ``multi_set``.
 The rank's list (``spent``) is kept by the coordinator object across its sessions. The
-coordinator deletes a long shared value once every rank has left. After a failure some keys stay
+coordinator deletes a long shared value once every rank has left. A coordinator that is closed
+(a manager's drain coordinator, ``TorchCoordinator.close``) has no next session: then rank 0
+deletes what the others posted in its last session, once every rank left it
+(:meth:`Session.spent_keys`), and each other rank its last answer key. After a failure some keys stay
 behind (a few per failed session). Every wait is bounded by its deadline and by the
 liveness of whom it waits for: a rank that died, froze or left fails the others within the
 coordination timeout (``dead_after``), naming it.
@@ -103,6 +106,11 @@ class Session:
         sessions, so a session's last keys go with the next session's first take)."""
         self._shared: list[str] = []  # coordinator: long shared values, deleted once every rank left
         self._held: Callable[[KV], None] | None = None  # others: a report held back (report(hold=True))
+        self._tail: list[str] = []
+        """Coordinator: the keys the others posted since its last answer (a report's, a read
+        receipt's, ``left``), without the rank: nobody deletes them until a next answer, so a
+        coordinator that has no next session deletes them itself (:meth:`spent_keys`)."""
+        self._everyone_left = False
 
     # -- basics
     @property
@@ -193,6 +201,7 @@ class Session:
         self._await_ranks(f"{m}/in", lambda r: f"{m}/r/{r}", deadline, "did not arrive before the deadline",
                           warn=not patient, counter=f"{m}/n")
         got = [json.loads(t) for t in kv.multi_get([self._key(f"{m}/r/{r}") for r in others])]
+        self._tail.append(f"{m}/r/")
         astray = {r: f"at another session's meeting ({label!r}, not {self.label!r})"
                   for r, (label, _v) in zip(others, got, strict=True) if label != self.label}
         if astray:
@@ -262,6 +271,7 @@ class Session:
 
     def _post(self, m: str, texts: list[bytes], receipts: bool, deadline: float | None) -> None:
         kv = self._kv()
+        self._tail = []  # each rank deletes what it posted before once it reads this answer
         keys = [self._key(f"{m}/w/{r}") for r in range(1, self.world)]
         if len(set(texts[1:])) == 1 and len(texts[1]) > INLINE:  # one long value: stored once
             kv.set(self._key(f"{m}/all"), texts[1])
@@ -275,6 +285,7 @@ class Session:
                                   until_all=True, counter=f"{m}/nread")
             except CommitError as e:  # those ranks failed; the answer is posted all the same
                 log.debug("ckptlib: not every rank read %s: %s", m, e)
+            self._tail.append(f"{m}/read/")
 
     def _take(self, m: str, deadline: float | None, what: str, receipts: bool) -> Any:
         raw = self._from_coordinator(f"{m}/w/{self.rank}", deadline, what)
@@ -447,8 +458,20 @@ class Session:
         except Exception as e:  # those ranks died or froze; nothing is left to tell them
             log.debug("ckptlib: leaving %s without waiting for every rank: %s", self.label, e)
             return
-        if self._shared and error is None and not self.failed:  # every rank has read them
-            self.kv.discard(self._shared)
+        if error is None and not self.failed:  # every rank has read them
+            if self._shared:
+                self.kv.discard(self._shared)
+            self._tail.append("left/")
+            self._everyone_left = True
+
+    def spent_keys(self) -> list[str] | None:
+        """Coordinator, after :meth:`close`: the keys the other ranks posted in this session
+        that nobody will delete (no answer follows: the coordinator is closed, see
+        :meth:`ckptlib.coord.torch_coordinator.TorchCoordinator.close`), or None unless every
+        rank left it normally (a key may then still be read: it stays)."""
+        if not self._everyone_left:
+            return None
+        return [self._key(f"{t}{r}") for t in self._tail for r in range(1, self.world)]
 
 
 def _nothing(_kv: KV) -> None:

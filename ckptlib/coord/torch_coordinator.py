@@ -52,14 +52,21 @@ ALIGN_TIMEOUT = 120.0
 _generation = [0]
 
 
-def _meet(kv: TorchKV, world: int, timeout: float) -> int:
+def _init_key(n: int) -> str:
+    return f"ckptlib/coordinator-init/{n}"
+
+
+def _meet(kv: TorchKV, world: int, timeout: float, rank: int = 0) -> int:
     """Store barrier before a :class:`TorchCoordinator` is made (collective, in the same order on
     every rank, so the n-th call on each rank uses the same key). Returns that number: the
     coordinator's name in the store, the same on every rank. Its calls go through ``kv``: a
     frozen store host fails them within the coordination timeout
-    (:class:`ckptlib.coord.kv.StoreUnreachable`)."""
+    (:class:`ckptlib.coord.kv.StoreUnreachable`). Rank 0 then deletes the previous meeting's
+    key: every rank counted itself into this one, so every rank is past that one (a process
+    that makes a manager with a local tier many times must not fill the store)."""
     _generation[0] += 1
-    key = f"ckptlib/coordinator-init/{_generation[0]}"
+    n = _generation[0]
+    key = _init_key(n)
     kv.add(key, 1)
     end = time.monotonic() + timeout
     pause = 0.005
@@ -68,7 +75,9 @@ def _meet(kv: TorchKV, world: int, timeout: float) -> int:
             raise CommitTimeoutError(f"ranks did not all create the checkpoint coordinator within {timeout:.0f}s")
         time.sleep(pause)
         pause = min(0.1, pause * 2)
-    return _generation[0]
+    if rank == 0 and n > 1:
+        kv.discard([_init_key(n - 1)])
+    return n
 
 
 class TorchCoordinator(Coordinator):
@@ -91,7 +100,8 @@ class TorchCoordinator(Coordinator):
         try:
             # Ranks reach this point seconds apart (whatever each did since init_process_group);
             # gloo's connect timeout is the group timeout (dead_after), so meet first.
-            self.name = f"c{_meet(self.kv, self.world_size, max(ALIGN_TIMEOUT, dead_after))}"
+            self.generation = _meet(self.kv, self.world_size, max(ALIGN_TIMEOUT, dead_after), self.rank)
+            self.name = f"c{self.generation}"
             self.kv.rename(f"ckptlib-store-{self.name}")
             self.group = _bulk_group(self.pulse, dead_after) if bulk else None
         except BaseException as e:  # this coordinator's threads end
@@ -102,9 +112,35 @@ class TorchCoordinator(Coordinator):
         self._count = 0
         self._open: Session | None = None
         self._spent: list[str] = []  # keys this rank posted, deleted with its next take (coord/session.py)
-        weakref.finalize(self, _drop, self.pulse, self.kv)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _drop, self.pulse, self.kv)
+
+    def close(self) -> None:
+        """See :meth:`Coordinator.close`: the keys its last session left in the store are
+        deleted (by rank 0, those the others posted, once every rank left that session normally,
+        and the coordinator's meeting key; by every other rank, its last answer key: nobody
+        reads it again), then its store worker and connection end, and the pulse if no other
+        coordinator uses it. Without this a manager with a local tier, made and closed many
+        times in one process, left a connection, a thread and a few keys behind each time."""
+        if self._closed:
+            return
+        self._closed = True
+        last = self._open
+        try:
+            if self.rank == 0:
+                spent = last.spent_keys() if last is not None else None
+                if spent is not None:  # every rank got past the meeting that made this coordinator
+                    self.kv.discard([*spent, _init_key(self.generation)])
+            else:
+                answer = f"/w/{self.rank}"
+                self.kv.discard([k for k in self._spent if k.endswith(answer)])
+        finally:
+            self._finalizer()  # _drop: the worker ends after the calls queued (a posted leave)
+            self.kv.close()
 
     def session(self, label: str, deadline: float) -> Session:
+        if self._closed:
+            raise CheckpointError("this coordinator was closed")
         if self._open is not None and not self._open.closed:
             raise RuntimeError(f"a {self._open.label} session is still open on this coordinator: pass it to the "
                                f"{label} instead of opening another")

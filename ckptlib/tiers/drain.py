@@ -47,7 +47,7 @@ from ckptlib.tiers.inventory import (
     verify_files,
     writer_rank,
 )
-from ckptlib.tiers.local import LocalTier
+from ckptlib.tiers.local import LocalTier, retain_after_drains
 
 log = logging.getLogger("ckptlib")
 
@@ -211,7 +211,12 @@ class Drainer:
         self.tickets: list[DrainTicket] = []
         """Drains whose outcome was not yet taken by the training thread."""
         self.history: dict[int, DrainTicket] = {}
-        """The latest drain of each step (for ``steps()``)."""
+        """The latest drain of each step that ``steps()`` may show: pending ones, and failed
+        ones of steps the local tier still keeps (:meth:`committed_locally` forgets the rest)."""
+        self._recent: list[int] = []
+        """The newest ``local_keep_last`` steps committed locally (ascending)."""
+        self._failing = 0
+        """Drains failed in a row (their warnings are spaced out: :meth:`_run`)."""
         self.after: Callable[[], None] | None = None
         """Called on the drain thread after each successful drain (the manager's retention)."""
         self._thread: threading.Thread | None = None
@@ -221,21 +226,36 @@ class Drainer:
     def pending_steps(self) -> set[int]:
         return {t.step for t in self.tickets if not t.done()}
 
+    def committed_locally(self, step: int, ticket: DrainTicket | None) -> None:
+        """The persist thread, every rank, after each local commit: :meth:`submit` its drain
+        (``ticket``; None: not drained), then forget the drains that ``steps()`` no longer
+        shows, so that :attr:`history` stays bounded however many steps a job drains: a
+        persisted drain (the persistent tier shows that step itself) and a failed one of a
+        step older than the newest ``local_keep_last`` (local retention deletes it). Pending
+        drains stay."""
+        if ticket is not None:
+            self.submit(ticket)
+        recent = self._recent
+        if step not in recent:
+            recent.append(step)
+            recent.sort()
+            del recent[:-self.tier.keep_last]
+        oldest = recent[0]
+        for s, t in list(self.history.items()):
+            if t.done() and (t.status == "persisted" or s < oldest):
+                del self.history[s]
+
     def submit(self, ticket: DrainTicket) -> None:
         """The persist thread, after the local commit of ``ticket.step``. Local retention keeps
         every step whose drain is pending, so drains slower than saves grow the local tier (on a
         memory tier, the node's RAM) without bound: rank 0 warns when more than
         ``local_keep_last`` steps wait, and again each time that backlog doubles; once it is back
-        under ``local_keep_last + 1``, the next backlog is warned about afresh. ``history`` keeps
-        only drains that matter to ``steps()`` (pending or failed), so it does not grow with a long
-        run's saves."""
+        under ``local_keep_last + 1``, the next backlog is warned about afresh."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ckptlib-drain", daemon=True)
             self._thread.start()
         self.tickets.append(ticket)
-        kept = {s: t for s, t in self.history.items() if t.status != "persisted"}
-        kept[ticket.step] = ticket
-        self.history = kept  # one rebinding: steps() on the training thread reads either dict whole
+        self.history[ticket.step] = ticket
         self._queue.put(ticket)
         backlog = len(self.pending_steps())
         if backlog < self._first_warning:
@@ -254,16 +274,43 @@ class Drainer:
         while True:
             ticket = self._queue.get()
             if ticket is None:
+                self._close_coord()  # the drain coordinator's only user was this thread
                 return
             try:
                 drain_step(self.tier, self.persistent, self.coord, ticket.step, timeout=self.timeout, rate=self.rate)
                 if self.after is not None:
                     self.after()
                 ticket.finish(None)
+                if self._failing:
+                    log.warning("ckptlib: drains to %s work again: step %d drained after %d failed drain(s)",
+                                self.persistent.url, ticket.step, self._failing)
+                    self._failing = 0
             except Exception as e:
-                log.warning("ckptlib: drain of step %d to %s failed; it stays local: %s",
-                            ticket.step, self.persistent.url, e)
+                self._failing += 1
+                self._log_failure(ticket.step, e)
                 ticket.finish(e)
+
+    def _log_failure(self, step: int, error: Exception) -> None:
+        """One warning for the first failed drain, then one each time the run of failures
+        doubles (2, 4, 8, ...): a persistent tier down for a day fails thousands of drains, and
+        each failure is raised on the training thread anyway; the rest go to DEBUG."""
+        n = self._failing
+        if n & (n - 1):
+            log.debug("ckptlib: drain of step %d to %s failed (%d in a row); it stays local: %s",
+                      step, self.persistent.url, n, error)
+            return
+        again = "" if n == 1 else f" ({n} drains in a row have failed; the next warning at {2 * n})"
+        log.warning("ckptlib: drain of step %d to %s failed; it stays local%s: %s",
+                    step, self.persistent.url, again, error)
+
+    def _close_coord(self) -> None:
+        """Release the drain coordinator (its store connection and thread, its spent keys):
+        by the drain thread as it ends, or by :meth:`stop`/:meth:`abandon` if none ever ran.
+        Idempotent (:meth:`Coordinator.close`)."""
+        try:
+            self.coord.close()
+        except Exception as e:  # costs a connection until exit, never the close
+            log.debug("ckptlib: releasing the drain coordinator failed: %s", e)
 
     def abandon(self) -> None:
         """``close`` (``drain=False``, or a close that raised): drop the drains not started
@@ -278,13 +325,25 @@ class Drainer:
                 ticket.finish(CommitError(f"drain of step {ticket.step} abandoned: the manager was closed "
                                           "before it started; the step stays local"))
         if self._thread is not None:
-            self._queue.put(None)
+            self._queue.put(None)  # the thread releases the coordinator as it ends
             self._thread = None
+        else:
+            self._close_coord()
 
     def stop(self, timeout: float) -> None:
-        """After the last submit: let the thread finish the queue, then end it (bounded)."""
+        """``close`` (training thread, no save in flight), after the last submit: let the
+        thread finish the queue, then end it (bounded); the drain coordinator is released once
+        no thread uses it. Once the drains ended, a node leader applies local retention again:
+        the steps it kept only while their drain was pending go now, not at a next save that
+        never comes (on a memory tier they would hold the node's RAM after the job)."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self._thread = None
+            if self._thread.is_alive():
+                return
+            self._thread = None
+        else:
+            self._close_coord()
+        topo, rank = self.tier.topology, self.coord.rank
+        if topo is not None and topo.is_leader(rank):
+            retain_after_drains(self.tier, self.pending_steps(), rank)

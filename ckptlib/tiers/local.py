@@ -253,11 +253,28 @@ def after_local_commit(tier: LocalTier, active_ids: Collection[str], protect: Co
         retire.clean_debris(tier.storage, active_ids)
         retire.remove_debris(tier.storage, write_back_debris(tier.storage, set(ACTIVE_WRITE_BACKS)))
         retire.remove_debris(tier.storage, arena_debris(tier.storage))  # dead processes' snapshots
-        for step in retired_by_local_retention(local_steps(tier.storage), tier.keep_last, protect):
-            crashpoints.point("local_retention", rank)
-            retire.delete_step(tier.storage, layout.step_dir(step),
-                               recycled=lambda: crashpoints.point("local_retention", rank))  # mid-deletion
-            deleted.append(step)
+        _retain(tier, protect, rank, deleted)
     except Exception as e:
         log.warning("ckptlib: local retention/cleanup failed (will retry after the next save): %s", e)
     return deleted
+
+
+def retain_after_drains(tier: LocalTier, protect: Collection[int], rank: int = 0) -> list[int]:
+    """A node leader, at the manager's ``close`` once its drains ended (no save in flight):
+    local retention again, without the debris cleanup. Steps kept only because their drain was
+    pending are retired now instead of at a next save that never comes: a memory tier would
+    keep a drain backlog in the node's RAM after the job. Failures are logged, never raised."""
+    deleted: list[int] = []
+    try:
+        _retain(tier, protect, rank, deleted)
+    except Exception as e:
+        log.warning("ckptlib: local retention after the drains failed (the next job's first save retries): %s", e)
+    return deleted
+
+
+def _retain(tier: LocalTier, protect: Collection[int], rank: int, deleted: list[int]) -> None:
+    for step in retired_by_local_retention(local_steps(tier.storage), tier.keep_last, protect):
+        crashpoints.point("local_retention", rank)
+        retire.delete_step(tier.storage, layout.step_dir(step),
+                           recycled=lambda: crashpoints.point("local_retention", rank))  # mid-deletion
+        deleted.append(step)

@@ -223,7 +223,7 @@ def step_infos(tier: LocalTier, persistent: list[StepInfo], drains: dict[int, An
         info.tiers["local"] = "committed"
         if info.status != "committed":
             info.status, info.reason = "committed", ""
-    for step, ticket in drains.items():
+    for step, ticket in dict(drains).items():  # a copy (one C call): the persist thread changes it
         info = by_step.get(step)
         if (info is not None and info.tiers is not None and info.tiers["persistent"] != "committed"
                 and ticket.status in ("pending", "failed")):

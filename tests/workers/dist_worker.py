@@ -97,6 +97,39 @@ def sc_store_keys(rank: int, world: int, root: str, args: dict) -> dict:
     return {"keys": counts}
 
 
+def sc_tier_managers(rank: int, world: int, root: str, args: dict) -> dict:
+    """Managers with a local tier made, used (a drained save, a restore) and closed one after
+    another in one process, as a sweep or a notebook does; each rank counts its threads and
+    open descriptors, and rank 0 the job store's keys, after ``args["first"]`` managers and
+    again after ``args["managers"]`` (tests/distributed/test_store_keys.py). Every closed
+    manager is kept referenced, as a notebook's variables keep them."""
+    import gc
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    os.environ["CKPTLIB_NODE"] = str(rank)  # one node per rank, each with its local folder
+    kept, counts = [], []
+    for m in range(1, args["managers"] + 1):
+        mgr = ckptlib.CheckpointManager(os.path.join(root, "ck"), local=os.path.join(root, "local-{node}"),
+                                        replicas=0, keep_last=2, save_timeout=60)
+        state = {"w": full("plain").clone(), "step": 0}
+        mgr.restore(state)
+        state["step"] = m
+        mgr.save(m, state).wait_persisted(timeout=60)
+        mgr.close()
+        kept.append(mgr)
+        if m in (args["first"], args["managers"]):
+            dist.barrier()
+            time.sleep(2.5)  # discarded keys are deleted at each process's next heartbeat (every 2 s)
+            gc.collect()
+            counts.append({"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+                           "keys": _get_default_store().num_keys() if rank == 0 else 0})
+            dist.barrier()
+    return {"counts": counts}
+
+
 def sc_load(rank: int, world: int, root: str, args: dict) -> dict:
     dims = args.get("dims", {})
     policy = args.get("per_rank", "error")
