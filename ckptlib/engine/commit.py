@@ -13,8 +13,8 @@ into ``<final>.tmp-<id>/``, fsynced, renamed to ``<final>`` (refusing to replace
 manifest created last with a create-only put; neither: a plain put read back for our save id.
 What may be at ``<final>`` is judged by :mod:`ckptlib.engine.target`, first in :func:`begin`
 (before any payload) and again at the rename: nothing, or an empty folder, is used; a valid
-existing checkpoint is never replaced (``StepExistsError``) unless ``overwrite``; a corrupt or
-incomplete one ckptlib wrote is moved aside (``<final>.corrupt-<id>``) or its manifest removed;
+existing checkpoint (or one a newer ckptlib wrote) is never replaced (``StepExistsError``)
+unless ``overwrite``; a corrupt or incomplete one ckptlib wrote is moved aside (``<final>.corrupt-<id>``) or its manifest removed;
 a file, or a folder holding anything ckptlib did not write, is refused
 (``TargetNotEmptyError``) and nothing in it is touched.
 On object stores the removal of a damaged manifest (or a failed save's abort record) happens
@@ -109,12 +109,12 @@ def commit_mode(storage: Storage) -> str:
 
 def check_target(storage: Storage, final: str, *, overwrite: bool = False) -> None:
     """Refuse a target a save must not write into, before any payload exists: a committed
-    checkpoint without ``overwrite`` (``StepExistsError``), a file or a folder holding files
+    checkpoint, or one a newer ckptlib wrote, without ``overwrite`` (``StepExistsError``), a file or a folder holding files
     ckptlib did not write (``TargetNotEmptyError``; nothing in it is touched)."""
     t = target.judge(storage, final)
     url = f"{storage.url.rstrip('/')}/{final}"
-    if t.kind == "committed" and not overwrite:
-        raise StepExistsError(_exists_message(url))
+    if t.kind in ("committed", "newer") and not overwrite:
+        raise StepExistsError(_exists_message(url, t.kind == "newer"))
     if t.kind in ("file", "foreign"):
         raise TargetNotEmptyError(target.describe_foreign(url, t))
 
@@ -124,8 +124,10 @@ EXISTS = "Checkpoint already exists"
 DCP users and tests look for)."""
 
 
-def _exists_message(url: str) -> str:
-    return (f"{EXISTS}: {url} already holds a committed checkpoint; not replacing it. ckptlib.save: pass "
+def _exists_message(url: str, newer: bool = False) -> str:
+    held = ("a checkpoint written by a newer ckptlib (its manifest's format version is newer than this one "
+            "reads; upgrade ckptlib to load it)") if newer else "a committed checkpoint"
+    return (f"{EXISTS}: {url} already holds {held}; not replacing it. ckptlib.save: pass "
             "overwrite=True, or delete it first. CheckpointManager.save never replaces a committed step: save "
             "under a new step number (a loop that resumes at the step restore() returned saves it again: "
             "start at the next one)")
@@ -235,24 +237,27 @@ def _rename_replacing(storage: Storage, st: Staging, overwrite: bool) -> None:
 def _clear_manifest_key(storage: Storage, final: str, replace: bool) -> None:
     """Object stores, in :func:`begin`: remove what holds ``final``'s manifest key unless it is a
     committed manifest we must keep (without ``overwrite`` :func:`publish` then raises
-    ``StepExistsError``; with it, :func:`_publish_claimed` replaces it): a damaged manifest, a
+    ``StepExistsError``; with it, :func:`_publish_claimed` replaces it; so is a manifest a newer
+    ckptlib wrote): a damaged manifest, a
     failed save's abort record, or (``replace``: ``put_verify`` stores only, which have no
     claim) the step being replaced."""
     path = join(final, MANIFEST_NAME)
-    if storage.size(path) is not None and (replace or check_step(storage, final).status != "committed"):
+    if storage.size(path) is not None and (replace or (
+            check_step(storage, final).status != "committed" and target.newer_format(storage, final) is None)):
         storage.delete(path)
 
 
 def _clear_target(storage: Storage, st: Staging, overwrite: bool) -> None:
     """The rename found ``st.final`` taken (:mod:`ckptlib.engine.target` judges what is there):
-    a committed step is refused or, with ``overwrite``, moved to ``.del-<id>``; a damaged one
+    a committed step (or one a newer ckptlib wrote) is refused or, with ``overwrite``, moved to
+    ``.del-<id>``; a damaged one
     ckptlib wrote is moved aside to ``.corrupt-<id>``; an empty folder is removed (moved aside,
     then deleted only if still empty); anything else is refused and left as it is."""
     t = target.judge(storage, st.final)
     url = f"{storage.url.rstrip('/')}/{st.final}"
-    if t.kind == "committed":
+    if t.kind in ("committed", "newer"):
         if not overwrite:
-            raise StepExistsError(_exists_message(url)) from None
+            raise StepExistsError(_exists_message(url, t.kind == "newer")) from None
         storage.rename(st.final, layout.del_dir(st.final, st.save_id))
     elif t.kind == "damaged":
         storage.rename(st.final, f"{st.final}.corrupt-{st.save_id}")

@@ -37,7 +37,6 @@ from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    ManifestVersionError,
 )
 from ckptlib.format import fence, layout
 from ckptlib.format.manifest import MANIFEST_NAME
@@ -341,7 +340,7 @@ def _judge_steps(
             continue
         if i.status == "corrupt":
             ok, why, age = superseded(i.step, i.path)
-            if ok and _newer_format(storage, i.path):
+            if ok and target.newer_format(storage, i.path) is not None:
                 ok, why = False, "its manifest is of a newer format than this ckptlib reads: left alone"
             found.append(Debris(i.path, i.save_id, "damaged", age, ok, f"{why} ({i.reason})"))
         elif storage.supports_atomic_rename:  # no manifest: never a save of ours in progress here
@@ -361,17 +360,6 @@ def _judge_steps(
         ok, why, age = superseded(step, e.name, resaved=True)
         found.append(Debris(e.name, m.group(2), "quarantined", age, ok, f"moved aside as damaged; {why}"))
     return found
-
-
-def _newer_format(storage: Storage, folder: str) -> bool:
-    """Whether ``folder`` failed its check only because a newer ckptlib wrote it (not damage)."""
-    try:
-        read_manifest(storage, folder, pieces=False)
-    except ManifestVersionError:
-        return True
-    except (CheckpointError, OSError):
-        return False
-    return False
 
 
 def _marker_created(storage: Storage, folder: str) -> float | None:

@@ -11,7 +11,9 @@ checkpoint folder (``manifest.json`` and its ``.partial`` temporaries, the ``.ck
 ``<save id>/`` folders holding only payload files and, on object stores, an overwrite save's
 claim, :data:`ckptlib.format.layout.CLAIM`): only such a folder may ever be
 moved aside (``<folder>.corrupt-<id>``) when it is damaged. Anything else in a folder makes it
-``foreign``: a save refuses it and touches nothing in it.
+``foreign``: a save refuses it and touches nothing in it. A folder whose manifest is of a newer
+format than this ckptlib reads is ``newer``: written by a newer ckptlib, not damaged, so it is
+never moved aside, its manifest never removed, and retention leaves it alone.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import re
 from dataclasses import dataclass
 
 from ckptlib.backends import Storage, join
-from ckptlib.engine.scan import check_step
+from ckptlib.engine.scan import check_step, read_manifest
+from ckptlib.errors import CheckpointError, ManifestVersionError
 from ckptlib.format import layout
 from ckptlib.format.schema import MANIFEST_NAME
 
@@ -28,7 +31,7 @@ _SAVE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
 SHOWN = 5
 """How many foreign names a message lists."""
 
-KINDS = ("absent", "file", "empty", "committed", "damaged", "foreign")
+KINDS = ("absent", "file", "empty", "committed", "damaged", "newer", "foreign")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +40,9 @@ class Target:
 
     kind: str
     """One of :data:`KINDS`: nothing there; a file; an empty folder; a committed checkpoint;
-    a checkpoint ckptlib wrote that is not committed (crashed, damaged); a folder holding
-    entries ckptlib did not write."""
+    a checkpoint ckptlib wrote that is not committed (crashed, damaged); a checkpoint whose
+    manifest a newer ckptlib wrote (:func:`newer_format`); a folder holding entries ckptlib
+    did not write."""
     foreign: tuple[str, ...] = ()
     """``foreign``: the first entries ckptlib did not write (sorted)."""
     count: int = 0
@@ -85,7 +89,22 @@ def judge(storage: Storage, folder: str) -> Target:
     if alien:
         return Target("foreign", tuple(alien[:SHOWN]), len(alien), steps)
     status = check_step(storage, folder).status
-    return Target("committed" if status == "committed" else "damaged")
+    if status == "committed":
+        return Target("committed")
+    return Target("damaged" if newer_format(storage, folder) is None else "newer")
+
+
+def newer_format(storage: Storage, folder: str) -> str | None:
+    """The :class:`ManifestVersionError` message when ``folder``'s manifest is of a newer format
+    than this ckptlib reads (written by a newer ckptlib, not damaged); None otherwise. Called by
+    :func:`judge` and by retention (:mod:`ckptlib.engine.retire`) on a step that failed its check."""
+    try:
+        read_manifest(storage, folder, pieces=False)
+    except ManifestVersionError as e:
+        return str(e)
+    except (CheckpointError, OSError):
+        return None
+    return None
 
 
 def describe_foreign(url: str, t: Target) -> str:
