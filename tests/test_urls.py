@@ -92,3 +92,38 @@ def test_tilde_is_the_home_folder_never_a_folder_named_tilde(
     assert torch.equal(ckptlib.load("~/run/step-000000000003")["w"], w)
     with ckptlib.open("~/run") as ckpt:
         assert ckpt.step == 3 and torch.equal(ckpt.read("/w"), w)
+
+
+def _spellings(tmp_path: Path) -> list[str]:
+    """Every way a user may name the run root ``tmp_path/home/runs/r1`` (HOME is ``tmp_path/home``,
+    the current folder ``tmp_path``, ``tmp_path/link`` a symlink to ``tmp_path/home/runs``)."""
+    real = str(tmp_path / "home" / "runs" / "r1")
+    return [real, real + "/", real + "//", "home/runs/r1", "./home/runs/r1/", f"file://{real}",
+            f"file://{real}/", str(tmp_path / "link" / "r1"), str(tmp_path / "link" / "r1") + "/",
+            "~/runs/r1", "~/runs/r1/", "~/runs/../runs/r1"]
+
+
+def test_every_spelling_of_a_root_finds_the_same_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Before: ``~`` was not expanded: CheckpointManager('~/runs/r1') saved into a folder
+    literally named '~' under the current folder, and a relaunch from elsewhere found no
+    checkpoint (restore returned None). Now ``~`` is the home folder, as in fsspec and the shell."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home" / "runs").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "home" / "runs")
+    w = torch.randn(64, 33)
+    with ckptlib.CheckpointManager("~/runs/r1", async_save=False) as m:
+        m.save(7, {"w": w})
+    assert not (tmp_path / "~").exists()
+    assert (tmp_path / "home" / "runs" / "r1" / "step-000000000007" / "manifest.json").is_file()
+    for url in _spellings(tmp_path):
+        into = {"w": torch.zeros(64, 33)}
+        with ckptlib.CheckpointManager(url) as m:
+            assert m.restore(into) == 7, url
+        assert torch.equal(into["w"].view(torch.uint8), w.view(torch.uint8)), url
+        got = ckptlib.load(url.rstrip("/") + "/step-000000000007")
+        assert torch.equal(got["w"].view(torch.uint8), w.view(torch.uint8)), url
+        with ckptlib.open(url) as ck:
+            assert ck.step == 7 and torch.equal(ck.read("/w").view(torch.uint8), w.view(torch.uint8)), url
+        assert cli_main(["verify", url]) == 0, url

@@ -18,7 +18,8 @@ __all__ = [
 
 
 def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
-    """A storage rooted at ``url``: a local path or ``file://`` URL (POSIX), ``s3://bucket/prefix``
+    """A storage rooted at ``url``: a local path (a leading ``~`` or ``~user`` is the home folder,
+    as in fsspec and the shell) or ``file://`` URL (POSIX), ``s3://bucket/prefix``
     (:class:`~ckptlib.backends.s3.S3Storage`, ``storage_options`` go to s3fs), or any other
     fsspec URL (``memory://``, ...)."""
     url = os.fspath(url)
@@ -43,7 +44,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
 
 
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(parent URL, name)`` of a URL or local path (local paths made absolute): what
+    """``(parent URL, name)`` of a URL or local path (local paths made absolute, ``~`` expanded): what
     ``ckptlib.load`` opens a storage on (the parent) and reads (the name). ``api.split_url``."""
     _not_empty(os.fspath(url))
     url = os.fspath(url).rstrip("/")
