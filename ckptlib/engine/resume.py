@@ -30,6 +30,7 @@ from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ManifestVersionError,
     StateMismatchError,
 )
 from ckptlib.format.schema import MANIFEST_NAME
@@ -89,7 +90,8 @@ def resume_newest(
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
     ``corrupt``: gets the steps passed over because a rank found them damaged while loading
     (every rank the same list, also when the loop then raises); not those passed over because
-    they vanished meanwhile (a :class:`CheckpointNotFoundError` that ``damaged`` accepts).
+    they vanished meanwhile (a :class:`CheckpointNotFoundError` that ``damaged`` accepts) or
+    because a newer ckptlib wrote them (a :class:`ManifestVersionError`: an unknown node kind).
     """
     if isinstance(coord, Session):
         return _loop(coord, list_candidates, attempt, timeout, where, label, damaged, corrupt)
@@ -124,12 +126,14 @@ def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: C
             value = attempt(cand)
         except Exception as e:  # every rank must learn the outcome before anyone raises
             why = damaged(e)
-            if why is not None:
-                mine = ("gone" if isinstance(e, CheckpointNotFoundError) else "corrupt", why)
+            if why is not None:  # a step a newer ckptlib wrote is passed over, like a vanished one, never replaced
+                mine = ("gone" if isinstance(e, CheckpointNotFoundError) else
+                        "newer" if isinstance(e, ManifestVersionError) else "corrupt", why)
             else:
                 mine, own_error = (type(e).__name__, str(e)), e
         verdicts = [mine] if s.world <= 1 else [tuple(v) for v in s.exchange(list(mine), deadline=deadline())]
-        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", "corrupt", "gone")]
+        passed_over = ("corrupt", "gone", "newer")
+        fatal = [(r, kind, msg) for r, (kind, msg) in enumerate(verdicts) if kind not in ("ok", *passed_over)]
         if fatal:
             r, kind, msg = fatal[0]
             cls = StateMismatchError if kind == "StateMismatchError" else CheckpointError
@@ -137,13 +141,14 @@ def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: C
                 f"loading {label} {cand.step}: rank {r}: {kind}: {msg}"
             )
             raise cls(text) from own_error
-        bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind in ("corrupt", "gone")]
+        bad = [f"rank {r}: {msg}" for r, (kind, msg) in enumerate(verdicts) if kind in passed_over]
         if bad:
             detail = "; ".join(bad)
             damage = any(kind == "corrupt" for kind, _ in verdicts)
-            log.warning("ckptlib: %s %d %s, trying an older one: %s", label, cand.step,
-                        "is corrupt" if damage else "vanished while it was read", detail)
-            skipped.append(f"{label} {cand.step}: {'corrupt' if damage else 'vanished'}: {detail}")
+            newer = any(kind == "newer" for kind, _ in verdicts)
+            log.warning("ckptlib: %s %d %s, trying an older one: %s", label, cand.step, "is corrupt" if damage
+                        else "was written by a newer ckptlib" if newer else "vanished while it was read", detail)
+            skipped.append(f"{label} {cand.step}: {'corrupt' if damage else 'newer' if newer else 'vanished'}: {detail}")
             corrupt_seen = True
             if corrupt is not None and damage:
                 corrupt.append(cand.step)

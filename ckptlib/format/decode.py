@@ -110,10 +110,10 @@ def _common(body: dict[str, Any], v: Checker) -> tuple[Any, ...]:
     world_size = v.int_(body.get("world_size"), "world_size", 1, 1 << 24)
     commit = body.get("commit")
     if commit not in COMMIT_MODES:
-        raise v.fail(f"commit must be one of {COMMIT_MODES}")
+        raise v.unknown(f"commit must be one of {COMMIT_MODES}", commit)
     algorithm = body.get("checksum_algorithm")
     if algorithm not in ALGORITHMS:
-        raise v.fail(f"checksum_algorithm must be one of {ALGORITHMS}")
+        raise v.unknown(f"checksum_algorithm must be one of {ALGORITHMS}", algorithm)
 
     files: list[FileEntry] = []
     seen_paths: set[str] = set()
@@ -229,7 +229,7 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
         t = v.obj(t, f"tensor {name!r:.200}")
         dtype = t.get("dtype")
         if type(dtype) is not str or dtype not in ITEMSIZE:
-            raise v.fail(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist")
+            raise v.unknown(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist", dtype)
         shape = v.shape(t.get("shape"), f"tensor {name!r:.200} shape")
         if volume(shape) * ITEMSIZE[dtype] > MAX_SIZE:
             raise v.fail(f"tensor {name!r:.200}: declares more than 2^62 bytes")
@@ -286,7 +286,7 @@ def _decode_packs(
         fidx, start, length, digest = _file_range(p, pw, files, v)
         codec = p[4]
         if codec not in ("raw", "zstd"):
-            raise v.fail(f"{pw}: unknown codec {codec!r:.40}")
+            raise v.unknown(f"{pw}: unknown codec {codec!r:.40}", codec)
         raw_length = v.int_(p[5], f"{pw} raw length")
         _check_stored(pw, f"<{pw}>", codec, start, length, raw_length, fidx, files, ranges, v)
         packs.append(Pack(fidx, start, length, digest, codec, raw_length))
@@ -305,7 +305,7 @@ def _decode_tensor(
     # Hot path for checkpoints with many tensors: messages are only formatted on failure.
     dtype = t.get("dtype")
     if type(dtype) is not str or dtype not in ITEMSIZE:  # a list or dict here is unhashable
-        raise v.fail(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist")
+        raise v.unknown(f"tensor {name!r:.200}: dtype {dtype!r:.60} is not in the allowlist", dtype)
     shape = v.shape(t.get("shape"), f"tensor {name!r:.200} shape")
     itemsize = ITEMSIZE[dtype]
     if volume(shape) * itemsize > MAX_SIZE:
@@ -356,7 +356,7 @@ def _decode_chunk(
     offset, cshape = _box(name, cw, c[4], c[5], shape, v)
     codec = c[6]
     if codec not in CODECS:
-        raise v.fail(f"{where}: unknown codec {codec!r:.40}")
+        raise v.unknown(f"{where}: unknown codec {codec!r:.40}", codec)
     _check_stored(where, name, codec, start, length, volume(cshape) * itemsize, fidx, files, ranges, v)
     return Chunk(fidx, start, length, digest, offset, cshape, codec)
 

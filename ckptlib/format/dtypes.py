@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckptlib.errors import CorruptCheckpointError
+from ckptlib.format.validate import unknown
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +66,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: object, where: str = "") -> torch.dtype:
     """Inverse of :func:`dtype_name` for untrusted input (manifest content)."""
-    dtypes = __getattr__("DTYPES")
-    if not isinstance(name, str) or name not in dtypes:
-        raise CorruptCheckpointError(f"dtype {name!r} is not in the allowlist", where)
-    return dtypes[name]
+    if not isinstance(name, str) or name not in ITEMSIZE:
+        raise unknown(f"dtype {name!r:.60} is not in the allowlist", name, where)
+    return __getattr__("DTYPES")[name]  # an allowlisted name this torch lacks: the torch build's error

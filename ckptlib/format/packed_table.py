@@ -84,7 +84,7 @@ def decode_table(raw: Any, packs: list[Pack], v: Checker) -> Table:
         raise v.fail(f"{TABLE_KEY}.name must be a list of strings of at most 4096 characters")
     if type(dtypes) is not list or not set(map(type, dtypes)) <= {str} or not set(dtypes) <= ITEMSIZE.keys():
         bad = next((d for d in dtypes if type(d) is not str or d not in ITEMSIZE), None) if type(dtypes) is list else dtypes
-        raise v.fail(f"{TABLE_KEY}.dtype: {bad!r:.60} is not in the dtype allowlist")
+        raise v.unknown(f"{TABLE_KEY}.dtype: {bad!r:.60} is not in the dtype allowlist", bad)
     n = len(names)
     ndim = _int_column(t["ndim"], f"{TABLE_KEY}.ndim", 0, MAX_NDIM, v)
     dims = _int_column(t["dims"], f"{TABLE_KEY}.dims", 1, MAX_SIZE, v)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format.dtypes import dtype_from_name
+from ckptlib.format.validate import unknown
 
 MAX_DEPTH = 128
 MAX_INLINE_B64 = 1 << 20
@@ -139,7 +140,7 @@ def _decode(node: Any, names: Container[str], where: str, depth: int) -> Any:
         if not isinstance(ranks, list) or not ranks:
             raise _fail("per_rank node without a ranks list", where)
         return PerRankSaved([_decode(v, names, where, depth + 1) for v in ranks])
-    raise _fail(f"unknown node kind {kind!r:.40}", where)
+    raise unknown(f"value tree: unknown node kind {kind!r:.40}", kind, where)
 
 
 def _ref(node: dict[str, Any], names: Container[str], where: str) -> str:

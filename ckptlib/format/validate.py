@@ -2,17 +2,35 @@
 
 :class:`Checker` is created per document by its decoder (``format.manifest.decode``, the DCP
 adapter's metadata decoder, ...) on the thread that reads it; each method returns the value it
-checked or raises :class:`CorruptCheckpointError` naming the document and what is wrong.
+checked or raises :class:`CorruptCheckpointError` naming the document and what is wrong;
+:func:`unknown` words a name this ckptlib does not know (a dtype, codec, checksum algorithm or
+value-tree node kind) as :class:`ManifestVersionError`: a newer ckptlib wrote it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from ckptlib.errors import CorruptCheckpointError
+from ckptlib._version import __version__
+from ckptlib.errors import CorruptCheckpointError, ManifestVersionError
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 MAX_SIZE = 1 << 62  # no file, range or tensor may claim more bytes than this
 MAX_NDIM = 64
+
+
+def unknown(msg: str, name: object, where: str) -> CorruptCheckpointError:
+    """The error for ``name`` (what ``msg`` describes) missing from a list this ckptlib knows:
+    a name as a later ckptlib could write one is :class:`ManifestVersionError` (saying to
+    upgrade; never treated as damage, so never replaced or pruned), anything else (a number, a
+    list, an absurd string) plain :class:`CorruptCheckpointError`. Called by the manifest
+    decoder and the value tree's decoder on the thread that reads the manifest."""
+    if isinstance(name, str) and _NAME.fullmatch(name):
+        return ManifestVersionError(f"{msg}: unknown to ckptlib {__version__}, so a newer ckptlib wrote it; "
+                                    "upgrade ckptlib to read it", where)
+    return CorruptCheckpointError(msg, where)
 
 
 class Checker:
@@ -24,6 +42,10 @@ class Checker:
 
     def fail(self, msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(self.prefix + msg, self.where)
+
+    def unknown(self, msg: str, name: object) -> CorruptCheckpointError:
+        """:func:`unknown` for this document."""
+        return unknown(self.prefix + msg, name, self.where)
 
     def typed(self, x: Any, types: type | tuple[type, ...], what: str) -> Any:
         """``x`` if it is an instance of ``types`` (a bool is not an int here)."""
