@@ -127,3 +127,24 @@ def test_every_spelling_of_a_root_finds_the_same_checkpoint(tmp_path: Path, monk
         with ckptlib.open(url) as ck:
             assert ck.step == 7 and torch.equal(ck.read("/w").view(torch.uint8), w.view(torch.uint8)), url
         assert cli_main(["verify", url]) == 0, url
+
+
+def test_a_symlink_to_a_checkpoint_folder_stands_for_the_folder(tmp_path: Path) -> None:
+    """Before: ckptlib.load('latest'), with latest -> a checkpoint folder, raised
+    CorruptCheckpointError ('is a symlink ... refused') while ckptlib.open and verify read it; and
+    ckptlib.save through a link to an empty folder replaced the link with the checkpoint and left
+    the folder empty. Now a link naming a checkpoint folder is that folder, for all of them."""
+    w = torch.randn(50, 40)
+    ckptlib.save({"w": w}, tmp_path / "real")
+    (tmp_path / "latest").symlink_to(tmp_path / "real")
+    got = ckptlib.load(tmp_path / "latest")
+    assert torch.equal(got["w"].view(torch.uint8), w.view(torch.uint8))
+    with ckptlib.open(tmp_path / "latest") as ck:
+        assert torch.equal(ck.read("/w").view(torch.uint8), w.view(torch.uint8))
+    assert cli_main(["verify", str(tmp_path / "latest")]) == 0
+    (tmp_path / "big").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "big")
+    ckptlib.save({"w": w}, tmp_path / "out")
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "big" / "manifest.json").is_file()
+    got = ckptlib.load(tmp_path / "big")
+    assert torch.equal(got["w"].view(torch.uint8), w.view(torch.uint8))

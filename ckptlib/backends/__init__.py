@@ -44,7 +44,8 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
 
 
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(parent URL, name)`` of a URL or local path (local paths made absolute, ``~`` expanded): what
+    """``(parent URL, name)`` of a URL or local path (local paths made absolute, ``~`` expanded, a
+    symlink replaced by what it points to): what
     ``ckptlib.load`` opens a storage on (the parent) and reads (the name). ``api.split_url``."""
     _not_empty(os.fspath(url))
     url = os.fspath(url).rstrip("/")
@@ -54,6 +55,8 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
         parent, _, name = rest.rpartition("/")
         return f"{scheme}://{parent}", name
     url = os.path.abspath(os.path.expanduser(url))  # "~/ckpt": the home folder, as PosixStorage
+    if os.path.islink(url):  # a link naming a checkpoint folder stands for the folder, as a linked root does
+        url = os.path.realpath(url)
     return os.path.dirname(url), os.path.basename(url)
 
 
