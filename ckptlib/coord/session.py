@@ -41,8 +41,9 @@ The rank's list (``spent``) is kept by the coordinator object across its session
 coordinator deletes a long shared value once every rank has left. A coordinator that is closed
 (a manager's drain coordinator, ``TorchCoordinator.close``) has no next session: then rank 0
 deletes what the others posted in its last session, once every rank left it
-(:meth:`Session.spent_keys`), and each other rank its last answer key. After a failure some keys stay
-behind (a few per failed session). Every wait is bounded by its deadline and by the
+(:meth:`Session.spent_keys`), and each other rank its last answer key. A failed session's
+``abort`` key goes once every rank has left it. After a failure some keys stay behind (a few
+per failed session in which a rank did not leave: it died or froze). Every wait is bounded by its deadline and by the
 liveness of whom it waits for: a rank that died, froze or left fails the others within the
 coordination timeout (``dead_after``), naming it.
 
@@ -458,6 +459,8 @@ class Session:
         except Exception as e:  # those ranks died or froze; nothing is left to tell them
             log.debug("ckptlib: leaving %s without waiting for every rank: %s", self.label, e)
             return
+        if error is not None:  # every rank has left: no wait of theirs watches the abort key any more
+            self.kv.discard([self._key("abort")])
         if error is None and not self.failed:  # every rank has read them
             if self._shared:
                 self.kv.discard(self._shared)

@@ -29,3 +29,15 @@ def test_managers_with_a_local_tier_made_and_closed_in_one_process_leave_nothing
         assert after_six["fds"] == after_two["fds"], (rank, after_two, after_six)
     after_two, after_six = res[0]["counts"]
     assert after_six["keys"] - after_two["keys"] <= world, (after_two, after_six)
+
+
+def test_failed_saves_leave_no_key_behind(tmp_path):
+    # A save that fails ends its session with the coordinator's "abort" key, which the other
+    # ranks' waits watch. Before, nobody deleted it: a job whose saves failed for a day (a
+    # storage outage, every-step saves) left one key per failed save in the job's store.
+    world = 2
+    res = run("failed_saves", world, tmp_path, {"failures": 12}, timeout=240)
+    assert [r["failed"] for r in res] == [12, 12]
+    first, after_two, after_all = res[0]["keys"]
+    assert after_all - after_two <= world, (first, after_two, after_all)  # not one per failed save
+    assert after_all - first <= world, (first, after_two, after_all)

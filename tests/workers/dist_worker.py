@@ -97,6 +97,38 @@ def sc_store_keys(rank: int, world: int, root: str, args: dict) -> dict:
     return {"keys": counts}
 
 
+def sc_failed_saves(rank: int, world: int, root: str, args: dict) -> dict:
+    """Saves that fail (the last rank holds a value no save can store: a set) between good ones;
+    rank 0 counts the job store's keys after the first good save, after ``args["failures"]``
+    failed saves and after a good save again (tests/distributed/test_store_keys.py)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    state = make_state(world, rank, {})
+    counts, failed = [], 0
+
+    def count() -> None:
+        dist.barrier()
+        time.sleep(2.5)  # spent keys are deleted at each process's next heartbeat (every 2 s)
+        counts.append(_get_default_store().num_keys() if rank == 0 else 0)
+        dist.barrier()
+
+    with ckptlib.CheckpointManager(os.path.join(root, "ck"), keep_last=2, save_timeout=60) as mgr:
+        mgr.save(1, state).wait(timeout=60)
+        count()
+        for step in range(2, 2 + args["failures"]):
+            bad = dict(state, bad={1, 2}) if rank == world - 1 else state
+            try:
+                mgr.save(step, bad).wait(timeout=60)
+            except ckptlib.CheckpointError:
+                failed += 1
+            if step == 3:
+                count()
+        mgr.save(100, state).wait(timeout=60)
+        count()
+    return {"keys": counts, "failed": failed}
+
+
 def sc_tier_managers(rank: int, world: int, root: str, args: dict) -> dict:
     """Managers with a local tier made, used (a drained save, a restore) and closed one after
     another in one process, as a sweep or a notebook does; each rank counts its threads and
