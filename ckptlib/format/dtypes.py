@@ -5,13 +5,17 @@ manifest decoding, ``ckptlib ls``/``verify``) and to ``torch.dtype`` (:data:`DTY
 :data:`NAMES`: built on first access, importing torch then). Names are torch's own
 (``str(torch.float32)`` without the prefix). A manifest naming a dtype the running torch build
 lacks decodes, and ``DTYPES[name]`` then raises a clear :class:`CorruptCheckpointError`.
+Tensor bytes are stored little-endian, as the host holds them (docs/format.md): on a big-endian
+host, building these maps (the first save or load) raises :class:`UnsupportedPlatformError`
+instead of writing or reading byte-swapped values.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
-from ckptlib.errors import CorruptCheckpointError
+from ckptlib.errors import CheckpointError, CorruptCheckpointError
 from ckptlib.format.validate import unknown
 
 if TYPE_CHECKING:
@@ -30,6 +34,10 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
+class UnsupportedPlatformError(CheckpointError):
+    """This host stores numbers big-endian; ckptlib's files hold them little-endian."""
+
+
 class _TorchDtypes(dict[str, Any]):
     """``DTYPES``: an allowlisted name missing from this torch build is a typed error."""
 
@@ -45,6 +53,10 @@ def __getattr__(name: str) -> Any:
     g = globals()
     if name in g:
         return g[name]
+    if sys.byteorder != "little":
+        raise UnsupportedPlatformError(
+            f"ckptlib stores tensor bytes little-endian and this host is {sys.byteorder}-endian: saving or loading "
+            "here would write or read byte-swapped values, so it is refused (docs/format.md, section 2)")
     import torch
 
     dtypes = _TorchDtypes()
