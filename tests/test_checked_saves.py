@@ -44,6 +44,33 @@ def test_nonfinite_is_allowed_by_default_and_the_option_is_checked(tmp_path):
         ckptlib.CheckpointManager(tmp_path, check_replicas="always")
 
 
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=str)
+def test_refuse_checks_float8_tensors(tmp_path, dtype, monkeypatch):
+    """float8 weights (FP8 training) with nonfinite="refuse": finite ones commit, bitwise, and a
+    NaN (every float8 type has one) or an Inf (float8_e5m2) is refused naming the tensor. torch's
+    isfinite raised NotImplementedError for float8_e4m3fn and the fnuz types (every save failed)
+    and called float8_e8m0fnu's NaN finite (committed). Small slices: the widening runs in several."""
+    from ckptlib.engine import checks
+
+    monkeypatch.setattr(checks, "FLOAT8_SLICE", 3, raising=False)
+    good = torch.tensor([1.0, 2.0, 0.5, 4.0, 8.0, 0.25, 1.0]).to(dtype)
+    with ckptlib.CheckpointManager(tmp_path, nonfinite="refuse", keep_last=1) as mgr:
+        mgr.save(1, {"w": good, "i": torch.arange(5)}).wait()
+        bad = [math.nan] + ([math.inf, -math.inf] if dtype == torch.float8_e5m2 else [])
+        for step, value in enumerate(bad, start=2):
+            w = good.clone()
+            w.view(torch.uint8)[5] = torch.tensor([value]).to(dtype).view(torch.uint8)[0]
+            assert not torch.isfinite(w[5:6].float()).all()
+            with pytest.raises(ckptlib.NonFiniteError, match="/w"):
+                mgr.save(step, {"w": w, "i": torch.arange(5)}).wait()
+    assert [(i.step, i.status) for i in ckptlib.CheckpointManager(tmp_path).steps()] == [(1, "committed")]
+    back = ckptlib.load(tmp_path / "step-000000000001")
+    assert torch.equal(back["w"].view(torch.uint8), good.view(torch.uint8))
+
+
 def _save(world: int, flip: int | None, nan: int | None, **opts) -> tuple[list, SimStorage]:
     w = World(world, seed=3, dead_after=10.0)
     storage = SimStorage(w)

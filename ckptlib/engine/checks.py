@@ -41,6 +41,22 @@ def _bytes(t: torch.Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
+FLOAT8_SLICE = 1 << 24
+"""Elements of a float8 tensor widened to float32 at a time by :func:`all_finite` (64 MiB)."""
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether the floating-point or complex tensor ``t`` holds no NaN or Inf (:meth:`StateChecks.see`,
+    the save's thread). float8 tensors (the 1-byte floats) are widened to float32 a slice at a
+    time: torch's ``isfinite`` is not implemented for most of them (float8_e4m3fn, the fnuz
+    types) and calls float8_e8m0fnu's NaN (0xFF) finite."""
+    if t.element_size() != 1:
+        return bool(torch.isfinite(t).all())
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + FLOAT8_SLICE].float()).all())
+               for i in range(0, flat.numel(), FLOAT8_SLICE))
+
+
 class StateChecks:
     """One rank's checks of one save (module docstring). One thread (the save's) feeds it."""
 
@@ -55,7 +71,7 @@ class StateChecks:
         for it in items:
             t = it.tensor
             floating = t.is_floating_point() or t.is_complex()
-            if self.refuse and it.name in mine and floating and t.numel() and not bool(torch.isfinite(t).all()):
+            if self.refuse and it.name in mine and floating and t.numel() and not all_finite(t):
                 self.bad.append(it.name)
             if self.replicas and it.replicated:
                 self.sums[it.name] = checksum(_bytes(t))
