@@ -101,6 +101,19 @@ def test_a_flipped_bit_in_one_ranks_replica_fails_the_save_on_every_rank_naming_
     assert not storage.commits and not any(k.startswith("step-000000000007/") for k in storage.files)
 
 
+@pytest.mark.parametrize("flip", [0, 1])
+def test_two_ranks_whose_copies_differ_are_both_named(flip):
+    """Two copies that differ: neither is known to be the good one, so both ranks are named
+    (the message said "rank 1" whichever rank's copy was flipped: rank 0 held the fault, the
+    user was pointed at rank 1)."""
+    errors, storage = _save(2, flip=flip, nan=None, check_replicas=True)
+    for e in errors:
+        assert isinstance(e, ckptlib.ReplicaMismatchError), e
+        assert set(e.failures) == {0, 1} and "rank 0" in str(e) and "rank 1" in str(e) and "/rep" in str(e), e
+        assert "no copy is held by a majority" in str(e), e
+    assert not storage.commits
+
+
 def test_replica_checks_pass_on_equal_copies_and_are_off_when_asked():
     errors, storage = _save(3, flip=None, nan=None, check_replicas=True)
     assert errors == [None] * 3 and len(storage.commits) == 1

@@ -100,8 +100,11 @@ def digests_agree(digests: list[str | None]) -> bool:
 
 def mismatches(sums: list[dict[str, str]]) -> dict[int, str]:
     """Coordinator, with every rank's checksums (rank order): rank -> why, for the ranks whose
-    copy of some tensor differs from the most common copy (the message names the tensors)."""
+    copy of some tensor differs from the copy most ranks hold (the message names the tensors).
+    Where no copy is held by more ranks than every other (two ranks, or a 2:2 split), no copy
+    can be trusted: every rank holding one of them is named, and told so."""
     out: dict[int, list[str]] = {}
+    split: set[int] = set()
     for name in sorted({n for s in sums for n in s}):
         groups: dict[str, list[int]] = {}
         for r, s in enumerate(sums):
@@ -109,11 +112,15 @@ def mismatches(sums: list[dict[str, str]]) -> dict[int, str]:
                 groups.setdefault(s[name], []).append(r)
         if len(groups) < 2:
             continue
-        major = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
-        for ranks in groups.values():
+        ranked = sorted(groups.values(), key=len, reverse=True)
+        major = ranked[0] if len(ranked[0]) > len(ranked[1]) else None
+        for ranks in ranked:
             if ranks is not major:
                 for r in ranks:
                     out.setdefault(r, []).append(name)
-        del major
+                    if major is None:
+                        split.add(r)
     return {r: f"ReplicaMismatchError: its copy of {', '.join(names[:10])} differs from the other ranks' "
-               "(a silent fault in this data-parallel replica?)" for r, names in out.items()}
+               + ("(no copy is held by a majority of the ranks: any of them may be the faulty one; "
+                  if r in split else "(")
+               + "a silent fault in a data-parallel replica?)" for r, names in out.items()}
