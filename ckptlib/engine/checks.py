@@ -5,8 +5,11 @@ Two checks, chosen by :class:`ckptlib.engine.save.SaveOptions`:
 - ``nonfinite="refuse"``: a floating-point (or complex) tensor a rank writes holding NaN or Inf
   fails the save on every rank with :class:`NonFiniteError` naming the tensors;
 - ``check_replicas=True``: every rank checksums its own copy of every replicated tensor (the
-  bytes as saved), reports one digest of them with its "done", and the coordinator compares
-  the digests; if they differ, every rank reports its checksums (one more meeting, only then)
+  bytes as saved): plain tensors, and DTensor pieces other ranks hold too (a ``Replicate``
+  placement, HSDP), named ``NAME@[offset]``; it reports one digest of the plain ones and one of
+  the pieces (with a digest of which pieces it holds) with its "done", and the coordinator
+  compares them: the plain digests across all ranks, the piece digests across the ranks
+  holding the same pieces; if they differ, every rank reports its checksums (one more meeting, only then)
   and the save fails on every rank with :class:`ReplicaMismatchError` naming the tensors and
   the ranks whose copies disagree with the others'. (``"auto"``: the tier save compares the
   copies it writes on several nodes anyway, ckptlib/tiers/local.py.)
@@ -65,6 +68,8 @@ class StateChecks:
         self.replicas = check_replicas is True and world > 1
         self.bad: list[str] = []
         self.sums: dict[str, str] = {}
+        self.pieces: set[str] = set()
+        """The names in ``sums`` of DTensor pieces (the others are plain tensors)."""
 
     def see(self, items: Iterable[TensorItem], mine: set[str]) -> None:
         """A round of this rank's tensors; ``mine``: the names it writes."""
@@ -75,6 +80,10 @@ class StateChecks:
                 self.bad.append(it.name)
             if self.replicas and it.replicated:
                 self.sums[it.name] = checksum(_bytes(t))
+            elif self.replicas and it.copies:
+                key = f"{it.name}@{list(it.global_offset)}"
+                self.sums[key] = checksum(_bytes(t))
+                self.pieces.add(key)
 
     def error(self) -> NonFiniteError | None:
         if not self.bad:
@@ -85,17 +94,32 @@ class StateChecks:
                               "committed and the previous steps stay")
 
     def digest(self) -> str | None:
-        """One digest of every replicated tensor's checksum (None: not checking)."""
+        """What this rank reports (None: not checking): ``PLAIN/HELD/PIECES``, digests of the
+        plain tensors' checksums, of which DTensor pieces with copies it holds, and of those
+        pieces' checksums (:func:`digests_agree`)."""
         if not self.replicas:
             return None
-        h = hashlib.blake2b(digest_size=16)
-        for name in sorted(self.sums):
-            h.update(f"{name}\0{self.sums[name]}\0".encode())
-        return h.hexdigest()
+        pieces = sorted(self.pieces)
+        plain = sorted(n for n in self.sums if n not in self.pieces)
+        return "/".join([_hash(f"{n}\0{self.sums[n]}" for n in plain), _hash(pieces),
+                         _hash(f"{n}\0{self.sums[n]}" for n in pieces)])
+
+
+def _hash(parts: Iterable[str]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(p.encode() + b"\0")
+    return h.hexdigest()
 
 
 def digests_agree(digests: list[str | None]) -> bool:
-    return len({d for d in digests if d is not None}) <= 1
+    """Coordinator: whether every rank's :meth:`StateChecks.digest` agrees: the plain tensors
+    across all ranks, the DTensor pieces across the ranks that hold the same pieces."""
+    got = [d.split("/") for d in digests if d is not None]
+    by_held: dict[str, set[str]] = {}
+    for _, held, pieces in got:
+        by_held.setdefault(held, set()).add(pieces)
+    return len({plain for plain, _, _ in got}) <= 1 and all(len(v) == 1 for v in by_held.values())
 
 
 def mismatches(sums: list[dict[str, str]]) -> dict[int, str]:

@@ -224,7 +224,7 @@ class Stager:
                     n *= s
                 view = arena[p.offset : p.offset + n].view(t.dtype).view(shape)
                 dsts.append(view)
-                staged.append(TensorItem(it.name, view, it.global_shape, goff, it.replicated))
+                staged.append(TensorItem(it.name, view, it.global_shape, goff, it.replicated, it.copies))
             plan.dsts.append(dsts)
             plan.staged.append(staged)
 

@@ -42,6 +42,10 @@ class TensorItem:
     global_offset: tuple[int, ...]
     replicated: bool
     """True for plain tensors (every rank holds the same bytes; one copy is written)."""
+    copies: bool = False
+    """True for a piece other ranks hold too: a DTensor with a ``Replicate`` placement over a
+    mesh dimension of more than one rank (HSDP, DDP-style DTensors); ``check_replicas=True``
+    compares those copies (``engine/checks.py``)."""
 
 
 @dataclass(slots=True)
@@ -133,7 +137,9 @@ class _Flattener:
         if isinstance(x, torch.Tensor):
             if is_dtensor(x):
                 local, global_shape, offset = dtensor_piece(x, path)
-                return self.tensor(local, path, global_shape, offset, False)
+                ref = self.tensor(local, path, global_shape, offset, False)
+                self.items[-1].copies = dtensor_copies(x) and not self.in_per_rank
+                return ref
             return self.tensor(x, path, None, None, True)
         if isinstance(x, Shard):
             return self.tensor(x.local, path, tuple(x.global_shape), tuple(x.global_offset), False)
@@ -218,6 +224,14 @@ def _byte_tensor(x: bytes | bytearray | memoryview) -> torch.Tensor:
 
 def is_dtensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and type(x).__name__ == "DTensor"
+
+
+def dtensor_copies(x: Any) -> bool:
+    """Whether other ranks hold this rank's piece of DTensor ``x`` too (a ``Replicate``
+    placement over a mesh dimension of more than one rank). Called by the flattener (save)."""
+    from torch.distributed.tensor import Replicate
+
+    return any(isinstance(p, Replicate) and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements))
 
 
 def dtensor_piece(x: Any, path: str) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:

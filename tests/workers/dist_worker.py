@@ -411,6 +411,30 @@ def sc_preempt_skew(rank: int, world: int, root: str, args: dict) -> dict:
     return {"exit": None}
 
 
+def sc_hsdp_replicas(rank: int, world: int, root: str, args: dict) -> dict:
+    """HSDP: a 2 x (world/2) mesh, each weight ``Shard(0)`` over the second dimension and
+    ``Replicate()`` over the first (ranks r and r + world/2 hold the same rows), saved with
+    ``check_replicas=True``: step 1 as is, step 2 with one bit of rank ``flip``'s rows flipped,
+    step 3 as is. Returns each save's outcome and the committed steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    mgr = ckptlib.CheckpointManager(os.path.join(root, "ck"), check_replicas=True, keep_last=2)
+    out = {}
+    for step in (1, 2, 3):
+        w = distribute_tensor(full("plain"), mesh, [Replicate(), Shard(0)])
+        if step == 2 and rank == args["flip"]:
+            w.to_local().view(torch.int32)[3, 5] ^= 1 << 7
+        try:
+            mgr.save(step, {"w": w, "bias": full("bias")}).wait(timeout=60)
+            out[step] = "ok"
+        except ckptlib.CheckpointError as e:
+            out[step] = f"{type(e).__name__}: {e}; failures={sorted(e.failures or {})}"
+    mgr.close()
+    return {"outcomes": out, "steps": [(i.step, i.status) for i in mgr.steps()]}
+
+
 def main() -> int:
     """The shared command line over this module's scenarios; publish/overwrite/restore/savewait
     workers add theirs to this module and call it."""
