@@ -15,6 +15,7 @@ from ckptlib.engine import save as save_flow
 from ckptlib.engine.options import flag
 from ckptlib.engine.scan import read_manifest
 from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.format import safetensors as safetensors_format
 from ckptlib.format.schema import Manifest
 
 
@@ -98,6 +99,7 @@ def load(
         state = load_flow.load_checkpoint(
             found.storage, found.folder, into, rank=rank, world_size=world, manifest=found.manifest,
             strict=strict, keys=keys, where=found.where,
+            scope="".join(f"/{k}" for k in safetensors_format.key_path(select)),
         )
     else:
         if select is not None or rename is not None:

@@ -134,6 +134,32 @@ def test_rename_skip_and_strict(tmp_path: Path) -> None:
         ckptlib.load(tmp_path / "ck", select="model")
 
 
+def test_select_loads_the_model_part_of_a_whole_training_state(tmp_path: Path) -> None:
+    """API.md: ``ckptlib.load(folder, into=state, select="model")`` with the training state
+    (model, optimizer, step): the folder holds only ``/model``, so the rest of the state is
+    neither loaded nor missing (strict raised naming /optimizer and /step); keys missing inside
+    ``/model`` still raise, and ``strict=False`` reports only those."""
+    src = Net(0)
+    folder = write_folder(tmp_path / "hf", src.state_dict())
+    dst = Net(1)
+    opt = torch.optim.Adam(dst.parameters())
+    dst.proj(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    moments = {k: v.clone() for k, v in opt.state[dst.proj.weight].items()}
+    state = {"model": dst, "optimizer": opt, "step": 5}
+    assert ckptlib.load(folder, into=state, select="model") is state
+    assert_module_equal(src, dst)
+    assert state["step"] == 5 and all(torch.equal(opt.state[dst.proj.weight][k], v) for k, v in moments.items())
+    bigger = {"model": {**Net(2).state_dict(), "extra": torch.zeros(2)}, "optimizer": {}, "step": 5}
+    with pytest.raises(ckptlib.StateMismatchError, match="in the target but not in the checkpoint: /model/extra") as ei:
+        ckptlib.load(folder, into=bigger, select="model")
+    assert "/optimizer" not in str(ei.value) and "/step" not in str(ei.value)
+    res = ckptlib.load(folder, into=bigger, select="model", strict=False)
+    assert res.missing == ["/model/extra"] and res.unexpected == []
+    with pytest.raises(ckptlib.StateMismatchError, match="in the checkpoint but not in the target: /model"):
+        ckptlib.load(folder, into={"optimizer": {}}, select="model")
+
+
 ROWS, COLS = 600, 1024  # float32: 4 KiB rows, 2.4 MiB
 
 

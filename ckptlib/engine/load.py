@@ -330,12 +330,15 @@ def load_checkpoint(
     strict: bool = True,
     keys: dict[str, list[str]] | None = None,
     where: str | None = None,
+    scope: str | None = None,
 ) -> Any:
     """Load ``folder`` (see the module docstring). ``stats``, if given, receives
     ``bytes_read`` (payload bytes fetched), ``bytes_needed`` (bytes of the boxes requested) and
     ``index_files_read`` (format v2 piece index files this load read); ``keys``, if given,
     receives ``missing`` and ``unexpected`` (``strict=False`` loads). ``where`` names the
-    checkpoint in errors (default: its ``manifest.json``; a safetensors folder passes its URL)."""
+    checkpoint in errors (default: its ``manifest.json``; a safetensors folder passes its URL).
+    ``scope`` (a safetensors load with ``select``, e.g. ``"/model"``): the checkpoint holds only
+    that subtree, so target keys outside it are neither loaded nor missing."""
     m = manifest or read_manifest(storage, folder, pieces=False)  # v2: run_plan loads the index files it needs
     where = where or f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
     check_files(storage, folder, m)  # sizes first: never allocate for a checkpoint that lies
@@ -343,6 +346,8 @@ def load_checkpoint(
         saved = tree_codec.decode(m.tree, m.tensors, where)
         plan = Merge(m, rank, world_size, per_rank, where=where)
         result = plan.fresh(saved) if into is None else plan.merge(into, saved, "")
+    if scope:
+        plan.missing = [k for k in plan.missing if k == scope or k.startswith(scope + "/")]
     if strict:
         plan.check_keys()
     if keys is not None:
