@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ def test_a_nan_in_one_ranks_shard_fails_the_save_on_every_rank():
     assert not storage.commits
 
 
-def _tier_save(flip: int | None, check: bool | str = "auto") -> tuple[list, list]:
+def _tier_save(flip: int | None, check: bool | str = "auto", small: bool = False) -> tuple[list, list]:
     from ckptlib.tiers.local import LocalTier, save_local
 
     w = World(4, seed=2, dead_after=10.0)
@@ -141,6 +142,10 @@ def _tier_save(flip: int | None, check: bool | str = "auto") -> tuple[list, list
         if r == flip:
             rep.view(torch.int32)[777] ^= 1
         state = {"rep": rep, "w": ckptlib.Shard(torch.full((1000,), float(r)), (4000,), (1000 * r,))}
+        if small:  # small replicated tensors, a pack per writer; node 1's copy of /s01 has a flipped bit
+            state = {f"s{i:02d}": torch.arange(8.0) + i for i in range(12)} | {"w": state["w"]}
+            if r // 2 == 1 and flip is not None:
+                state["s01"].view(torch.int32)[3] ^= 1
         save_local(tiers[r], layout.step_dir(1), prepare(state, r), step=1, metadata=None,
                    options=SaveOptions(num_files=1, check_replicas=check), coordinator=coords[r],
                    save_id="ab" * 16, created=0.0)
@@ -170,3 +175,14 @@ def test_auto_check_catches_a_flipped_bit_in_the_rebuilding_peers_copy():
     assert f"rank {writer}'s copy" in str(errors[0])
     errors, _ = _tier_save(2, check=False)  # unchecked: committed; the bad copy is only a replica
     assert errors == [None] * 4
+
+
+def test_auto_check_in_a_pack_of_small_tensors_says_which_could_differ():
+    """Small replicated tensors share one checksum (a pack): the error named every tensor of the
+    pack as differing ("/s01, /s03, ...: ... differ", all but one of them equal); it now says one
+    or more of them differ."""
+    errors, _ = _tier_save(2, small=True)
+    for e in errors:
+        assert isinstance(e, ckptlib.ReplicaMismatchError), e
+        assert "/s01" in str(e) and "(small tensors packed under one checksum)" in str(e), e
+        assert re.search(r"one or more of (/s\d\d, )+/s\d\d \(small", str(e)), e

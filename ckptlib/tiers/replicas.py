@@ -282,11 +282,16 @@ def _rebuild(storage: Storage, work: str, src: int, info: dict[str, Any], rebuil
     if [f"{folder}/{p.rsplit('/', 1)[-1]}" for p, _ in files] != [replica_path(work, p) for p in info["files"]]:
         raise CommitError(f"rebuilt replicas of rank {src} are laid out differently: {files} vs {info['files']}")
     if rebuild.check:
-        differ = sorted({n for mine, theirs, r in zip([r.checksum for r in records], info["sums"], records, strict=False)
-                         if mine != theirs for n in _names([r])})
+        bad = [_names([r]) for mine, theirs, r in zip([r.checksum for r in records], info["sums"], records, strict=False)
+               if mine != theirs]
+        differ = sorted({n for names in bad for n in names})
         if differ or len(records) != len(info["sums"]):
+            # A pack of small tensors has one checksum: which of its tensors differ is not known.
+            what = ", ".join(differ[:10]) or "replicated tensors"
+            if any(len(names) > 1 for names in bad):
+                what = f"one or more of {what} (small tensors packed under one checksum)"
             raise ReplicaMismatchError(
-                f"{', '.join(differ[:10]) or 'replicated tensors'}: rank {src}'s copy and this rank's copy differ (a "
+                f"{what}: rank {src}'s copy and this rank's copy differ (a "
                 "silent fault in a data-parallel replica?); nothing of this step is committed")
     return sum(n for _, n in files)
 
