@@ -366,6 +366,33 @@ def test_limits_and_unloadable_dtypes(tmp_path: Path, monkeypatch: pytest.Monkey
         ckptlib.load(tmp_path / "none")
 
 
+@pytest.mark.parametrize(("dtype", "shape", "nbytes", "match"), [
+    ("F4", [4], 5, "needs 2 bytes, data_offsets give 5"),
+    ("F6_E2M3", [3], 2, "18 bits, not a whole number of bytes"),
+    ("F6_E3M2", [4], 4, "needs 3 bytes, data_offsets give 4"),
+])
+def test_sub_byte_tensor_sizes_are_checked_even_when_skipped(tmp_path: Path, dtype: str, shape: list[int],
+                                                            nbytes: int, match: str) -> None:
+    """A sub-byte tensor (F4, F6) whose data_offsets hold the wrong number of bytes is a damaged
+    file, as the reference parser says, even when ``rename`` skips it: it was loaded (the other
+    tensors' bytes trusted) because only loadable dtypes had their sizes checked."""
+    header = {"sub": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]},
+              "ok": {"dtype": "U8", "shape": [3], "data_offsets": [nbytes, nbytes + 3]}}
+    (tmp_path / "model.safetensors").write_bytes(corpus.file_bytes(header, b"\x12" * nbytes + b"abc"))
+    with pytest.raises(ckptlib.CorruptCheckpointError, match=match):
+        ckptlib.load(tmp_path, rename=lambda k: None if k == "sub" else k)
+    import safetensors
+
+    with pytest.raises(safetensors.SafetensorError):  # the reference parser refuses the file too
+        safetensors.deserialize((tmp_path / "model.safetensors").read_bytes())
+    good = {"sub": {**header["sub"], "data_offsets": [0, 3 if dtype.startswith("F6") else 2]}}
+    good["sub"]["shape"] = [4]
+    data = b"\x12" * good["sub"]["data_offsets"][1]
+    (tmp_path / "model.safetensors").write_bytes(corpus.file_bytes(good, data))
+    safetensors.deserialize((tmp_path / "model.safetensors").read_bytes())
+    assert ckptlib.load(tmp_path, rename=lambda k: None) == {}  # a right size passes, skipped
+
+
 def test_contiguous_boxes_tile_in_file_order() -> None:
     for shape, itemsize, limit in (((10, 3), 4, 24), ((3, 5, 7), 2, 20), ((2, 3), 8, 1), ((4,), 1, 100),
                                    ((2, 0, 3), 4, 8), ((), 8, 1), ((3, 4, 5), 1, 1000)):

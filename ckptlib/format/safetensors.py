@@ -50,10 +50,12 @@ SAFETENSORS = {
 FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS.items()} | {"F8_E8M0": "float8_e8m0fnu"}
 """safetensors dtype -> ckptlib dtype, for reading (``F8_E8M0``: read, not written, as the
 safetensors package's own torch loader cannot read it back yet)."""
-NOT_LOADABLE = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
+SUB_BYTE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+"""Bits per element of the safetensors dtypes smaller than a byte."""
+NOT_LOADABLE = frozenset(SUB_BYTE_BITS)
 """safetensors dtypes ckptlib cannot hold (sub-byte floats): their headers are validated like
-any other, and describing a folder that keeps such a tensor is refused
-(``UnsupportedValueError``); ``ckptlib.load(..., rename=)`` can skip it."""
+any other (sizes included, in bits, as the reference parser does), and describing a folder that
+keeps such a tensor is refused (``UnsupportedValueError``); ``ckptlib.load(..., rename=)`` can skip it."""
 
 MAX_HEADER_BYTES = 100_000_000
 """Largest header accepted (the reference implementation's limit)."""
@@ -125,9 +127,11 @@ def parse_header(text: bytes, file_size: int, where: str) -> tuple[list[Entry], 
         if end > data_len:
             raise v.fail(f"{what}: data_offsets [{begin}, {end}] lie outside the data section of {data_len} bytes")
         dtype = FROM_SAFETENSORS.get(st_dtype)
-        if dtype is not None and end - begin != volume(shape) * ITEMSIZE[dtype]:
-            raise v.fail(f"{what}: {st_dtype} {list(shape)} needs {volume(shape) * ITEMSIZE[dtype]} bytes, "
-                         f"data_offsets give {end - begin}")
+        bits = volume(shape) * (ITEMSIZE[dtype] * 8 if dtype is not None else SUB_BYTE_BITS[st_dtype])
+        if bits % 8:
+            raise v.fail(f"{what}: {st_dtype} {list(shape)} is {bits} bits, not a whole number of bytes")
+        if end - begin != bits // 8:
+            raise v.fail(f"{what}: {st_dtype} {list(shape)} needs {bits // 8} bytes, data_offsets give {end - begin}")
         entries.append(Entry(key, st_dtype, shape, base + begin, end - begin))
     entries.sort(key=lambda e: (e.start, e.length))
     at = base
