@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ckptlib.errors import NonFiniteError
-from ckptlib.format.checksum import checksum
+from ckptlib.format.checksum import Hasher
 from ckptlib.plan.flatten import TensorItem
 
 
@@ -68,6 +68,9 @@ class StateChecks:
         self.replicas = check_replicas is True and world > 1
         self.bad: list[str] = []
         self.sums: dict[str, str] = {}
+        """Checksum of each replicated tensor as seen so far (a tensor streamed in row pieces,
+        engine/snapshot.py, is hashed across its pieces, in row order: the same sum as whole)."""
+        self._hashers: dict[str, Hasher] = {}
         self.pieces: set[str] = set()
         """The names in ``sums`` of DTensor pieces (the others are plain tensors)."""
 
@@ -78,12 +81,13 @@ class StateChecks:
             floating = t.is_floating_point() or t.is_complex()
             if self.refuse and it.name in mine and floating and t.numel() and not all_finite(t):
                 self.bad.append(it.name)
-            if self.replicas and it.replicated:
-                self.sums[it.name] = checksum(_bytes(t))
-            elif self.replicas and it.copies:
-                key = f"{it.name}@{list(it.global_offset)}"
-                self.sums[key] = checksum(_bytes(t))
-                self.pieces.add(key)
+            if self.replicas and (it.replicated or it.copies):
+                key = it.name if it.replicated else f"{it.name}@{list(it.global_offset)}"
+                h = self._hashers.setdefault(key, Hasher())
+                h.update(_bytes(t))
+                self.sums[key] = h.hexdigest()
+                if it.copies:
+                    self.pieces.add(key)
 
     def error(self) -> NonFiniteError | None:
         if not self.bad:

@@ -435,6 +435,26 @@ def sc_hsdp_replicas(rank: int, world: int, root: str, args: dict) -> dict:
     return {"outcomes": out, "steps": [(i.step, i.status) for i in mgr.steps()]}
 
 
+def sc_streamed_replicas(rank: int, world: int, root: str, args: dict) -> dict:
+    """Async saves streamed through a staging budget far smaller than the state (the snapshot
+    is copied and written in row slabs, engine/snapshot.py), ``check_replicas=True``: step 2
+    with one bit flipped in the first rows of rank ``flip``'s copy of a 1 MiB plain tensor."""
+    mgr = ckptlib.CheckpointManager(os.path.join(root, "ck"), check_replicas=True, keep_last=2,
+                                    staging_budget=64 << 10)
+    out = {}
+    for step in (1, 2, 3):
+        rep = torch.arange(1 << 18, dtype=torch.float32) + step
+        if step == 2 and rank == args["flip"]:
+            rep.view(torch.int32)[17] ^= 1 << 4
+        try:
+            mgr.save(step, {"rep": rep, "w": shard("plain", 0, world, rank)}).wait(timeout=60)
+            out[step] = "ok"
+        except ckptlib.CheckpointError as e:
+            out[step] = f"{type(e).__name__}: {e}; failures={sorted(e.failures or {})}"
+    mgr.close()
+    return {"outcomes": out, "steps": [(i.step, i.status) for i in mgr.steps()]}
+
+
 def main() -> int:
     """The shared command line over this module's scenarios; publish/overwrite/restore/savewait
     workers add theirs to this module and call it."""
