@@ -43,6 +43,13 @@ def test_nonfinite_is_allowed_by_default_and_the_option_is_checked(tmp_path):
         ckptlib.CheckpointManager(tmp_path, nonfinite="sometimes")
     with pytest.raises(ValueError, match="check_replicas"):
         ckptlib.CheckpointManager(tmp_path, check_replicas="always")
+    # 1 == True in Python: check_replicas=1 (an int from a command line) was accepted and then
+    # acted as "auto" (the every-save check tests `is True`); it is refused, as is 0.
+    for value in (1, 0, 1.0):
+        with pytest.raises(ValueError, match="check_replicas must be one of True, False, 'auto', got"):
+            ckptlib.CheckpointManager(tmp_path, check_replicas=value)
+        with pytest.raises(ValueError, match="check_replicas"):
+            SaveOptions(check_replicas=value)
 
 
 FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]

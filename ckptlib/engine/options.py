@@ -47,7 +47,9 @@ def flag(name: str, value: Any) -> None:
 
 
 def one_of(name: str, value: Any, choices: Sequence[Any]) -> None:
-    if value not in choices:
+    """``value`` is one of ``choices``; a bool choice matches only that bool (``1``, ``1.0`` or
+    numpy's ``True_`` equal ``True`` but are refused: ``check_replicas=1`` acted as "auto")."""
+    if not any(value is c if isinstance(c, bool) or isinstance(value, bool) else value == c for c in choices):
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
 
 
