@@ -160,6 +160,35 @@ def test_select_loads_the_model_part_of_a_whole_training_state(tmp_path: Path) -
         ckptlib.load(folder, into={"optimizer": {}}, select="model")
 
 
+class TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight (GPT-2, Llama 3.2 1B, Gemma)."""
+
+    def __init__(self, seed: int, tied: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(32, 8)
+        self.lm_head = nn.Linear(8, 32, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed.weight
+
+
+def test_tied_weights_load_strictly_from_the_one_name_hugging_face_writes(tmp_path: Path) -> None:
+    """Hugging Face writes a tied weight once (safetensors refuses two names for one storage):
+    the folder holds ``embed.weight``, the module's state dict lists ``lm_head.weight`` too.
+    strict=True raised "in the target but not in the checkpoint: /lm_head.weight" for every such
+    model; the tied name is loaded through its twin, so it is not missing. An untied target's
+    lm_head is still missing."""
+    src = TiedLM(0)
+    folder = write_folder(tmp_path / "hf", {"embed.weight": src.embed.weight}, files=1)
+    dst = TiedLM(1)
+    assert ckptlib.load(folder, into=dst) is dst
+    assert torch.equal(dst.embed.weight, src.embed.weight) and dst.lm_head.weight is dst.embed.weight
+    res = ckptlib.load(folder, into=TiedLM(2), strict=False)
+    assert res.missing == [] and res.unexpected == []
+    with pytest.raises(ckptlib.StateMismatchError, match=re.escape("in the target but not in the checkpoint: /lm_head.weight")):
+        ckptlib.load(folder, into=TiedLM(3, tied=False))
+
+
 ROWS, COLS = 600, 1024  # float32: 4 KiB rows, 2.4 MiB
 
 

@@ -162,8 +162,8 @@ class Merge:
             for k in target:  # depth first, in the target's order
                 if k in v:
                     merged[k] = self.merge(target[k], v[k], f"{path}/{k}")
-                else:
-                    self.missing.append(f"{path}/{k}")
+                elif not any(k2 in v and _same_memory(target[k], target[k2]) for k2 in target):
+                    self.missing.append(f"{path}/{k}")  # (a tied weight, k2's memory, is loaded with k2)
             self.unexpected += [f"{path}/{k}" for k in v if k not in target]
             self.sets.append(lambda: target.update(merged))
             return target
@@ -297,6 +297,16 @@ class _Lazy:
 
     def __init__(self, holder: list[Any]) -> None:
         self.holder = holder
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are plain tensors over the same elements (tied weights: a module
+    state dict lists ``lm_head.weight`` and ``embed.weight`` for one parameter; Hugging Face
+    files hold only one of them). :meth:`Merge.merge`, caller's thread."""
+    if type(a) not in (torch.Tensor, torch.nn.Parameter) or type(b) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    return (a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+                       and a.numel() > 0 and not a.is_meta and a.data_ptr() == b.data_ptr()))
 
 
 def resolve_lazy(x: Any) -> Any:
