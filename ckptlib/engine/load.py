@@ -302,7 +302,11 @@ class _Lazy:
 def _same_memory(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` are plain tensors over the same elements (tied weights: a module
     state dict lists ``lm_head.weight`` and ``embed.weight`` for one parameter; Hugging Face
-    files hold only one of them). :meth:`Merge.merge`, caller's thread."""
+    files hold only one of them); DTensors (FSDP2) when their local pieces are. :meth:`Merge.merge`,
+    caller's thread."""
+    if is_dtensor(a) and is_dtensor(b):
+        return (a.shape == b.shape and a.placements == b.placements and a.device_mesh == b.device_mesh
+                and _same_memory(a.to_local(), b.to_local()))
     if type(a) not in (torch.Tensor, torch.nn.Parameter) or type(b) not in (torch.Tensor, torch.nn.Parameter):
         return False
     return (a is b or (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()

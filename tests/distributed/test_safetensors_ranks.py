@@ -12,6 +12,7 @@ from pathlib import Path
 
 import launcher
 import pytest
+import torch
 
 st = pytest.importorskip("safetensors.torch")
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "st_worker.py"
@@ -57,3 +58,22 @@ def test_two_ranks_read_only_their_rows(tmp_path: Path) -> None:
         assert r["reader_needed"] == r["shard_own"] <= r["reader_read"] <= r["shard_own"] + 2 * COALESCED
         assert r["fsdp_read"] < 0.6 * total and r["shard_read"] < 0.6 * total
     assert res[0]["shard_own"] != res[1]["shard_own"]  # uneven rows: each rank its own amount
+
+
+def test_fsdp2_tied_model_loads_strictly_from_the_one_name_written(tmp_path: Path) -> None:
+    """A tied FSDP2 model (DTensor parameters) and a folder holding the tied weight once, as
+    Hugging Face writes it: strict=True raised "/lm_head.weight" missing on every rank; the
+    tied name is the same memory, loaded through its twin."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    torch.manual_seed(0)
+    st.save_file({"embed.weight": torch.randn(64, 16)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    def argv(rank: int, port: str) -> list[str]:
+        return [str(WORKER), "tied", str(rank), "2", port, str(tmp_path), json.dumps({"folder": str(folder)})]
+
+    outs = launcher.finish("tied FSDP2 load on 2 ranks", launcher.start(argv, 2),
+                           lambda r: tmp_path / f"result-tied-{r}.json", 180)
+    for o in outs:
+        assert o.result is not None and "crash" not in o.result, o.log[-3000:]
+        assert o.result == {"error": None, "embed": True, "lm_head": True}, o.result

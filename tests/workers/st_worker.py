@@ -128,6 +128,35 @@ def sc_load(rank: int, world: int, root: str, args: dict) -> dict:
             "shard_own": shard_own, "reader_read": stats["bytes_read"], "reader_needed": stats["bytes_needed"]}
 
 
+class TiedLM(torch.nn.Module):
+    """An embedding and an output layer sharing one weight (GPT-2, Llama 3.2 1B, Gemma)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.lm_head = torch.nn.Linear(16, 64, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+
+def sc_tied(rank: int, world: int, root: str, args: dict) -> dict:
+    """``tied``: the folder holds ``embed.weight`` only, as Hugging Face writes a tied model;
+    an FSDP2 :class:`TiedLM` loads it with the default ``strict=True``; both names must then
+    hold the file's tensor."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(rank + 1)
+    model = TiedLM()
+    fully_shard(model)
+    try:
+        ckptlib.load(args["folder"], into=model)
+    except ckptlib.CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    want = load_file(os.path.join(args["folder"], "model.safetensors"))["embed.weight"]
+    return {"error": None, "embed": torch.equal(model.embed.weight.full_tensor(), want),
+            "lm_head": torch.equal(model.lm_head.weight.full_tensor(), want)}
+
+
 if __name__ == "__main__":
     from scenario_main import run  # the shared command line (tests import this module too)
 
