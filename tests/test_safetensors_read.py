@@ -453,3 +453,14 @@ def test_header_length_checks_before_reading() -> None:
 def test_dtype_tables_are_inverse() -> None:
     assert all(st_format.FROM_SAFETENSORS[v] == k for k, v in st_format.SAFETENSORS.items())
     assert os.path.basename(st_format.INDEX_NAME) == "model.safetensors.index.json"
+
+
+def test_the_index_file_given_instead_of_its_folder_says_to_pass_the_folder(tmp_path: Path) -> None:
+    """It said to pass "the checkpoint folder (the one holding manifest.json)", which a Hugging
+    Face folder does not have."""
+    folder = write_folder(tmp_path / "hf", {"a": torch.arange(4.0), "b": torch.ones(3)}, files=2)
+    for call in (ckptlib.load, ckptlib.open):
+        with pytest.raises(ckptlib.CheckpointNotFoundError, match="pass the folder that holds it") as e:
+            call(str(folder / "model.safetensors.index.json"))
+        assert "manifest.json" not in str(e.value)
+    assert torch.equal(ckptlib.load(str(folder))["a"], torch.arange(4.0))

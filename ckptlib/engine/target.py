@@ -122,13 +122,22 @@ def describe_foreign(url: str, t: Target) -> str:
             f"was moved or changed.{root} Save into a new or empty folder, or move those files away")
 
 
+def file_hint(url: str, more: str = "") -> str:
+    """The message for a load or open given a file: what to pass instead (``more``: other
+    choices the caller offers). A Hugging Face file (a shard, its index) is read as a folder.
+    Called by :func:`not_a_checkpoint` and ``ckptlib.open``."""
+    if url.endswith((".safetensors", ".safetensors.index.json")):
+        return f"{url} is a file; pass the folder that holds it (a Hugging Face safetensors folder is read whole)"
+    return f"{url} is a file; pass the checkpoint folder (the one holding {MANIFEST_NAME}){more}"
+
+
 def not_a_checkpoint(storage: Storage, folder: str) -> str | None:
     """Why ``folder`` is not a checkpoint folder a load can read, with what to pass instead;
     None when the path looks like a (missing or damaged) checkpoint folder, so the caller's own
     error stands. ``ckptlib.load`` calls it after the manifest could not be read."""
     url = f"{storage.url.rstrip('/')}/{folder}".rstrip("/")
     if storage.size(folder) is not None:  # a regular file (a link or special file: the load says)
-        return f"{url} is a file; pass the checkpoint folder (the one holding {MANIFEST_NAME})"
+        return file_hint(url)
     if storage.exists(join(folder, MANIFEST_NAME)):
         return None  # a checkpoint folder whose manifest is wrong: that error stands
     t = judge(storage, folder)

@@ -208,9 +208,7 @@ def open_view(
                 storage.close()
             return CheckpointView(found.storage, found.folder, found.manifest, where=found.where)
         if storage.size("") is not None:  # the URL names a file (manifest.json, a payload)
-            raise CheckpointNotFoundError(
-                f"{storage.url} is a file; pass the checkpoint folder (the one holding {MANIFEST_NAME}) "
-                "or the run root above it")
+            raise CheckpointNotFoundError(target.file_hint(storage.url, " or the run root above it"))
         if storage.size(MANIFEST_NAME) is not None:
             m = read_manifest(storage, "")
             if step is not None and m.step != step:
