@@ -41,6 +41,15 @@ def shm():
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def shm_node(tmp_path, shm):
+    """A memory tier's node folder: ``tmp_path/node0``, a link to a folder in :func:`shm`, so that
+    ``local=str(tmp_path / "node{node}")`` is on tmpfs and goes with the test."""
+    (shm / "node0").mkdir()
+    (tmp_path / "node0").symlink_to(shm / "node0")
+    return tmp_path / "node0"
+
+
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     if weed_binary() is None:

@@ -7,9 +7,7 @@ so a free lock proves the owner gone (any pid namespace, any rank, no pid reuse 
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
@@ -18,19 +16,6 @@ from distributed.test_tiers import finish_job, start_job
 
 from ckptlib.cli.main import main
 from ckptlib.engine.mapped_arena import ARENA_DIR, Ring
-
-
-@pytest.fixture
-def shm_node(tmp_path: Path):
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm")
-    shm = Path("/dev/shm") / f"ckptlib-arena-{uuid.uuid4().hex[:10]}"
-    (shm / "node0").mkdir(parents=True)
-    (tmp_path / "node0").symlink_to(shm / "node0")
-    try:
-        yield tmp_path / "node0"
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def _prune(capsys: pytest.CaptureFixture[str], tmp_path: Path, *extra: str) -> dict:

@@ -8,9 +8,7 @@ commits and leaves neither a staging folder nor the dead process's arena file be
 
 from __future__ import annotations
 
-import shutil
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
@@ -31,19 +29,6 @@ HOW_RESUME = ("a fresh 1-rank job's `restore()`: at least the newest step the ki
               "or a committed step, when it saw none), its bytes `torch.equal` to the state recomputed for that step")
 HOW_DEBRIS = ("`.tmp-`/`.del-` entries in the node folder and files in its `.ckptlib-arena/` after the next "
               "save (the dead process's arena included)")
-
-
-@pytest.fixture
-def shm_node(tmp_path: Path):
-    shm = Path("/dev/shm") / f"ckptlib-chaos-{uuid.uuid4().hex[:10]}"
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm")
-    (shm / "node0").mkdir(parents=True)
-    (tmp_path / "node0").symlink_to(shm / "node0")
-    try:
-        yield tmp_path / "node0"
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def _job(tmp_path: Path, args: dict, kill: str | None = None) -> list:
