@@ -137,9 +137,7 @@ class _Flattener:
         if isinstance(x, torch.Tensor):
             if is_dtensor(x):
                 local, global_shape, offset = dtensor_piece(x, path)
-                ref = self.tensor(local, path, global_shape, offset, False)
-                self.items[-1].copies = dtensor_copies(x) and not self.in_per_rank
-                return ref
+                return self.tensor(local, path, global_shape, offset, False, copies=dtensor_copies(x))
             return self.tensor(x, path, None, None, True)
         if isinstance(x, Shard):
             return self.tensor(x.local, path, tuple(x.global_shape), tuple(x.global_offset), False)
@@ -191,6 +189,7 @@ class _Flattener:
         global_shape: tuple[int, ...] | None,
         global_offset: tuple[int, ...] | None,
         replicated: bool,
+        copies: bool = False,
     ) -> dict[str, Any]:
         if t.layout is not torch.strided:
             raise UnsupportedValueError(f"tensor at {path}: layout {t.layout} is not supported")
@@ -212,7 +211,8 @@ class _Flattener:
         elif len(global_shape) > MAX_NDIM:
             raise UnsupportedValueError(f"tensor at {path} has more than {MAX_NDIM} dimensions")
         assert global_offset is not None  # callers pass a shape and its offset together
-        self.items.append(TensorItem(name, t, global_shape, global_offset, replicated and not self.in_per_rank))
+        self.items.append(TensorItem(name, t, global_shape, global_offset, replicated and not self.in_per_rank,
+                                     copies and not self.in_per_rank))
         return {"t": "tensor", "ref": name}
 
 
