@@ -101,12 +101,15 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class MissingDependencyError(CheckpointError, ImportError):
     """A feature needs an optional package that is not installed. The message names the feature
-    and the command that installs it (``pip install "ckptlib[EXTRA]"``); ``extra`` holds EXTRA.
-    Raised by :func:`require` (also an ``ImportError``, so existing handlers keep working)."""
+    and the command that installs it (``pip install "ckptlib[EXTRA]"``, or ``pip install PACKAGE``
+    where ckptlib has no extra for it, ``extra=""``); ``extra`` holds EXTRA. Raised by
+    :func:`require` and by ``open_storage`` for an fsspec URL whose filesystem package is missing
+    (also an ``ImportError``, so existing handlers keep working)."""
 
     def __init__(self, feature: str, extra: str, package: str = "") -> None:
+        install = f'"ckptlib[{extra}]"' if extra else package
         super().__init__(f"{feature} needs the optional package {package or extra!r}, which is not "
-                         f"installed: pip install \"ckptlib[{extra}]\"")
+                         f"installed: pip install {install}")
         self.feature, self.extra, self.package = feature, extra, package
 
     def __reduce__(self):  # keep pickling exact across processes

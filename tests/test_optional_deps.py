@@ -105,3 +105,24 @@ def test_import_ckptlib_needs_no_extra() -> None:
     proc = run_hidden({"s3fs", "tensorstore", "megatron", "lightning", "deepspeed", "accelerate"},
                       "print(len(ckptlib.__all__))")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_fsspec_scheme_without_its_package_names_it(tmp_path: Path) -> None:
+    """``gs://`` needs gcsfs, which ckptlib has no extra for: the error names the package to install
+    (it was fsspec's bare ImportError, not a ckptlib error); the CLI says the same, exit 2."""
+    proc = run_hidden({"gcsfs"}, """
+        import torch
+        try:
+            ckptlib.save({"a": torch.ones(2)}, "gs://bucket/run/step")
+        except ckptlib.MissingDependencyError as e:
+            assert isinstance(e, ImportError) and isinstance(e, ckptlib.CheckpointError)
+            print("PACKAGE", e.package)
+            print("MESSAGE", e)
+        else:
+            print("NO ERROR")
+        from ckptlib.cli.main import main
+        sys.exit(main(["ls", "gs://bucket/run"]))
+    """, str(tmp_path))
+    assert "PACKAGE gcsfs\n" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "pip install gcsfs" in proc.stdout, proc.stdout
+    assert proc.returncode == 2 and "pip install gcsfs" in proc.stderr, proc.stderr[-3000:]

@@ -15,9 +15,23 @@ import threading
 from typing import Any
 
 import fsspec
+from fsspec.registry import known_implementations
 
 from ckptlib.backends.base import Entry, RangeRead, ReadHandle, Storage, WriteStream, join
-from ckptlib.errors import CorruptCheckpointError, StorageError
+from ckptlib.errors import CorruptCheckpointError, MissingDependencyError, StorageError
+
+
+def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """fsspec's filesystem and path for ``url`` (called by :class:`FsspecStorage` on the caller's
+    thread). A scheme whose package is not installed (``gs://`` without gcsfs, ``az://`` without
+    adlfs) is a :class:`MissingDependencyError` naming the package, not fsspec's bare ImportError."""
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as e:
+        scheme = url.split("://", 1)[0]
+        known = known_implementations.get(scheme, {})
+        package = str(known.get("class", "")).split(".")[0] or scheme
+        raise MissingDependencyError(f"a root at {scheme}://", "", package) from e
 
 
 class _FsWrite(WriteStream):
@@ -48,7 +62,7 @@ class FsspecStorage(Storage):
         self, url: str, storage_options: dict[str, Any] | None = None, *, fs: Any = None
     ) -> None:
         if fs is None:
-            fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            fs, path = _url_to_fs(url, storage_options)
         else:
             path = url.split("://", 1)[-1]
         self.fs = fs
