@@ -29,7 +29,7 @@ import errno
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ckptlib.errors import CorruptCheckpointError
 
@@ -105,6 +105,12 @@ class RangeRead(ReadHandle):
         pass
 
 
+class Held(Protocol):
+    """What :meth:`Storage.hold` returns: ``close()`` gives the folder up (idempotent)."""
+
+    def close(self) -> None: ...
+
+
 class Storage(ABC):
     url: str
     """The root this storage was opened on (for messages)."""
@@ -168,6 +174,20 @@ class Storage(ABC):
         cleanup (:func:`ckptlib.tiers.inventory.arena_debris`) and ``ckptlib prune --local``
         through :func:`ckptlib.engine.retire.remove_debris`. None elsewhere (the default)."""
         return []
+
+    def hold(self, path: str) -> Held | None:
+        """Mark the folder ``path`` in use by this process until the returned handle is closed
+        (or the process ends, however it ends): :meth:`held` then says so in any other process.
+        The coordinator holds a save's staging folder from its creation to its commit or abort
+        (ckptlib/engine/commit.py ``begin``), so that the debris clean-up of another job or of
+        ``ckptlib prune`` never deletes a save in flight. None where the storage cannot (object
+        stores, the default; a file system without locks)."""
+        return None
+
+    def held(self, path: str) -> bool:
+        """Whether another open handle holds ``path`` (:meth:`hold`); False where unknown.
+        Called by the debris verdicts (:func:`ckptlib.engine.retire.find_debris`)."""
+        return False
 
 
     # -- reading

@@ -101,15 +101,42 @@ except OSError:  # pragma: no cover - exotic platforms
     _renameat2 = _sync_file_range = None
 
 
-def lock_arena(fd: int) -> bool:
-    """Take the exclusive ``flock`` of an arena file without waiting: its owner right after it
-    creates the file (``Ring``, training thread), a sweeper to prove the owner gone. False when
-    another open file of it holds the lock (or the file system has no locks)."""
+def try_lock(fd: int) -> bool | None:
+    """Take the exclusive ``flock`` of ``fd`` without waiting: True, False when another open
+    file of it holds the lock, None when this file system has no locks."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         return False
+    except OSError:
+        return None
     return True
+
+
+def lock_arena(fd: int) -> bool:
+    """Take the exclusive ``flock`` of an arena file without waiting (:func:`try_lock`): its
+    owner right after it creates the file (``Ring``, training thread), a sweeper to prove the
+    owner gone. False when another open file of it holds the lock (or the file system has no
+    locks)."""
+    return try_lock(fd) is True
+
+
+class _FolderLock:
+    """A folder's ``flock`` that :meth:`PosixStorage.hold` took: given up by ``close()``, by
+    garbage collection, or by the kernel when the process ends."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def sweep_arenas(root: str, *, remove: bool, only: Collection[str] | None = None) -> list[tuple[str, int]]:
@@ -401,6 +428,31 @@ class PosixStorage(Storage):
         if not self.memory:
             return []
         return sweep_arenas(self.root, remove=remove, only=only)
+
+    def _open_folder(self, path: str) -> int | None:
+        try:
+            return os.open(self._p(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+
+    def hold(self, path: str) -> _FolderLock | None:
+        """:meth:`Storage.hold`: the folder's exclusive ``flock``, kept on an open descriptor."""
+        fd = self._open_folder(path)
+        if fd is not None and try_lock(fd):
+            return _FolderLock(fd)
+        if fd is not None:
+            os.close(fd)
+        return None
+
+    def held(self, path: str) -> bool:
+        """:meth:`Storage.held`: the folder's ``flock`` cannot be taken (a live process holds it)."""
+        fd = self._open_folder(path)
+        if fd is None:
+            return False
+        try:
+            return try_lock(fd) is False
+        finally:
+            os.close(fd)  # drops the lock if this call took it
 
     def put_atomic(self, path: str, data: bytes) -> None:
         full = self._p(path)

@@ -99,7 +99,7 @@ def _judge_leftovers(target: Target, checks: list[_Check], min_age: float) -> No
         if d is None or d.kind not in ("tmp", "abort", "step") or (
                 d.kind == "step" and target.storage.supports_atomic_rename):
             continue
-        if not d.removable and d.age_seconds is not None and d.age_seconds < min_age:
+        if not d.removable and (d.live or (d.age_seconds is not None and d.age_seconds < min_age)):
             status, reason = "in progress", f"a save in progress, not a checkpoint yet ({d.why})"
         elif d.removable:
             status, reason = "debris", f"not a checkpoint: {d.why}; `ckptlib prune` removes it"

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 from ckptlib import crashpoints
 from ckptlib.backends import Storage, join, parent
+from ckptlib.backends.base import Held
 from ckptlib.engine import target
 from ckptlib.engine.scan import check_step, read_manifest
 from ckptlib.errors import (
@@ -97,6 +98,15 @@ class Staging:
     """``overwrite`` on object stores: the claim was created (:func:`_publish_claimed`). From
     then on a fencing rank may put this save's manifest in place, so :func:`abort` leaves the
     payloads to the debris rules (engine/retire.py) instead of removing them."""
+    hold: Held | None = None
+    """The coordinator's hold on ``work`` (:meth:`Storage.hold`, POSIX) from :func:`begin` until
+    :func:`publish` or :func:`abort` ends: no other process's debris clean-up deletes it meanwhile."""
+
+    def release(self) -> None:
+        """Give the hold on ``work`` up (idempotent); the kernel does it if the process dies."""
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            hold.close()
 
 
 def commit_mode(storage: Storage) -> str:
@@ -144,6 +154,7 @@ def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False
     if mode == "rename":
         # The marker goes in first, so whatever a crash leaves in this folder is provably ours.
         storage.makedirs(work)
+        staging.hold = storage.hold(work)  # before the marker: a marked folder of ours is held
         try:
             marker = json.dumps({"save_id": save_id, "created": time.time()}).encode()
             w = storage.open_write(join(work, layout.MARKER))
@@ -158,19 +169,25 @@ def begin(storage: Storage, final: str, save_id: str, *, overwrite: bool = False
 
 def abort(storage: Storage, staging: Staging) -> None:
     """Best effort: remove what this save wrote. Leftovers are cleaned by a later save."""
-    if staging.claimed:
-        return
     try:
-        storage.delete_tree(staging.work if staging.mode == "rename" else staging.payload_prefix)
+        if not staging.claimed:
+            storage.delete_tree(staging.work if staging.mode == "rename" else staging.payload_prefix)
     except Exception:
         pass
+    finally:
+        staging.release()
 
 
 def publish(storage: Storage, staging: Staging, manifest: bytes, *, overwrite: bool = False) -> None:
-    if staging.mode == "rename":
-        _publish_rename(storage, staging, manifest, overwrite)
-    else:
-        _publish_put(storage, staging, manifest, overwrite)
+    """Coordinator: commit ``staging`` with ``manifest`` by the storage's commit mode. Its hold
+    ends here either way (a failed publish is then aborted)."""
+    try:
+        if staging.mode == "rename":
+            _publish_rename(storage, staging, manifest, overwrite)
+        else:
+            _publish_put(storage, staging, manifest, overwrite)
+    finally:
+        staging.release()
 
 
 def _publish_rename(storage: Storage, st: Staging, manifest: bytes, overwrite: bool) -> None:

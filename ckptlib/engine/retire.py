@@ -6,8 +6,9 @@ commit (coordinator, persist thread); ``ckptlib prune`` lists, prints, then remo
 Deletion makes a step invisible first (rename to ``step-N.del-<id>``; on object stores delete
 ``manifest.json`` first), so a crash half-way never leaves something that looks valid.
 
-Debris is deleted only when provably ours or provably dead: ``*.tmp-``/``*.del-`` folders with
-the ``.ckptlib`` marker (or, inside the owning job, holding only ckptlib's files; the CLI also
+Debris is deleted only when provably ours or provably dead: never a ``*.tmp-`` folder that a
+running process holds (``Storage.hold``: its save is in flight, in this job or another one on
+the same root); ``*.tmp-``/``*.del-`` folders with the ``.ckptlib`` marker (or, inside the owning job, holding only ckptlib's files; the CLI also
 waits ``min_age``); a fenced save's ``*.abort-`` folder or abort record (format/fence.py: it can
 never commit); on object stores, payload prefixes of save ids other than the committed
 manifest's (the payloads of a step an ``overwrite`` save replaced among them), the claim an
@@ -115,7 +116,8 @@ class Debris:
     manifest is in place), ``upload`` (a multipart upload), ``partial`` (a local tier's crashed
     restore write-back's temporary file, :func:`ckptlib.tiers.inventory.write_back_debris`),
     ``arena`` (a memory tier's snapshot file of a dead process,
-    :func:`ckptlib.tiers.inventory.arena_debris`)."""
+    :func:`ckptlib.tiers.inventory.arena_debris`). ``live``: a running process holds it (a
+    ``tmp`` folder whose save is in flight, :meth:`Storage.hold`): never removable."""
 
     path: str
     save_id: str
@@ -124,6 +126,7 @@ class Debris:
     removable: bool
     why: str
     upload_id: str = ""
+    live: bool = False
 
     @property
     def name(self) -> str:
@@ -282,6 +285,9 @@ def _judge_folder(
         return Debris(name, save_id, kind, None, False, "a save in flight in this job")
     created = _marker_created(storage, name)
     age = None if created is None else now - created
+    if kind == "tmp" and storage.held(name):  # another job on this root, or a save of this one in flight
+        return Debris(name, save_id, kind, age, False, "a save in flight: a running process holds this folder",
+                      live=True)
 
     def verdict(removable: bool, why: str) -> Debris:
         return Debris(name, save_id, kind, age, removable, why)
