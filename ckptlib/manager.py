@@ -510,7 +510,7 @@ class CheckpointManager:
                     coordinator=self.coordinator, save_id=save_id, created=created, rounds=rounds, metrics=metrics,
                 )
                 if self.coordinator.is_coordinator:
-                    self._after_commit(save_id)
+                    self._after_commit(save_id, step)
             self._last_saved = step
             self._replace.discard(step)
         except Exception as e:
@@ -526,14 +526,14 @@ class CheckpointManager:
             self._active_ids.discard(save_id)
             handle._finish(error)
 
-    def _after_commit(self, save_id: str) -> None:
-        """Retention and cleanup; their failures are logged, never fail the committed save."""
+    def _after_commit(self, save_id: str, step: int | None = None) -> None:
+        """Retention and cleanup (``step``: just committed, kept); failures are logged, never raised."""
         try:
             crashpoints.point("cleanup")
             retire.clean_debris(self.storage, self._active_ids | {save_id})
             o = self.options
             retire.apply_retention(self.storage, o.keep_last, o.keep_every, keep_best=o.keep_best,
-                                   best_metric=o.best_metric, best_mode=o.best_mode)
+                                   best_metric=o.best_metric, best_mode=o.best_mode, just_saved=step)
         except Exception as e:
             log.warning("ckptlib: retention/cleanup failed (will retry after the next save): %s", e)
 

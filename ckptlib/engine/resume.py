@@ -214,7 +214,15 @@ def restore(
                 f"{storage.url} is a single checkpoint written by ckptlib.save() (it holds {MANIFEST_NAME}), not a "
                 f"CheckpointManager run root: load it with ckptlib.load({storage.url!r}, into=state), and give "
                 "CheckpointManager a folder of its own")
-        return cands if step is None else [c for c in cands if c.step == step]
+        if step is None:
+            return cands
+        newer = [c.step for c in cands if c.step > step and c.status == "committed"]
+        if newer:  # a rollback: say now what a resume after the next crash will do
+            log.warning("ckptlib: restoring step %d from %s, which holds %d newer committed step(s) (newest: %d): "
+                        "a restore() without step= resumes from step %d, not from the saves this run makes "
+                        "next. To go on from step %d for good, delete the newer steps or save to a new folder",
+                        step, storage.url, len(newer), max(newer), max(newer), step)
+        return [c for c in cands if c.step == step]
 
     def attempt(c: Candidate) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}

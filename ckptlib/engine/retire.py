@@ -79,20 +79,24 @@ def apply_retention(
     keep_best: int | None = None,
     best_metric: str | None = None,
     best_mode: str = "min",
+    just_saved: int | None = None,
 ) -> list[int]:
     """Delete the committed steps that :func:`ckptlib.plan.retention.decide` does not keep
     (manager, after a commit, on the coordinator's save thread); returns them, newest first.
     ``keep_best``: also keep the best k by the metric each manifest records (``best_metric``;
     ``best_mode`` "min" or "max"); steps without it rank worst. The newest committed step is
-    always kept."""
+    always kept, and so is ``just_saved`` (the step the manager has just committed); when that
+    one is older than the newest, a warning says that a resume will not pick it."""
     if keep_last is None and keep_best is None:
         return []
     infos = [i for i in scan(storage) if i.status == "committed"]
     committed = [i.step for i in infos]
     metrics = {i.step: i.metrics for i in infos}
     deleted: list[int] = []
+    if just_saved is not None and committed and just_saved < max(committed):
+        warn_rollback(storage.url, just_saved, max(committed))
     decisions = retention.decide(committed, keep_last, keep_every, keep_best=keep_best, best_metric=best_metric,
-                                 best_mode=best_mode, metrics=metrics)
+                                 best_mode=best_mode, metrics=metrics, just_saved=just_saved)
     for d in decisions:
         if not d.keep:
             log.info("ckptlib: deleting step %d (%s)", d.step, d.why)
@@ -100,6 +104,16 @@ def apply_retention(
             delete_step(storage, layout.step_dir(d.step))
             deleted.append(d.step)
     return deleted
+
+
+def warn_rollback(url: str, step: int, newest: int) -> None:
+    """Log that ``step`` was just saved under ``url`` although ``newest`` (a higher step) is
+    committed there: a training run that went back (``restore(step=N)``) and goes on saving.
+    Called by :func:`apply_retention` on the coordinator's save thread."""
+    log.warning("ckptlib: step %d was saved in %s, which holds a newer committed step %d: a restore() without "
+                "step= resumes from step %d, not from this run's saves, and retention keeps only the step just "
+                "saved among them. To go on from step %d for good, delete the newer steps (ckptlib ls %s lists "
+                "them) or save to a new folder", step, url, newest, newest, step, url)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 Called by the manager after each successful commit (and by ``ckptlib prune``). Only
 committed steps are ever candidates for deletion, and the newest committed step is always
-kept, whatever the policy says.
+kept, whatever the policy says; so is the step the manager has just saved (``just_saved``).
 
 ``keep_best=k`` (with ``best_metric`` and ``best_mode``) also keeps the k best steps by the
 metric each step recorded (``save(..., metrics=)``). A step without that metric ranks after
@@ -60,10 +60,14 @@ def decide(
     best_metric: str | None = None,
     best_mode: str = "min",
     metrics: Mapping[int, Mapping[str, float]] | None = None,
+    just_saved: int | None = None,
 ) -> list[Decision]:
     """One decision per committed step, newest first. With neither ``keep_last`` nor
     ``keep_best`` everything is kept; with only ``keep_best``, the newest step, the best k and
-    ``keep_every`` multiples. ``metrics``: step -> its recorded metrics (for ``keep_best``)."""
+    ``keep_every`` multiples. ``metrics``: step -> its recorded metrics (for ``keep_best``).
+    ``just_saved``: the step the caller (the manager, after its commit) has just saved, always
+    kept: after a rollback (``restore(step=N)`` with newer steps committed) it is older than the
+    newest, and the policy alone would delete the save it has just reported done."""
     if keep_last is not None and keep_last < 1:
         raise ValueError("keep_last must be >= 1")
     if keep_every is not None and keep_every < 1:
@@ -77,6 +81,8 @@ def decide(
     for i, s in enumerate(steps):
         if i == 0:
             out.append(Decision(s, True, "newest committed step"))
+        elif s == just_saved:
+            out.append(Decision(s, True, "the step just saved (older than the newest: a rollback)"))
         elif keep_last is None and keep_best is None:
             out.append(Decision(s, True, "no keep_last policy"))
         elif s in best:
