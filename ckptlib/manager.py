@@ -754,6 +754,8 @@ class CheckpointManager:
             self._replace.update(corrupt)
         if self._final is not None:
             self._final.after_restore(self, got)
+        if self._schedule is not None and got is not None:
+            self._schedule.resumed(got)
         if strict or got is None:
             return got
         return LoadResult(state, keys["missing"], keys["unexpected"], got)

@@ -243,6 +243,15 @@ class SaveSchedule:
             self._pending = None
         return self.estimator.propose()
 
+    def resumed(self, step: int) -> None:
+        """After ``restore()`` loaded ``step`` (the manager, training thread): that step is
+        committed, so ``should_save(step)`` is False (a loop that starts at the step it restored
+        does not save it again: that save would raise ``StepExistsError`` and end the relaunched
+        job), and an automatic interval counts from it."""
+        self._last_saved = step
+        if self.estimator is not None:
+            self._next = step + self.interval
+
     def saved(self, step: int, interval: int, start: float, stall_s: float, queued_s: float = 0.0) -> None:
         """After ``save(step)`` returned: ``interval`` is the agreed next interval, ``start``
         the clock when the save started, ``stall_s`` how long it then blocked the loop, and

@@ -322,3 +322,24 @@ def test_should_save_without_a_policy_says_what_to_pass(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["auto-rank"]:
     auto_rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+
+
+@pytest.mark.parametrize("interval", [{"save_interval_steps": 4},
+                                      {"save_interval": "auto", "mtbf_hours": 1e-12, "save_interval_min_steps": 3}])
+def test_a_relaunch_loop_starting_at_the_restored_step_does_not_save_it_again(tmp_path, interval):
+    """``for step in range(mgr.restore(state) or 0, ...)``: the first step is the one restored,
+    already committed. should_save said True for it, and the save raised StepExistsError: the
+    relaunched job died at its first step, and every relaunch after it."""
+    root = tmp_path / "run"
+    with ckptlib.CheckpointManager(root, async_save=False, **interval) as mgr:
+        first = [s for s in range(0, 9) if mgr.should_save(s) and mgr.save(s, tiny_state())]
+    restored = max(first)
+    with ckptlib.CheckpointManager(root, async_save=False, **interval) as mgr:
+        state = tiny_state()
+        start = mgr.restore(state)
+        assert start == restored
+        assert not mgr.should_save(start)
+        later = [s for s in range(start + 1, start + 9) if mgr.should_save(s) and mgr.save(s, tiny_state())]
+    assert later and min(later) > restored
+    with ckptlib.CheckpointManager(root) as mgr:
+        assert [i.step for i in mgr.steps()][-len(later):] == later
