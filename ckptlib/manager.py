@@ -554,12 +554,12 @@ class CheckpointManager:
         self._drainer.committed_locally(handle.step, handle._drain)  # queues the drain, if any
         topo = self._tier.topology
         if topo is not None and topo.is_leader(self.coordinator.rank):
-            tier_local.after_local_commit(self._tier, self._active_ids | {save_id}, self._drainer.pending_steps(),
-                                          self.coordinator.rank)
+            protect = self._drainer.pending_steps() | {handle.step}  # the step just saved: a rollback's too
+            tier_local.after_local_commit(self._tier, self._active_ids | {save_id}, protect, self.coordinator.rank)
 
-    def _after_drain(self) -> None:
-        """Drain thread, coordinator, after a step was committed on the persistent tier."""
-        self._after_commit("")
+    def _after_drain(self, step: int) -> None:
+        """Drain thread, coordinator, after ``step`` was committed on the persistent tier."""
+        self._after_commit("", step)
 
     # ------------------------------------------------------------------ overlap mode
     def wait_for_snapshot(self, timeout: float | None = None) -> None:

@@ -217,8 +217,8 @@ class Drainer:
         """The newest ``local_keep_last`` steps committed locally (ascending)."""
         self._failing = 0
         """Drains failed in a row (their warnings are spaced out: :meth:`_run`)."""
-        self.after: Callable[[], None] | None = None
-        """Called on the drain thread after each successful drain (the manager's retention)."""
+        self.after: Callable[[int], None] | None = None
+        """Called on the drain thread after each successful drain, with its step (the manager's retention)."""
         self._thread: threading.Thread | None = None
         self._warn_at = self._first_warning = tier.keep_last + 1
         """Steps waiting to be drained that draw the next backlog warning (:meth:`submit`)."""
@@ -279,7 +279,7 @@ class Drainer:
             try:
                 drain_step(self.tier, self.persistent, self.coord, ticket.step, timeout=self.timeout, rate=self.rate)
                 if self.after is not None:
-                    self.after()
+                    self.after(ticket.step)
                 ticket.finish(None)
                 if self._failing:
                     log.warning("ckptlib: drains to %s work again: step %d drained after %d failed drain(s)",
