@@ -2,7 +2,7 @@
 
 Filling a fresh buffer costs a page fault per 4 KiB page (about 0.5 s per GiB on the project
 VM); with 2 MiB pages 0.15-0.35 s. Kernels commonly use THP only where ``madvise`` asks.
-Called right after allocation by :func:`ckptlib.engine.load._alloc` and
+Called right after allocation by :func:`ckptlib.engine.load.alloc_tensor` and
 :func:`ckptlib.engine.snapshot._alloc`. Advice only, on the 2 MiB-aligned part of the buffer:
 without THP, on another OS or if the call fails, nothing changes and nothing is raised.
 """

@@ -35,7 +35,10 @@ from ckptlib.format.manifest import MANIFEST_NAME, Manifest
 from ckptlib.plan.flatten import dtensor_piece, is_dtensor, is_stateful
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+def alloc_tensor(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A new CPU tensor of the ``shape`` a manifest declares, on the caller's thread (the load
+    planner here, ``CheckpointView.read``): a shape too large for this machine is a typed
+    :class:`CheckpointError`, never torch's ``RuntimeError`` or a ``MemoryError``."""
     try:
         t = torch.empty(shape, dtype=dtype)
     except (RuntimeError, MemoryError) as e:
@@ -97,7 +100,7 @@ class Merge:
             return self.fresh(self.select(v, path), path)
         if isinstance(v, tree_codec.TensorRef):
             e = self.m.tensors[v.name]
-            t = _alloc(e.shape, DTYPES[e.dtype], v.name)
+            t = alloc_tensor(e.shape, DTYPES[e.dtype], v.name)
             self.requests.append(Request(v.name, t, (0,) * len(e.shape), e.shape))
             return t
         if isinstance(v, tree_codec.BytesRef):
@@ -107,7 +110,7 @@ class Merge:
                     f"bytes value {v.name!r} must reference a 1-D uint8 tensor, not {e.dtype} {list(e.shape)}",
                     self.where,
                 )
-            t = _alloc(e.shape, DTYPES[e.dtype], v.name)
+            t = alloc_tensor(e.shape, DTYPES[e.dtype], v.name)
             self.requests.append(Request(v.name, t, (0,) * len(e.shape), e.shape))
             holder: list[Any] = [None]
             wrap = io.BytesIO if v.io else bytes
@@ -261,7 +264,7 @@ class Merge:
         if t.device.type == "cpu" and t.is_contiguous():
             self.requests.append(Request(name, t.detach(), offset, box))
             return
-        tmp = _alloc(box, t.dtype, name)
+        tmp = alloc_tensor(box, t.dtype, name)
         self.requests.append(Request(name, tmp, offset, box))
 
         def copy_back(t: torch.Tensor = t, tmp: torch.Tensor = tmp) -> None:
@@ -388,8 +391,6 @@ def run_plan(
     reader = Reader(storage, folder, m, verify=verify, threads=threads)
     try:
         reader.read(plan.requests)
-    except MemoryError as e:  # read/decode buffers: a resource error, typed like _alloc's
-        raise CheckpointError(f"out of memory while reading {plan.where}: {e}") from None
     finally:
         reader.close()
     if stats is not None:

@@ -215,6 +215,16 @@ class Reader:
 
     # ------------------------------------------------------------------ execution
     def read(self, requests: list[Request]) -> None:
+        """Fill every request's tensor (caller's thread; the chunks on ``threads`` workers). A
+        stored chunk or its decoded bytes too large for this machine's memory (a manifest may
+        declare terabytes) is a typed :class:`CheckpointError`, never a bare ``MemoryError``;
+        every caller (``load``, ``CheckpointView.read``/``blocks``, the DCP reader) gets it."""
+        try:
+            self._read(requests)
+        except MemoryError as e:
+            raise CheckpointError(f"out of memory while reading {self.storage.url}/{self.folder}: {e}") from None
+
+    def _read(self, requests: list[Request]) -> None:
         with paused_gc():
             tasks, packs = self._tasks(requests)
         big = [t for t in tasks if t.direct is not None and t.chunk.length >= COALESCE_MAX]

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptlib.backends import Storage, join, open_storage, split_url
-from ckptlib.engine import hugepages, index_io, safetensors_folder, target
-from ckptlib.engine.load import Merge, resolve_lazy, run_plan
+from ckptlib.engine import index_io, safetensors_folder, target
+from ckptlib.engine.load import Merge, alloc_tensor, resolve_lazy, run_plan
 from ckptlib.engine.options import flag
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import StepInfo, check_files, check_step, read_manifest, scan
@@ -122,7 +122,7 @@ class CheckpointView:
         """
         info = self.info(name)
         offset, box, post = plan_box(info.shape, index)
-        dest = torch.empty(box, dtype=DTYPES[info.dtype])
+        dest = alloc_tensor(box, DTYPES[info.dtype], name)
         if dest.numel():
             self._reader.read([Request(name, dest, offset, box)])
         return dest[post] if post else dest
@@ -142,8 +142,7 @@ class CheckpointView:
         for s in info.shape[1:]:
             row *= s
         rows = min(info.shape[0], max(1, max_bytes // max(row, 1)))
-        buf = torch.empty(rows * row, dtype=torch.uint8)  # reused: fresh pages cost more than the copy
-        hugepages.advise(buf)
+        buf = alloc_tensor((rows * row,), torch.uint8, name)  # reused: fresh pages cost more than the copy
         for start in range(0, info.shape[0], rows):
             box = (min(rows, info.shape[0] - start), *info.shape[1:])
             dest = buf[: box[0] * row].view(DTYPES[info.dtype]).reshape(box)

@@ -1,0 +1,44 @@
+"""Hostile checkpoints as resource attacks on the read paths other than ``load``.
+
+``tests/test_safe_loading.py`` runs the corpus (``tests/chaos/corpus.py``) through ``load``;
+this file takes the same entries (and a few roots built here) through the read view
+(``ckptlib.open``: ``read``, ``blocks``), and through ``prune``'s clean-up: a declared size
+must be refused with a typed error before anything that large is allocated, and no clean-up
+may follow a symlink out of the root. Everything runs in-process on the test's thread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from chaos.corpus import ENTRIES, build, make_templates
+
+import ckptlib
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_templates(tmp_path_factory.mktemp("hostile-read-templates"))
+
+
+def entry(name: str, tmp_path: Path, templates: dict[str, Path]) -> Path:
+    """The step folder of corpus entry ``name``, built under ``tmp_path``."""
+    (e,) = [e for e in ENTRIES if e.name == name]
+    return build(e, tmp_path, templates) / "step-000000000007"
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_read_view_of_a_terabyte_declared_tensor_is_a_typed_error(tmp_path: Path, templates: dict[str, Path]) -> None:
+    """``/big`` declares 1 TiB (one zstd chunk over a sparse file). ``read`` of the whole of it,
+    of a 16-byte slice (whose chunk still decodes to 1 TiB) and ``blocks`` raised torch's
+    ``RuntimeError`` / numpy's ``MemoryError``; now ``CheckpointError``, as ``load`` does."""
+    ck = entry("giant-sparse-1tib", tmp_path, templates)
+    with ckptlib.open(ck) as view:
+        with pytest.raises(ckptlib.CheckpointError, match="cannot allocate tensor '/big'"):
+            view.read("/big")
+        with pytest.raises(ckptlib.CheckpointError, match="out of memory while reading"):
+            view.read("/big", slice(0, 16))
+        with pytest.raises(ckptlib.CheckpointError, match="out of memory while reading"):
+            next(iter(view.blocks("/big")))
+        assert view.read("/small").numel()  # the other tensors still read
