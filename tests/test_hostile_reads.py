@@ -42,3 +42,21 @@ def test_read_view_of_a_terabyte_declared_tensor_is_a_typed_error(tmp_path: Path
         with pytest.raises(ckptlib.CheckpointError, match="out of memory while reading"):
             next(iter(view.blocks("/big")))
         assert view.read("/small").numel()  # the other tensors still read
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_prune_local_never_sweeps_an_arena_folder_that_is_a_symlink(tmp_path: Path, shm_node: Path) -> None:
+    """A memory tier's ``.ckptlib-arena`` that is a symlink to a folder outside the root: ``ckptlib
+    prune --local`` (and a training job's first arena / room check, through the same sweep)
+    deleted every unlocked regular file in the folder it points at, as a dead process's snapshot.
+    Now the link is not followed: the outside files stay, byte for byte."""
+    from ckptlib.cli.main import main as cli
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data.bin").write_bytes(b"precious" * 100)
+    (shm_node / ".ckptlib-arena").symlink_to(victim)
+    (tmp_path / "persist").mkdir()
+    assert cli(["prune", str(tmp_path / "persist"), "--local", str(shm_node), "--tier", "local"]) == 0
+    assert (victim / "data.bin").read_bytes() == b"precious" * 100
+    assert (shm_node / ".ckptlib-arena").is_symlink()

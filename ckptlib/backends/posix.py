@@ -145,35 +145,41 @@ def sweep_arenas(root: str, *, remove: bool, only: Collection[str] | None = None
     first arena (training thread), a node leader's cleanup after a local commit and ``ckptlib
     prune --local``. A file is judged and removed while this call holds its lock, and its owner
     checks after locking that the name is still its file, so a file being created is never
-    taken from its owner (the owner falls back to ordinary memory for that save)."""
-    folder = os.path.join(root, ARENA_DIR)
+    taken from its owner (the owner falls back to ordinary memory for that save). The folder
+    is opened without following a symlink and every name is taken relative to that open
+    folder: an :data:`ARENA_DIR` that is a symlink (to a folder outside the root) is not
+    swept, so nothing outside the root is ever judged or deleted."""
     try:
-        names = sorted(os.listdir(folder))
-    except OSError:
+        dfd = os.open(os.path.join(root, ARENA_DIR), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # missing, or a symlink (ELOOP) or not a folder: nothing of ours to sweep
         return []
     found: list[tuple[str, int]] = []
-    for name in names:
-        if only is not None and name not in only:
-            continue
-        path = os.path.join(folder, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or not lock_arena(fd):
+    try:
+        for name in sorted(os.listdir(dfd)):
+            if only is not None and name not in only:
                 continue
-            now = os.stat(path, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            except OSError:
                 continue
-            if remove:
-                os.unlink(path)
-            found.append((name, st.st_size))
-        except OSError:
-            continue
-        finally:
-            os.close(fd)  # drops the lock
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or not lock_arena(fd):
+                    continue
+                now = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    continue
+                if remove:
+                    os.unlink(name, dir_fd=dfd)
+                found.append((name, st.st_size))
+            except OSError:
+                continue
+            finally:
+                os.close(fd)  # drops the lock
+    except OSError:
+        return found
+    finally:
+        os.close(dfd)
     return found
 
 
