@@ -60,3 +60,28 @@ def test_prune_local_never_sweeps_an_arena_folder_that_is_a_symlink(tmp_path: Pa
     assert cli(["prune", str(tmp_path / "persist"), "--local", str(shm_node), "--tier", "local"]) == 0
     assert (victim / "data.bin").read_bytes() == b"precious" * 100
     assert (shm_node / ".ckptlib-arena").is_symlink()
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_a_deeply_nested_marker_in_debris_does_not_stop_ls_prune_or_retention(tmp_path: Path) -> None:
+    """A ``.tmp-`` folder whose ``.ckptlib`` marker is 10 KB of nested brackets: ``ckptlib ls``
+    and ``ckptlib prune`` failed with ``RecursionError`` and the manager's retention failed
+    after every save (old steps were never deleted). Now the marker counts as unreadable: the
+    folder is listed (age unknown, left alone) and retention deletes what it should."""
+    import torch
+
+    from ckptlib.cli.main import main as cli
+
+    root = tmp_path / "root"
+    with ckptlib.CheckpointManager(root, async_save=False, keep_last=1) as m:
+        m.save(1, {"a": torch.arange(4)})
+    debris = root / "step-000000000002.tmp-0123456789abcdef"
+    debris.mkdir()
+    (debris / ".ckptlib").write_text("[" * 5000 + "]" * 5000)
+    assert cli(["ls", str(root)]) == 0
+    assert cli(["prune", str(root), "--keep-last", "1"]) == 0
+    assert debris.is_dir()  # of unknown age: prune leaves it alone
+    with ckptlib.CheckpointManager(root, async_save=False, keep_last=1) as m:
+        m.save(3, {"a": torch.arange(4) + 3})
+        assert [s.step for s in m.steps() if s.status == "committed"] == [3]
+    assert torch.equal(ckptlib.load(root / "step-000000000003")["a"], torch.arange(4) + 3)

@@ -22,7 +22,6 @@ aside, and manifest-less step folders that are ours and idle for ``grace`` secon
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -39,7 +38,7 @@ from ckptlib.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from ckptlib.format import fence, layout
+from ckptlib.format import fence, jsonio, layout
 from ckptlib.format.manifest import MANIFEST_NAME
 from ckptlib.plan import retention
 
@@ -383,13 +382,16 @@ def _judge_steps(
 
 
 def _marker_created(storage: Storage, folder: str) -> float | None:
-    """The ``created`` time in a folder's marker (None: no marker, too big, or unreadable)."""
+    """The ``created`` time in a folder's marker (None: no marker, too big, or unreadable: not
+    JSON, nested past the parser's limit, not an object). Parsed by the strict manifest parser,
+    so a hostile marker is a ``CorruptCheckpointError`` here, never a ``RecursionError`` that
+    would stop ``ls``, ``prune`` and the manager's retention."""
     path = join(folder, layout.MARKER)
     try:
         size = storage.size(path)
         if size is None or size > MAX_MARKER_BYTES:
             return None
-        created = json.loads(storage.read(path)).get("created")
+        created = jsonio.loads(storage.read(path), path).get("created")
     except (OSError, CheckpointError, ValueError, AttributeError):
         return None
     return float(created) if isinstance(created, int | float) else None
