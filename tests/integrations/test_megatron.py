@@ -372,3 +372,43 @@ def test_bit_flip_in_common_pt_is_detected(tmp_path):
         0
     ].reason
     assert ck.latest_iteration(tmp_path) is None
+
+
+def _iteration(root: Path, it: int) -> Path:
+    """A finalized iteration folder saved through ckptlib's strategy (common.pt recorded)."""
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    d = root / f"iter_{it:07d}"
+    d.mkdir()
+    torch.save({"iteration": it}, d / "common.pt")
+    _ck().SaveStrategy().save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))}, d)
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "ckptlib", "sharded_backend_version": 1,
+                                                 "common_backend": "torch", "common_backend_version": 1}))
+    return d
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_hostile_metadata_json_and_common_pt_are_skipped_not_read_forever(tmp_path):
+    """Newer iterations whose metadata.json is a FIFO, 10 KB of nested brackets or a symlink to
+    /dev/zero, or whose common.pt is a FIFO: the resume planner hung on the FIFOs, read
+    /dev/zero until memory ran out and crashed with RecursionError. Now each is ``corrupt`` with
+    a reason and the newest good iteration is the one to resume."""
+    ck = _ck()
+    _iteration(tmp_path, 3)
+    fifo_meta = tmp_path / "iter_0000004"
+    fifo_meta.mkdir()
+    os.mkfifo(fifo_meta / "metadata.json")
+    (tmp_path / "iter_0000005").mkdir()
+    (tmp_path / "iter_0000005" / "metadata.json").write_text("[" * 5000 + "]" * 5000)
+    (tmp_path / "iter_0000006").mkdir()
+    (tmp_path / "iter_0000006" / "metadata.json").symlink_to("/dev/zero")
+    common = _iteration(tmp_path, 7) / "common.pt"
+    common.unlink()
+    os.mkfifo(common)
+    infos = ck.iterations(tmp_path)
+    assert [(i.iteration, i.status) for i in infos] == [
+        (7, "corrupt"), (6, "corrupt"), (5, "corrupt"), (4, "corrupt"), (3, "committed")]
+    assert "common.pt" in infos[0].reason and all("metadata.json" in i.reason for i in infos[1:4])
+    assert ck.latest_iteration(tmp_path) == 3
+    assert ck.LoadCommonStrategy().load_common(tmp_path / "iter_0000003") == {"iteration": 3}

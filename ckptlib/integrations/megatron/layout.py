@@ -67,6 +67,22 @@ def iteration_of(checkpoint_dir: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def read_small(checkpoint_dir: str, name: str, limit: int) -> bytes:
+    """The bytes of ``name`` in ``checkpoint_dir``, a regular file of at most ``limit`` bytes, read
+    through ckptlib's storage (never through a symlink, never blocking on a FIFO, never past
+    ``limit``: a ``/dev/zero`` or a FIFO in its place is refused, not read forever). Raises
+    ``FileNotFoundError`` when absent, :class:`CorruptCheckpointError` otherwise. Called on the
+    training thread (:func:`check_common`, the resume planner's ``metadata.json``)."""
+    storage = open_storage(checkpoint_dir)
+    where = os.path.join(checkpoint_dir, name)
+    size = storage.size(name)  # None: absent, or not a regular file (a symlink, a FIFO, a folder)
+    if size is None and storage.exists(name):
+        raise CorruptCheckpointError("is not a regular file; refused", where)
+    if size is not None and size > limit:
+        raise CorruptCheckpointError(f"{size} bytes, over the {limit} bytes expected", where)
+    return storage.read(name)
+
+
 def check_common(checkpoint_dir: str, meta: Any) -> None:
     """``CorruptCheckpointError`` unless ``common.pt`` matches the record in ``meta``."""
     rec = (meta or {}).get("megatron", {}).get("common") if isinstance(meta, dict) else None
@@ -74,7 +90,7 @@ def check_common(checkpoint_dir: str, meta: Any) -> None:
     if rec is None:
         return
     try:
-        data = Path(where).read_bytes()
+        data = read_small(checkpoint_dir, COMMON, rec["size"])
     except FileNotFoundError:
         raise CorruptCheckpointError("common.pt is missing", where) from None
     if len(data) != rec["size"] or checksum(data) != rec["xxh3_64"]:

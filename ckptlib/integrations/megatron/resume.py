@@ -9,7 +9,6 @@ and a damaged iteration is skipped on every rank together.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,15 @@ from ckptlib.coord.coordinator import default_coordinator
 from ckptlib.engine.resume import Candidate, resume_newest
 from ckptlib.engine.scan import check_step
 from ckptlib.errors import CheckpointError
-from ckptlib.integrations.megatron.layout import BACKEND, FOLDER, ITER_RE, check_common, metadata
+from ckptlib.format import jsonio
+from ckptlib.integrations.megatron.layout import (
+    BACKEND,
+    FOLDER,
+    ITER_RE,
+    check_common,
+    metadata,
+    read_small,
+)
 from ckptlib.integrations.megatron.load import LoadCommonStrategy, LoadStrategy
 
 
@@ -44,14 +51,18 @@ class IterationInfo:
     """Number of ranks that saved it (from the manifest; 0 if unknown)."""
 
 
+MAX_METADATA_BYTES = 1 << 20
+"""Largest ``metadata.json`` read (Megatron writes a few hundred bytes)."""
+
+
 def _judge(path: str, iteration: int, deep: bool) -> IterationInfo:
     info = IterationInfo(iteration, path, "corrupt")
     try:
-        cfg = json.loads(Path(path, "metadata.json").read_text())
+        cfg = jsonio.loads(read_small(path, "metadata.json", MAX_METADATA_BYTES), os.path.join(path, "metadata.json"))
     except FileNotFoundError:
         info.status, info.reason = "incomplete", "no metadata.json (save not finalized)"
         return info
-    except (OSError, ValueError) as e:
+    except (OSError, CheckpointError) as e:
         info.reason = f"metadata.json unreadable: {e}"
         return info
     if not isinstance(cfg, dict) or cfg.get("sharded_backend") != BACKEND:
