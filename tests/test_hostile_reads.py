@@ -85,3 +85,36 @@ def test_a_deeply_nested_marker_in_debris_does_not_stop_ls_prune_or_retention(tm
         m.save(3, {"a": torch.arange(4) + 3})
         assert [s.step for s in m.steps() if s.status == "committed"] == [3]
     assert torch.equal(ckptlib.load(root / "step-000000000003")["a"], torch.arange(4) + 3)
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_debris_deeper_than_path_max_does_not_stop_ls_or_prune(tmp_path: Path) -> None:
+    """A crashed save's ``.tmp-`` folder holding folders nested past PATH_MAX (60 levels of
+    200-character names): ``ckptlib ls`` and ``ckptlib prune`` exited 2 with ENAMETOOLONG while
+    sizing it, so the debris could never be removed with the CLI. Now its size is unknown
+    ('-'), ``ls`` lists it and ``prune`` removes it; the committed step is intact."""
+    import json
+    import os
+
+    import torch
+
+    from ckptlib.cli.main import main as cli
+
+    root = tmp_path / "root"
+    with ckptlib.CheckpointManager(root, async_save=False) as m:
+        m.save(1, {"a": torch.arange(4)})
+    debris = root / "step-000000000002.tmp-0123456789abcdef"
+    debris.mkdir()
+    (debris / ".ckptlib").write_text(json.dumps({"save_id": "0123456789abcdef", "created": 0}))
+    fd = os.open(debris, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(60):
+        os.mkdir("x" * 200, dir_fd=fd)
+        deeper = os.open("x" * 200, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = deeper
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+    assert cli(["ls", str(root)]) == 0
+    assert cli(["prune", str(root), "--keep-last", "1"]) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000000001"]
+    assert torch.equal(ckptlib.load(root / "step-000000000001")["a"], torch.arange(4))

@@ -181,28 +181,34 @@ def find_debris(
 
 def tree_bytes(storage: Storage, folder: str) -> int | None:
     """Bytes of every file under ``folder`` (``ls``/``prune`` show debris sizes); None when
-    the folder is gone or holds more than ``MAX_TREE_FILES`` files."""
-    size = storage.size(folder)
-    if size is not None:  # one file (``partial`` debris)
-        return size
-    total, files, todo = 0, 0, [folder]
-    while todo:
-        path = todo.pop()
-        try:
-            entries = storage.listdir(path)
-        except FileNotFoundError:
-            if path == folder:
-                return None
-            continue
-        for e in entries:
-            child = join(path, e.name)
-            if e.is_dir:
-                todo.append(child)
+    the folder is gone, holds more than ``MAX_TREE_FILES`` files, or cannot be walked (a path
+    past the file system's length limit, a folder we may not list): an unknown size, never an
+    error that would stop ``ls`` or ``prune`` over one debris folder."""
+    total, files = 0, 0
+    try:
+        size = storage.size(folder)
+        if size is not None:  # one file (``partial`` debris)
+            return size
+        todo = [folder]
+        while todo:
+            path = todo.pop()
+            try:
+                entries = storage.listdir(path)
+            except FileNotFoundError:
+                if path == folder:
+                    return None
                 continue
-            files += 1
-            if files > MAX_TREE_FILES:
-                return None
-            total += storage.size(child) or 0
+            for e in entries:
+                child = join(path, e.name)
+                if e.is_dir:
+                    todo.append(child)
+                    continue
+                files += 1
+                if files > MAX_TREE_FILES:
+                    return None
+                total += storage.size(child) or 0
+    except OSError:  # StorageError included
+        return None
     return total
 
 
