@@ -412,3 +412,26 @@ def test_hostile_metadata_json_and_common_pt_are_skipped_not_read_forever(tmp_pa
     assert "common.pt" in infos[0].reason and all("metadata.json" in i.reason for i in infos[1:4])
     assert ck.latest_iteration(tmp_path) == 3
     assert ck.LoadCommonStrategy().load_common(tmp_path / "iter_0000003") == {"iteration": 3}
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_load_common_refuses_a_fifo_when_no_common_record_was_saved(tmp_path):
+    """An iteration saved without common.pt (so the manifest records none) that later holds a
+    FIFO named common.pt: ``load_common`` hung in ``torch.load``. Now it is refused as not a
+    regular file; a real common.pt of such an iteration still loads, from the bytes read once."""
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from ckptlib.errors import CorruptCheckpointError
+
+    ck = _ck()
+    d = tmp_path / "iter_0000003"
+    d.mkdir()
+    ck.SaveStrategy().save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))}, d)
+    os.mkfifo(d / "common.pt")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        ck.LoadCommonStrategy().load_common(d)
+    (d / "common.pt").unlink()
+    torch.save({"iteration": 3, "t": torch.arange(3)}, d / "common.pt")
+    got = ck.LoadCommonStrategy().load_common(d)
+    assert got["iteration"] == 3 and torch.equal(got["t"], torch.arange(3))

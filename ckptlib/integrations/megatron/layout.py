@@ -83,12 +83,13 @@ def read_small(checkpoint_dir: str, name: str, limit: int) -> bytes:
     return storage.read(name)
 
 
-def check_common(checkpoint_dir: str, meta: Any) -> None:
-    """``CorruptCheckpointError`` unless ``common.pt`` matches the record in ``meta``."""
+def check_common(checkpoint_dir: str, meta: Any) -> bytes | None:
+    """``common.pt``'s bytes, checked against the record in ``meta`` (``CorruptCheckpointError``
+    unless they match); None when ``meta`` records none (nothing is read)."""
     rec = (meta or {}).get("megatron", {}).get("common") if isinstance(meta, dict) else None
     where = os.path.join(checkpoint_dir, COMMON)
     if rec is None:
-        return
+        return None
     try:
         data = read_small(checkpoint_dir, COMMON, rec["size"])
     except FileNotFoundError:
@@ -97,6 +98,7 @@ def check_common(checkpoint_dir: str, meta: Any) -> None:
         raise CorruptCheckpointError(
             "common.pt does not match the checksum recorded in the manifest", where
         )
+    return data
 
 
 def metadata(checkpoint_dir: str) -> Any:

@@ -8,6 +8,7 @@ after checking it against the manifest. :func:`register` makes them Megatron's d
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES
 from ckptlib.format.leaves import Shard
 from ckptlib.format.manifest import Manifest
+from ckptlib.format.validate import MAX_SIZE
 from ckptlib.integrations.megatron.layout import (
     BACKEND,
     COMMON,
@@ -39,6 +41,7 @@ from ckptlib.integrations.megatron.layout import (
     check_common,
     metadata,
     piece,
+    read_small,
 )
 from ckptlib.integrations.megatron.save import SaveStrategy
 
@@ -171,12 +174,15 @@ class LoadCommonStrategy(mbase.LoadCommonStrategy):
 
     def load_common(self, checkpoint_dir: str | Path) -> Any:
         checkpoint_dir = os.fspath(checkpoint_dir)
-        check_common(checkpoint_dir, metadata(checkpoint_dir))
         path = os.path.join(checkpoint_dir, COMMON)
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+        try:  # the bytes checked are the bytes loaded; a FIFO or symlink in its place is refused
+            data = check_common(checkpoint_dir, metadata(checkpoint_dir))
+            if data is None:  # saved without a record: a regular file, read whole
+                data = read_small(checkpoint_dir, COMMON, MAX_SIZE)
         except FileNotFoundError:
             raise CheckpointingException(f"{path} does not exist") from None
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # the restricted unpickler refused a type
             raise UnsupportedValueError(
                 f"{path}: common state holds a value torch.load(weights_only=True) refuses ({e}); "
