@@ -41,7 +41,7 @@ from ckptlib.engine.mapped_arena import Ring
 from ckptlib.engine.overlap import SnapshotGate, deferred_mask
 from ckptlib.engine.persist_worker import PersistWorker, lower_priority
 from ckptlib.engine.preemption import FinalCheckpoint, PreemptionWatcher
-from ckptlib.engine.scan import StepInfo, scan
+from ckptlib.engine.scan import StepInfo, newest_committed, scan
 from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
 from ckptlib.format import layout
@@ -702,10 +702,9 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest committed step (quick check: manifest and sizes), or None."""
-        for info in reversed(self.steps()):
-            if info.status == "committed":
-                return info.step
-        return None
+        if self._tier is None:  # newest first, stopping at the first committed step
+            return newest_committed(self.storage)
+        return next((i.step for i in reversed(self.steps()) if i.status == "committed"), None)
 
     # ------------------------------------------------------------------ restoring
     @overload

@@ -185,6 +185,22 @@ def check_step(
     return info
 
 
+def newest_committed(storage: Storage) -> int | None:
+    """The newest committed step under the root (quick check: manifest and sizes), or None;
+    ``CheckpointManager.latest_step`` (caller's thread). One listing, then steps are judged newest
+    first until one is committed: a root of many steps costs a few requests, not a manifest
+    read per step as :func:`scan` does. Errors as :func:`scan`."""
+    try:
+        entries = storage.listdir("")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(f"cannot list {storage.url}: {e}") from e
+    folders = sorted(((s, e.name) for e in entries if e.is_dir and (s := layout.parse_step(e.name)) is not None),
+                     reverse=True)
+    return next((step for step, name in folders if check_step(storage, name, step).status == "committed"), None)
+
+
 def scan(storage: Storage, *, deep: bool = False, unreadable: bool = False) -> list[StepInfo]:
     """Every step under the root, newest first, with in-progress/crashed/fenced saves as incomplete.
     A step folder whose manifest this user may not read stops the scan (:class:`StorageError`:

@@ -268,3 +268,18 @@ def test_mistyped_storage_option_is_refused_by_name(seaweed, name, nearest):
     with ckptlib.CheckpointManager(url, storage_options={**opts, "use_listings_cache": False}) as mgr:
         mgr.save(1, {"w": torch.arange(4.0)}).wait()
         assert mgr.latest_step() == 1
+
+
+def test_latest_step_reads_only_the_newest_manifests(moto_s3):
+    """``latest_step()`` on a root of many steps reads manifests newest first and stops at the
+    first committed one (it read every step's manifest: 3,300 HEADs and 1,100 GETs, 35 s, on a
+    root of 1,100 steps); a newest step without its manifest is still passed over."""
+    url, opts = s3_root(moto_s3)
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        for step in range(1, 9):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+        mgr.storage.delete(f"{layout.step_dir(8)}/manifest.json")  # step 8: crashed before its commit
+        mgr.storage.stats.clear()
+        assert mgr.latest_step() == 7
+        assert mgr.storage.stats["get"] == 1, dict(mgr.storage.stats)  # step 7's manifest only
+        assert [i.step for i in mgr.steps() if i.status == "committed"] == list(range(1, 8))
