@@ -234,10 +234,16 @@ class S3Storage(Storage):
         self._run(self._call(numbered(put), path), f"create {path}")
 
     async def _same_bytes(self, key: str, body: bytes) -> bool:
+        """Whether ``key`` holds ``body`` (:meth:`put_if_absent`'s retry, on the loop thread).
+        Only a missing object is an answer (False); any other error, a transient one included,
+        propagates, so the create is retried: a GET that fails must never turn a create whose
+        first attempt landed into "someone else created it"."""
         try:
             return await self._get(key) == body
-        except Exception:
-            return False
+        except Exception as e:
+            if missing(e):
+                return False
+            raise
 
     def makedirs(self, path: str) -> None:
         """No folders on S3; for the root, check that the bucket is there (fatal if not)."""

@@ -212,6 +212,44 @@ def test_s3_save_deadline_bounds_a_stalled_save(seaweed):
             assert_state_equal(target, make_state(1))
 
 
+def test_s3_create_whose_answer_was_lost_and_whose_check_failed_once_commits(seaweed):
+    """The manifest's create-only put lands but its answer is lost (a reset after the server
+    wrote it); the retry gets 412, and the GET comparing the bytes is reset once too. The save
+    commits and restores bitwise (the failed GET counted as "not our bytes": the save failed
+    with StepExistsError "committed by another save", its abort deleted its payloads, and the
+    step it had committed was left corrupt)."""
+    url, opts = s3_root(seaweed, ckptlib_retry=FAST_RETRY)
+    manifest = f"{layout.step_dir(1)}/manifest.json"
+    fired = {"put": 0, "get": 0}
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        events = mgr.storage.client.meta.events
+        sent: dict = {}
+
+        def note_put(params, **_):
+            sent.update(key=params.get("Key", ""), create=params.get("IfNoneMatch") == "*")
+
+        def lose_answer(**_):  # after the server answered: the object is there
+            if sent["create"] and sent["key"].endswith(manifest) and not fired["put"]:
+                fired["put"] += 1
+                raise ConnectionResetError("connection reset after the server wrote the object")
+
+        def reset_get(params, **_):
+            if fired["put"] and params.get("Key", "").endswith(manifest) and not fired["get"]:
+                fired["get"] += 1
+                raise ConnectionResetError("connection reset before the GET was sent")
+
+        events.register("provide-client-params.s3.PutObject", note_put)
+        events.register("after-call.s3.PutObject", lose_answer)
+        events.register("provide-client-params.s3.GetObject", reset_get)
+        state = make_state(1)
+        mgr.save(1, state)
+        assert fired == {"put": 1, "get": 1}
+        assert [(i.step, i.status) for i in mgr.steps()] == [(1, "committed")]
+        target = zeros_like_state(make_state(0))
+        assert mgr.restore(target) == 1
+        assert_state_equal(target, state)
+
+
 @pytest.mark.skipif(weed_binary() is None, reason="SeaweedFS `weed` binary not installed")
 def test_s3_server_killed_mid_upload(tmp_path):
     """SIGKILL the S3 server while a save uploads: the save fails within its deadline, the
