@@ -97,7 +97,9 @@ class Staging:
     claimed: bool = False
     """``overwrite`` on object stores: the claim was created (:func:`_publish_claimed`). From
     then on a fencing rank may put this save's manifest in place, so :func:`abort` leaves the
-    payloads to the debris rules (engine/retire.py) instead of removing them."""
+    payloads to the debris rules (engine/retire.py) instead of removing them. Also set when
+    the manifest's create-only put failed without a definite answer (:func:`_publish_put`):
+    it may have landed, and a committed manifest must never lose its payloads."""
     hold: Held | None = None
     """The coordinator's hold on ``work`` (:meth:`Storage.hold`, POSIX) from :func:`begin` until
     :func:`publish` or :func:`abort` ends: no other process's debris clean-up deletes it meanwhile."""
@@ -300,6 +302,11 @@ def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool
             storage.put_if_absent(path, manifest)
         except FileExistsError:
             raise _taken(storage, st) from None
+        except (OSError, CheckpointError):
+            if _holds(storage, st.final, manifest):
+                return  # an attempt landed; only its answers were lost
+            st.claimed = True  # it may still have landed: abort leaves the payloads to the debris rules
+            raise
         return
     if storage.size(path) is not None:
         raise _taken(storage, st)

@@ -250,6 +250,53 @@ def test_s3_create_whose_answer_was_lost_and_whose_check_failed_once_commits(sea
         assert_state_equal(target, state)
 
 
+def test_s3_create_that_landed_but_ran_out_of_attempts_never_leaves_a_corrupt_step(seaweed):
+    """The manifest's create-only put lands but its answer is lost, and every retry is reset
+    until the attempts run out. Step 1: the manifest is read back, so the save commits (it was
+    reported failed, its abort deleted its payloads, and the step left was corrupt). Step 2:
+    the read-back fails too: the save is reported failed, its payloads are kept, and the step
+    the landed manifest commits restores bitwise (never a manifest without its payloads)."""
+    url, opts = s3_root(seaweed, ckptlib_retry={**FAST_RETRY, "attempts": 3})
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        events = mgr.storage.client.meta.events
+        fault = {"manifest": "", "puts": 0, "gets": False, "reads_fail": False}
+        sent: dict = {}
+
+        def reset_put(params, **_):
+            sent.update(key=params.get("Key", ""), create=params.get("IfNoneMatch") == "*")
+            if fault["puts"] and sent["create"] and sent["key"].endswith(fault["manifest"]):
+                fault["puts"] += 1
+                raise ConnectionResetError("connection reset")
+
+        def lose_answer(**_):  # the first create lands; its answer is lost
+            if not fault["puts"] and sent["create"] and sent["key"].endswith(fault["manifest"]):
+                fault["puts"] += 1
+                fault["gets"] = fault["reads_fail"]  # from now on, reads of the manifest fail too
+                raise ConnectionResetError("connection reset after the server wrote the object")
+
+        def reset_get(params, **_):
+            if fault["gets"] and params.get("Key", "").endswith(fault["manifest"]):
+                raise ConnectionResetError("connection reset")
+
+        events.register("provide-client-params.s3.PutObject", reset_put)
+        events.register("after-call.s3.PutObject", lose_answer)
+        events.register("provide-client-params.s3.GetObject", reset_get)
+        events.register("provide-client-params.s3.HeadObject", reset_get)
+        fault["manifest"] = f"{layout.step_dir(1)}/manifest.json"
+        mgr.save(1, make_state(1))
+        assert fault["puts"] == 3
+        fault.update(manifest=f"{layout.step_dir(2)}/manifest.json", puts=0, reads_fail=True)
+        with pytest.raises(CommitError, match="after 3 attempt"):
+            mgr.save(2, make_state(2))
+        assert fault["puts"] == 3
+        fault.update(manifest="-", gets=False)
+        assert [(i.step, i.status) for i in mgr.steps()] == [(1, "committed"), (2, "committed")]
+        for step in (2, 1):
+            target = zeros_like_state(make_state(0))
+            assert mgr.restore(target, step=step) == step
+            assert_state_equal(target, make_state(step))
+
+
 @pytest.mark.skipif(weed_binary() is None, reason="SeaweedFS `weed` binary not installed")
 def test_s3_server_killed_mid_upload(tmp_path):
     """SIGKILL the S3 server while a save uploads: the save fails within its deadline, the
