@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptlib import crashpoints
@@ -299,18 +300,13 @@ def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool
         return
     if st.mode == "conditional_put":
         try:
-            storage.put_if_absent(path, manifest)
+            _put_manifest(storage, st, manifest, storage.put_if_absent)
         except FileExistsError:
             raise _taken(storage, st) from None
-        except (OSError, CheckpointError):
-            if _holds(storage, st.final, manifest):
-                return  # an attempt landed; only its answers were lost
-            st.claimed = True  # it may still have landed: abort leaves the payloads to the debris rules
-            raise
         return
     if storage.size(path) is not None:
         raise _taken(storage, st)
-    storage.put_atomic(path, manifest)
+    _put_manifest(storage, st, manifest, storage.put_atomic)
     try:
         back = read_manifest(storage, st.final, pieces=False)
     except CheckpointError as e:
@@ -318,6 +314,23 @@ def _publish_put(storage: Storage, st: Staging, manifest: bytes, overwrite: bool
             f"manifest read-back failed: {e}") from e
     if back.save_id != st.save_id:
         raise StepExistsError(f"{EXISTS}: {storage.url}/{path} was committed by another save ({back.save_id})")
+
+
+def _put_manifest(storage: Storage, st: Staging, manifest: bytes, put: Callable[[str, bytes], None]) -> None:
+    """:func:`_publish_put` (coordinator): ``put`` the manifest at ``<final>/manifest.json``. A
+    put that fails without a definite answer (out of attempts or time) may still have landed:
+    the manifest is read back (ours: done), else ``st.claimed`` is set so that :func:`abort`
+    leaves the payloads a landed manifest names to the debris rules, and the error is raised.
+    ``FileExistsError`` (a definite answer) is raised as it is."""
+    try:
+        put(join(st.final, MANIFEST_NAME), manifest)
+    except FileExistsError:
+        raise
+    except (OSError, CheckpointError):
+        if _holds(storage, st.final, manifest):
+            return  # an attempt landed; only its answers were lost
+        st.claimed = True
+        raise
 
 
 def _publish_claimed(storage: Storage, st: Staging, manifest: bytes) -> None:

@@ -297,6 +297,39 @@ def test_s3_create_that_landed_but_ran_out_of_attempts_never_leaves_a_corrupt_st
             assert_state_equal(target, make_state(step))
 
 
+def test_s3_put_verify_manifest_put_that_landed_but_ran_out_of_attempts_commits(moto_s3):
+    """``ckptlib_conditional_put=False``: the manifest's plain put lands but its answer is
+    lost, and every retry is reset until the attempts run out. The manifest is read back and the
+    save commits (it was reported failed, its abort deleted its payloads, and the step that
+    the landed manifest made visible was corrupt)."""
+    url, opts = s3_root(moto_s3, ckptlib_conditional_put=False, ckptlib_retry={**FAST_RETRY, "attempts": 3})
+    manifest = f"{layout.step_dir(1)}/manifest.json"
+    puts = [0]
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        events = mgr.storage.client.meta.events
+        sent: dict = {}
+
+        def reset_put(params, **_):
+            sent["key"] = params.get("Key", "")
+            if puts[0] and sent["key"].endswith(manifest):
+                puts[0] += 1
+                raise ConnectionResetError("connection reset")
+
+        def lose_answer(**_):
+            if not puts[0] and sent["key"].endswith(manifest):
+                puts[0] += 1
+                raise ConnectionResetError("connection reset after the server wrote the object")
+
+        events.register("provide-client-params.s3.PutObject", reset_put)
+        events.register("after-call.s3.PutObject", lose_answer)
+        mgr.save(1, make_state(1))
+        assert puts[0] == 3
+        assert [(i.step, i.status) for i in mgr.steps()] == [(1, "committed")]
+        target = zeros_like_state(make_state(0))
+        assert mgr.restore(target) == 1
+        assert_state_equal(target, make_state(1))
+
+
 @pytest.mark.skipif(weed_binary() is None, reason="SeaweedFS `weed` binary not installed")
 def test_s3_server_killed_mid_upload(tmp_path):
     """SIGKILL the S3 server while a save uploads: the save fails within its deadline, the
