@@ -122,6 +122,16 @@ def test_error_classification():
     assert not is_transient(Client("PreconditionFailed", 412)) and not is_transient(ValueError())
 
 
+def test_storage_doc_states_the_cleanup_budget_the_code_uses():
+    """docs/storage.md said aborts get 30 s; the code gives them ``CLEANUP_DEADLINE``."""
+    from pathlib import Path
+
+    from ckptlib.backends.s3_upload import CLEANUP_ATTEMPT, CLEANUP_DEADLINE
+
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "storage.md").read_text().split())
+    assert f"short budget ({CLEANUP_DEADLINE:.0f} s, {CLEANUP_ATTEMPT:.0f} s an attempt)" in doc
+
+
 # --------------------------------------------------------------------------- S3 through the proxy
 
 
