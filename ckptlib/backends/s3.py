@@ -35,6 +35,7 @@ from fsspec.asyn import sync
 
 from ckptlib.backends.base import Entry, RangeRead, ReadHandle, Storage, WriteStream, join
 from ckptlib.backends.retry import (
+    TRANSIENT_CODES,
     DeadlineScope,
     FatalStorageError,
     RetryPolicy,
@@ -53,6 +54,10 @@ DEFAULT_PART = 16 << 20
 
 class _ShortBody(ConnectionError):
     """A GET returned fewer bytes than asked (a cut connection): transient."""
+
+
+class _PartialDelete(ConnectionError):
+    """A DeleteObjects answer refused some keys with a transient code: send it again."""
 
 
 def _fatal(e: BaseException, what: str) -> BaseException | None:
@@ -405,13 +410,21 @@ class S3Storage(Storage):
         keys = [it["Key"] for it in self._list_sync(path, None) if not it["dir"]]
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
-            resp = self._run(
-                self._call(functools.partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch), path),
-                f"delete {path}/",
-            )
-            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            errors = self._run(self._call(functools.partial(self._delete_batch, batch), path), f"delete {path}/")
             if errors:
                 raise StorageError(f"delete {self.url}/{path}: {len(errors)} object(s) not deleted: {errors[0]}")
+
+    async def _delete_batch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """One DeleteObjects request (:meth:`delete_tree`, on the loop thread); returns the
+        per-key errors that are final. A 200 answer may still refuse keys with a throttling or
+        server error (``SlowDown``, ``InternalError``): those raise a transient error, so the
+        retry policy sends the batch again (deleting a deleted key is a no-op)."""
+        resp = await self.client.delete_objects(Bucket=self.bucket, Delete=batch)
+        errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        again = [e for e in errors if e.get("Code") in TRANSIENT_CODES]
+        if again:
+            raise _PartialDelete(f"{len(again)} object(s) not deleted yet: {again[0]}")
+        return errors
 
     # ------------------------------------------------------------------ multipart uploads
     def list_uploads(self, path: str = "") -> list[tuple[str, str, float]]:

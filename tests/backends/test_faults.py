@@ -14,6 +14,7 @@ import uuid
 
 import fsspec
 import pytest
+import torch
 
 import ckptlib
 from backends.conftest import S3_BUCKET, s3_root
@@ -338,6 +339,29 @@ def test_s3_put_verify_manifest_put_that_landed_but_ran_out_of_attempts_commits(
         target = zeros_like_state(make_state(0))
         assert mgr.restore(target) == 1
         assert_state_equal(target, make_state(1))
+
+
+def test_s3_batch_delete_refusing_keys_with_slowdown_is_retried(moto_s3):
+    """DeleteObjects answers 200 but refuses some keys with ``SlowDown`` (S3 does under load):
+    the batch is sent again and the step is gone (retention and debris clean-up failed with
+    "object(s) not deleted" and left the objects until a later save)."""
+    url, opts = s3_root(moto_s3, ckptlib_retry=FAST_RETRY)
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        mgr.save(1, {f"t{i}": torch.full((8,), float(i)) for i in range(3)})
+    storage = open_storage(url, opts)
+    step = layout.step_dir(1)
+    refused = [0]
+
+    def slow_down(parsed, **_):  # the server deleted every key; the answer says some were refused
+        if not refused[0]:
+            parsed["Errors"] = [{"Key": f"{step}/manifest.json", "Code": "SlowDown",
+                                 "Message": "Please reduce your request rate."}]
+            refused[0] += 1
+
+    storage.client.meta.events.register("after-call.s3.DeleteObjects", slow_down)
+    storage.delete_tree(step)
+    assert refused[0] == 1 and storage.stats["retries"] >= 1
+    assert not storage.exists(step)
 
 
 @pytest.mark.skipif(weed_binary() is None, reason="SeaweedFS `weed` binary not installed")
