@@ -359,6 +359,7 @@ class S3Storage(Storage):
 
                 async def probe(it: dict[str, Any]) -> bool:
                     async with sem:
+                        self.stats["list"] += 1  # one request per folder: counted like every other
                         return bool(await self._list(it["Key"], None, 1))
 
                 alive = await asyncio.gather(*(probe(it) for it in dirs))

@@ -283,3 +283,15 @@ def test_latest_step_reads_only_the_newest_manifests(moto_s3):
         assert mgr.latest_step() == 7
         assert mgr.storage.stats["get"] == 1, dict(mgr.storage.stats)  # step 7's manifest only
         assert [i.step for i in mgr.steps() if i.status == "committed"] == list(range(1, 8))
+
+
+def test_request_counts_include_the_folder_probes_of_a_listing(moto_s3):
+    """``storage.stats`` counts every request: listing a root of 5 step folders is 1 listing
+    and 5 one-key probes (the empty-folder rule), 6 LIST requests (it counted 1)."""
+    url, opts = s3_root(moto_s3)
+    storage = open_storage(url, opts)
+    for step in range(1, 6):
+        storage.put_atomic(f"{layout.step_dir(step)}/x", b"x")
+    storage.stats.clear()
+    assert len(storage.listdir("")) == 5
+    assert storage.stats["list"] == 6, dict(storage.stats)
