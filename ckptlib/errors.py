@@ -54,9 +54,11 @@ class CommitTimeoutError(CommitError, TimeoutError):
 class CommitUnknownError(CommitError):
     """The save's outcome could not be learned: its coordinator's process died after this rank's
     bytes were durable and before it told this rank, and the commit point is on storage this
-    rank cannot read (a tier save's record, on the coordinator's node). The step may be
-    committed there; the next restore decides. Never raised where the commit point is shared
-    storage: there the rank settles the save itself (``ckptlib.engine.commit.fence``)."""
+    rank cannot read (a tier save's record, on the coordinator's node); or, on an object store,
+    the manifest's put failed without a definite answer and could not be read back (every rank
+    raises it). The step may be committed; the next restore decides. A rank that loses its
+    coordinator where the commit point is shared storage settles the save itself instead
+    (``ckptlib.engine.commit.fence``)."""
 
 
 class NonFiniteError(CommitError):

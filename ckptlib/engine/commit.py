@@ -69,6 +69,7 @@ from ckptlib.engine.scan import check_step, read_manifest
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
+    CommitUnknownError,
     CorruptCheckpointError,
     StepExistsError,
     StorageError,
@@ -320,17 +321,21 @@ def _put_manifest(storage: Storage, st: Staging, manifest: bytes, put: Callable[
     """:func:`_publish_put` (coordinator): ``put`` the manifest at ``<final>/manifest.json``. A
     put that fails without a definite answer (out of attempts or time) may still have landed:
     the manifest is read back (ours: done), else ``st.claimed`` is set so that :func:`abort`
-    leaves the payloads a landed manifest names to the debris rules, and the error is raised.
+    leaves the payloads a landed manifest names to the debris rules, and
+    :class:`CommitUnknownError` is raised (every rank raises it: the step may be committed).
     ``FileExistsError`` (a definite answer) is raised as it is."""
     try:
         put(join(st.final, MANIFEST_NAME), manifest)
     except FileExistsError:
         raise
-    except (OSError, CheckpointError):
+    except (OSError, CheckpointError) as e:
         if _holds(storage, st.final, manifest):
             return  # an attempt landed; only its answers were lost
         st.claimed = True
-        raise
+        raise CommitUnknownError(
+            f"the manifest's put to {storage.url}/{st.final} failed without a definite answer and could not be read "
+            f"back ({type(e).__name__}: {e}): it may have landed, so the step may be committed; its payloads are "
+            "kept and the next restore decides") from e
 
 
 def _publish_claimed(storage: Storage, st: Staging, manifest: bytes) -> None:

@@ -199,6 +199,7 @@ _REFUSED: dict[str, type[CommitError]] = {"StepExistsError": StepExistsError,
 _RAISED: dict[str, type[CommitError]] = {
     "TargetNotEmptyError": TargetNotEmptyError,  # a folder that filled up during the save (commit._clear_target)
     "NonFiniteError": NonFiniteError, "ReplicaMismatchError": ReplicaMismatchError,
+    "CommitUnknownError": CommitUnknownError,  # the manifest's put may have landed (commit._put_manifest)
 }
 
 
@@ -221,7 +222,8 @@ def _fail(storage: Storage, final: str, failures: dict[int, str], exists: bool =
     for name, kind in _RAISED.items():  # a rank's failure every rank raises as its own kind
         if any(msg.startswith(name) for msg in failures.values()):
             cls = kind
-    return cls(f"checkpoint {storage.url.rstrip('/')}/{final} was not committed: {detail}", failures)
+    verdict = "may or may not be committed" if cls is CommitUnknownError else "was not committed"
+    return cls(f"checkpoint {storage.url.rstrip('/')}/{final} {verdict}: {detail}", failures)
 
 
 class SaveSession:
