@@ -288,6 +288,7 @@ class CheckpointManager:
         self._worker = PersistWorker(self.options.persist_nice)  # runs async saves; started by the first
         self._overlap = SnapshotGate(snapshot_timeout)
         self._active_ids: set[str] = set()
+        self._settled: dict[str, str] = {}  # object stores: clean committed steps (retire.find_debris)
         self._closed = False
         self._root_ready = False
         self._final: FinalCheckpoint | None = None
@@ -530,7 +531,7 @@ class CheckpointManager:
         """Retention and cleanup (``step``: just committed, kept); failures are logged, never raised."""
         try:
             crashpoints.point("cleanup")
-            retire.clean_debris(self.storage, self._active_ids | {save_id})
+            retire.clean_debris(self.storage, self._active_ids | {save_id}, settled=self._settled)
             o = self.options
             retire.apply_retention(self.storage, o.keep_last, o.keep_every, keep_best=o.keep_best,
                                    best_metric=o.best_metric, best_mode=o.best_mode, just_saved=step)

@@ -155,6 +155,7 @@ def find_debris(
     grace: float = DEFAULT_GRACE,
     now: float | None = None,
     steps: Sequence[StepInfo] | None = None,
+    settled: dict[str, str] | None = None,
 ) -> list[Debris]:
     """Every leftover under the root with its verdict, sorted by name; deletes nothing.
 
@@ -165,6 +166,9 @@ def find_debris(
     also while young, not removable). ``steps``: the steps under the root as the caller judged
     them (:func:`ckptlib.engine.scan.scan`, maybe deep-checked); given only from outside any job
     (``active_ids`` None), it adds the ``damaged``, ``quarantined`` and (POSIX) ``step`` verdicts.
+    ``settled`` (object stores; the manager's, kept between its clean-ups): committed step folders
+    found clean (folder -> the save id of its manifest) are not read again, and those found clean
+    now are added, so a save's clean-up reads only new steps, not every step of a long run.
     """
     now = time.time() if now is None else now
     try:
@@ -173,7 +177,7 @@ def find_debris(
         return []
     found = [d for e in entries if e.is_dir and (d := _judge_folder(storage, e.name, active_ids, min_age, now))]
     if not storage.supports_atomic_rename:
-        found += _object_store_debris(storage, entries, set(active_ids or ()), grace, now)
+        found += _object_store_debris(storage, entries, set(active_ids or ()), grace, now, settled)
     if steps is not None and active_ids is None:
         found += _judge_steps(storage, entries, steps, {d.path for d in found}, grace, now)
     return sorted(found, key=lambda d: (d.path, d.upload_id))
@@ -281,11 +285,13 @@ def remove_debris(storage: Storage, debris: Iterable[Debris]) -> list[str]:
 
 
 def clean_debris(
-    storage: Storage, active_ids: Collection[str] = (), *, grace: float = DEFAULT_GRACE, now: float | None = None
+    storage: Storage, active_ids: Collection[str] = (), *, grace: float = DEFAULT_GRACE, now: float | None = None,
+    settled: dict[str, str] | None = None,
 ) -> list[str]:
     """Remove leftovers of crashed saves and deletions (the manager, after each commit, on its
-    save thread): :func:`remove_debris` of :func:`find_debris`. Returns what was removed."""
-    return remove_debris(storage, find_debris(storage, active_ids, grace=grace, now=now))
+    save thread): :func:`remove_debris` of :func:`find_debris` (``settled``: as there). Returns
+    what was removed."""
+    return remove_debris(storage, find_debris(storage, active_ids, grace=grace, now=now, settled=settled))
 
 
 def _judge_folder(
@@ -404,12 +410,23 @@ def _marker_created(storage: Storage, folder: str) -> float | None:
 
 
 def _object_store_debris(
-    storage: Storage, entries: list[Entry], active: set[str], grace: float, now: float
+    storage: Storage, entries: list[Entry], active: set[str], grace: float, now: float,
+    settled: dict[str, str] | None = None,
 ) -> list[Debris]:
+    """:func:`find_debris` on object stores. A committed step folder costs a manifest read, a
+    listing of its prefixes and a claim lookup; ``settled`` ones (found clean before, by the same
+    manager) cost nothing: no save of this job writes into a committed step again."""
     found: list[Debris] = []
     committed_ids: dict[str, str] = {}  # step folder -> save id of its manifest
+    if settled is not None:  # steps deleted since (retention) are forgotten
+        names = {e.name for e in entries}
+        for gone in [name for name in settled if name not in names]:
+            del settled[gone]
     for e in entries:
         if not e.is_dir or layout.parse_step(e.name) is None:
+            continue
+        if settled is not None and e.name in settled:
+            committed_ids[e.name] = settled[e.name]
             continue
         try:
             committed_ids[e.name] = read_manifest(storage, e.name, pieces=False).save_id
@@ -432,6 +449,7 @@ def _object_store_debris(
             continue
         except CorruptCheckpointError:
             continue  # evidence; never deleted by cleanup
+        before = len(found)
         for sid in sorted(_prefix_ids(storage, e.name)):
             if sid != committed_ids[e.name] and sid not in active:
                 found.append(Debris(join(e.name, sid), sid, "prefix", None, True,
@@ -441,6 +459,8 @@ def _object_store_debris(
         if sid not in active and storage.size(claim) is not None:
             found.append(Debris(claim, sid, "claim", None, True,
                                 f"the commit claim of the save {e.name}'s manifest names: no longer needed"))
+        elif settled is not None and sid not in active and len(found) == before:  # clean: not read again
+            settled[e.name] = sid
     for path, upload_id, started in storage.list_uploads(""):
         parts = path.split("/")
         sid = parts[1] if len(parts) > 2 else ""
