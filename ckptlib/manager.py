@@ -15,7 +15,6 @@ Errors: a background failure is raised exactly once, on the caller's thread, by 
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
@@ -34,7 +33,7 @@ from ckptlib.backends.posix import PosixStorage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.coord.liveness import LOST
 from ckptlib.engine import options as argcheck
-from ckptlib.engine import resume, retire
+from ckptlib.engine import persist_worker, resume, retire
 from ckptlib.engine import save as save_flow
 from ckptlib.engine.load import LoadResult
 from ckptlib.engine.mapped_arena import Ring
@@ -294,11 +293,11 @@ class CheckpointManager:
         self._final: FinalCheckpoint | None = None
         self._finalizer = weakref.finalize(self, _drain, self._handles)
         # At interpreter exit an in-flight save must end (commit, or fail on a verdict) while the
-        # coordination threads still run: ckptlib.coord stops its pulses and store workers from
-        # atexit handlers registered when it is imported, and atexit runs the newest first, so
-        # this one (registered now, after them) drains first.
+        # write's thread pools take work and the coordination threads still run: drained from
+        # threading's exit hooks, before concurrent.futures' and every atexit handler
+        # (ckptlib.engine.persist_worker.drain_at_exit).
         self._finalizer.atexit = False
-        atexit.register(self._finalizer)
+        persist_worker.drain_at_exit(self._finalizer)
         self._init_tiers(local, local_keep_last, replicas, persist_every, replica_jump, drain_rate)
 
     def _init_tiers(self, local: str | os.PathLike[str] | None, keep_last: int, replicas: int, persist_every: int,
@@ -639,7 +638,7 @@ class CheckpointManager:
             if self._tier is not None:
                 self._tier.storage.release_spares()  # a memory tier's recycled pages
         self._finalizer.detach()
-        atexit.unregister(self._finalizer)
+        persist_worker.forget_at_exit(self._finalizer)
         if self._final is not None:
             self._final.watcher.uninstall()
 

@@ -163,3 +163,58 @@ def test_worker_join_is_bounded_and_a_raising_job_does_not_end_the_thread():
     w.stop(30)
     assert not first.is_alive()
 
+
+
+EXIT_SCRIPT = """
+import sys, threading, time, torch, ckptlib
+from ckptlib.engine import save as save_flow
+
+real = save_flow.persist
+
+
+def late(*args, **kwargs):  # the write starts only once main() is over and the interpreter exits
+    while not threading._SHUTTING_DOWN:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    return real(*args, **kwargs)
+
+
+save_flow.persist = late
+MANAGERS = []
+
+
+def main():
+    g = torch.Generator().manual_seed(5)
+    state = {"a": torch.randn(40, 1024, 256, generator=g), "b": torch.randn(40, 1024, 256, generator=g)}
+    MANAGERS.append(ckptlib.CheckpointManager(sys.argv[1]))  # kept until exit, never closed
+    MANAGERS[0].save(5, state)  # never waited for
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the training script's own bug")
+
+
+main()
+"""
+
+
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_a_save_in_flight_when_main_ends_commits_at_exit(tmp_path, end):
+    # The interpreter-exit drain ran from atexit, after concurrent.futures had begun refusing new
+    # work: a save still writing when main() returned or raised failed ("cannot schedule new
+    # futures after interpreter shutdown") and left no step, with nothing reported.
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(EXIT_SCRIPT)
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), str(root), end], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == (0 if end == "return" else 1), proc.stderr
+    assert "cannot schedule" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+    g = torch.Generator().manual_seed(5)
+    want = {"a": torch.randn(40, 1024, 256, generator=g), "b": torch.randn(40, 1024, 256, generator=g)}
+    got = {"a": torch.zeros(40, 1024, 256), "b": torch.zeros(40, 1024, 256)}
+    with ckptlib.CheckpointManager(root) as mgr:
+        assert mgr.restore(got) == 5
+    assert_same(got, want)

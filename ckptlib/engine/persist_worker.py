@@ -22,10 +22,19 @@ The thread ends with :meth:`PersistWorker.stop` (``close``) or, for a manager dr
 holds no reference to the worker or the manager between saves). A forked child does not have the
 parent's thread: its first submit starts one of its own. Only the training thread calls
 ``submit`` and ``stop``, so no lock is taken that a fork could leave held.
+
+Interpreter exit (:func:`drain_at_exit`): a manager not closed registers its drain, which waits
+for its in-flight save to commit. It runs from ``threading``'s exit hooks, when the main thread
+has ended and before ``concurrent.futures`` refuses new work (the write's thread pools,
+:mod:`ckptlib.engine.pool`) and before any ``atexit`` handler (``ckptlib.coord`` stops its pulses
+and store workers from those): from an ``atexit`` handler the drain came too late, and a save
+still writing when ``main`` returned or raised failed with "cannot schedule new futures after
+interpreter shutdown" (no step, nothing reported).
 """
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (its exit hook first, so that ours runs before it)
 import logging
 import os
 import queue
@@ -122,3 +131,29 @@ def lower_priority(nice: int | None) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError:
         pass
+
+
+_AT_EXIT: dict[int, Callable[[], Any]] = {}
+
+
+def drain_at_exit(fn: Callable[[], Any]) -> None:
+    """Training thread (the manager's constructor): call ``fn`` (its drain) at interpreter exit,
+    on the main thread, once that thread has ended and before the thread pools refuse work."""
+    _AT_EXIT[id(fn)] = fn
+
+
+def forget_at_exit(fn: Callable[[], Any]) -> None:
+    """``close``: ``fn`` is not to run at exit (so closed managers do not accumulate here)."""
+    _AT_EXIT.pop(id(fn), None)
+
+
+def _run_at_exit() -> None:
+    """``threading``'s exit hook: the registered drains, newest first."""
+    for fn in reversed(list(_AT_EXIT.values())):
+        try:
+            fn()
+        except BaseException:  # one manager's drain never keeps another's from running
+            log.exception("ckptlib: draining a save at interpreter exit failed")
+
+
+threading._register_atexit(_run_at_exit)  # type: ignore[attr-defined]  # as concurrent.futures does
