@@ -291,7 +291,8 @@ class CheckpointManager:
         self._closed = False
         self._root_ready = False
         self._final: FinalCheckpoint | None = None
-        self._finalizer = weakref.finalize(self, _drain, self._handles)
+        self._pid = os.getpid()  # a forked child's copy leaves the saves, drains and files to this process
+        self._finalizer = weakref.finalize(self, persist_worker.drain, self._handles, self._pid)
         # At interpreter exit an in-flight save must end (commit, or fail on a verdict) while the
         # write's thread pools take work and the coordination threads still run: drained from
         # threading's exit hooks, before concurrent.futures' and every atexit handler
@@ -608,6 +609,10 @@ class CheckpointManager:
         stay local) and raises a drain failure not yet raised."""
         if self._closed:
             return
+        if os.getpid() != self._pid:  # a forked child: only its own saves are waited for (docs/async.md)
+            self.wait(timeout)
+            self._closed = True
+            return
         try:
             self.wait(timeout)
             if self._drainer is not None and drain:
@@ -773,12 +778,6 @@ def note_relaunch(error: BaseException, what: str, where: str) -> None:
         return
     error.add_note(f"ckptlib: {what}. A rank that died or froze ends the job's process group: "
                    f"relaunch the whole job; restore() then resumes from {where}.")
-
-
-def _drain(handles: list[SaveHandle]) -> None:
-    """At interpreter exit: give an in-flight save the chance to commit (bounded)."""
-    for h in list(handles):
-        h._event.wait(h._timeout)
 
 
 def _failed_rounds(error: BaseException) -> Iterator[list[TensorItem]]:

@@ -218,3 +218,93 @@ def test_a_save_in_flight_when_main_ends_commits_at_exit(tmp_path, end):
     with ckptlib.CheckpointManager(root) as mgr:
         assert mgr.restore(got) == 5
     assert_same(got, want)
+
+
+FORK_SCRIPT = """
+import json, os, sys, time, torch, ckptlib
+from ckptlib.engine import save as save_flow
+from ckptlib.tiers import drain as drain_flow
+
+root, local = sys.argv[1], sys.argv[2] or None
+real_persist, real_drain = save_flow.persist, drain_flow.drain_step
+
+
+def slow_persist(*args, **kwargs):  # the save is still in flight when the process forks
+    time.sleep(3)
+    return real_persist(*args, **kwargs)
+
+
+def slow_drain(*args, **kwargs):  # the drain is still pending when the process forks
+    time.sleep(3)
+    return real_drain(*args, **kwargs)
+
+
+save_flow.persist, drain_flow.drain_step = slow_persist, slow_drain
+
+
+def state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 64, generator=g), "step": step}
+
+
+def fork_and_exit_child():
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # the child ends as a script does: unwinding the frames that hold the manager
+    start = time.monotonic()
+    os.waitpid(pid, 0)
+    print(json.dumps({"child_exit_s": time.monotonic() - start}), flush=True)
+
+
+def train_plain():  # a manager never closed: the drain runs when it is dropped, or at exit
+    mgr = ckptlib.CheckpointManager(root)
+    for step in (1, 2, 3):
+        mgr.save(step, state(step))
+        if step == 2:
+            fork_and_exit_child()
+    mgr.wait()
+
+
+def train_tiered():  # a with block: close() runs in the child too, with a drain pending
+    with ckptlib.CheckpointManager(root, local=local) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step)).wait()
+            if step == 2:
+                fork_and_exit_child()
+
+
+train_tiered() if local else train_plain()
+"""
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_a_forked_child_exits_at_once_and_leaves_the_parents_saves_alone(tmp_path, tier, request):
+    # A child forked while a save (or a drain) was in flight waited for it, which only the parent
+    # runs: at exit, when its copy of the manager was dropped, or in close() (a with block
+    # unwound by sys.exit), for save_timeout (600 s), and the parent waiting for it with it.
+    import json
+    import subprocess
+    import sys
+
+    local = str(request.getfixturevalue("shm_node")) if tier else ""
+    script = tmp_path / "train.py"
+    script.write_text(FORK_SCRIPT)
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(root), local], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and the child it forked
+        proc.communicate()
+        pytest.fail("the forked child (or its parent waiting for it) hung")
+    assert proc.returncode == 0, err
+    assert json.loads(out.splitlines()[-1])["child_exit_s"] < 60, out
+    with ckptlib.CheckpointManager(root) as mgr:
+        assert [(i.step, i.status) for i in mgr.steps()] == [(s, "committed") for s in (1, 2, 3)]
+    for step in (1, 2, 3):
+        g = torch.Generator().manual_seed(step)
+        got = {"w": torch.zeros(256, 64), "step": 0}
+        assert ckptlib.CheckpointManager(root).restore(got, step=step) == step
+        assert_same(got, {"w": torch.randn(256, 64, generator=g), "step": step})

@@ -147,6 +147,18 @@ def forget_at_exit(fn: Callable[[], Any]) -> None:
     _AT_EXIT.pop(id(fn), None)
 
 
+def drain(handles: list[Any], pid: int) -> None:
+    """The drain of a manager's in-flight saves (``handles``: its ``SaveHandle`` list): at
+    interpreter exit (:func:`drain_at_exit`), or when a manager dropped without ``close`` is
+    collected, on the thread that drops it: wait for each to commit or fail (bounded by its
+    deadline). Not in a forked child (``pid``: the manager's process): the parent's saves never
+    end there (no persist thread), and the child's exit waited ``save_timeout`` for them."""
+    if os.getpid() != pid:
+        return
+    for h in list(handles):
+        h._event.wait(h._timeout)
+
+
 def _run_at_exit() -> None:
     """``threading``'s exit hook: the registered drains, newest first."""
     for fn in reversed(list(_AT_EXIT.values())):
