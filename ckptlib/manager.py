@@ -598,6 +598,7 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for all pending saves; raise the first failure not yet raised."""
+        self._stager.check_caller("wait()")
         self._overlap.finish()
         self._join_thread(timeout)
         self._raise_pending()
@@ -609,6 +610,7 @@ class CheckpointManager:
         stay local) and raises a drain failure not yet raised."""
         if self._closed:
             return
+        self._stager.check_caller("close()")
         if os.getpid() != self._pid:  # a forked child: only its own saves are waited for (docs/async.md)
             self.wait(timeout)
             self._closed = True

@@ -743,3 +743,42 @@ def test_a_wait_that_runs_out_says_the_save_goes_on(tmp_path: Any, monkeypatch: 
     out = {"w": torch.zeros(1000)}
     assert ckptlib.CheckpointManager(tmp_path).restore(out) == 1
     assert_same(out, want)
+
+
+@pytest.mark.parametrize("call", ["close", "wait"])
+def test_close_or_wait_from_a_signal_handler_inside_save_refuses_at_once(tmp_path, monkeypatch, call):
+    # A handler that called close() (or wait()) while save() was copying the state on the same
+    # thread waited for that copy, which could not go on: a hang until snapshot_timeout, then the
+    # save failed ("timed out waiting for the snapshot").
+    mgr = ckptlib.CheckpointManager(tmp_path, snapshot_timeout=20.0)
+    seen: list[tuple[BaseException | None, float]] = []
+
+    def handler(signum, frame):
+        start = time.monotonic()
+        try:
+            getattr(mgr, call)()
+            seen.append((None, time.monotonic() - start))
+        except BaseException as e:
+            seen.append((e, time.monotonic() - start))
+
+    real = snap_mod.copy_round
+
+    def signalled(*args, **kwargs):  # the signal lands while save() copies, on the training thread
+        if not seen:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real(*args, **kwargs)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    monkeypatch.setattr(snap_mod, "copy_round", signalled)
+    state = {"w": torch.randn(256, 64), "b": torch.randn(9)}
+    try:
+        mgr.save(1, state).wait(timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    mgr.close()
+    [(error, took)] = seen
+    assert isinstance(error, ckptlib.CheckpointError) and "inside save()" in str(error), error
+    assert took < 10, took
+    got = {"w": torch.zeros(256, 64), "b": torch.zeros(9)}
+    assert ckptlib.CheckpointManager(tmp_path).restore(got) == 1
+    assert_same(got, state)

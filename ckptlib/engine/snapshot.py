@@ -84,6 +84,8 @@ class Stager:
         """A memory tier's mapped arenas (set by the manager; ckptlib/engine/mapped_arena.py)."""
         self._sized: tuple[tuple | None, bool, int] = (None, False, 0)
         """(plan key, mappable, arena bytes) of the last plan asked for a mapped arena."""
+        self.current: Snapshot | None = None
+        """The last snapshot begun (:meth:`check_caller`)."""
 
     @property
     def nbytes(self) -> int:
@@ -92,9 +94,20 @@ class Stager:
 
     def release(self) -> None:
         """Drop the arena (``close()``). A later save allocates a new one."""
-        self._arena = self._plan = self._plan_key = None
+        self._arena = self._plan = self._plan_key = self.current = None
         if self.ring is not None:
             self.ring.release()
+
+    def check_caller(self, what: str) -> None:
+        """``wait()``/``close()``, first thing, on any thread: refuse at once to wait for a
+        snapshot that the calling thread is copying itself (a signal handler that interrupted
+        ``save()``): that wait held the copy it waited for until ``snapshot_timeout`` (300 s),
+        and then the save failed ("timed out waiting for the snapshot")."""
+        snap = self.current
+        if snap is not None and snap.copier == threading.get_ident():
+            raise CheckpointError(f"{what} was called on the thread that is inside save(), copying the state (a "
+                                  "signal handler?): it would wait for that copy, which waits for it. Call it after "
+                                  "save() returns; on SIGTERM use save_on_signal() (docs/async.md, Preemption)")
 
     # ------------------------------------------------------------------ planning
     def begin(self, flat: FlatState, deferred: Sequence[bool] | None = None, direct: bool = False) -> Snapshot:
@@ -143,6 +156,7 @@ class Stager:
         else:
             staged_flat = FlatState(flat.tree, staged_items, flat.per_rank)
         snap = Snapshot(plan, srcs, staged_flat)
+        self.current = snap
         snap.arena = arena
         if plan.pinned:
             devices = sorted({it.tensor.device for it in items if it.tensor.device.type == "cuda"}, key=str)
@@ -275,6 +289,8 @@ class Snapshot:
         self.copy_seconds = 0.0
         self.arena: Arena | None = None
         """The mapped arena this snapshot lies in (:meth:`Stager.begin` with ``direct``), else None."""
+        self.copier: int | None = None
+        """The thread in :meth:`stage` (ident), if any (:meth:`Stager.check_caller`)."""
         self.ready: dict[torch.device, object] | None = None
         """CUDA only: per device, an event recorded on the training thread's stream in
         ``save()``; copies from any thread start after it."""
@@ -285,20 +301,25 @@ class Snapshot:
         :class:`SnapshotAborted` if the save was abandoned, :class:`CommitTimeoutError` if a
         region does not come free before ``deadline``."""
         plan = self._plan
-        for k in range(self._staged, min(upto, self.nrounds)):
-            if self.streaming and k >= 2:
-                self._wait_for(functools.partial(self._round_written, k - 1), deadline, "the writer to free a region", True)
-            elif self._error is not None:
-                raise SnapshotAborted(f"snapshot abandoned: {self._error}")
-            assert self._srcs is not None
-            t0 = time.perf_counter()
-            copy_round(plan.dsts[k], self._srcs[k], deadline, self.ready)
-            self.copy_seconds += time.perf_counter() - t0
-            with self._cond:
-                self._staged = k + 1
-                if self._staged == self.nrounds:
-                    self._srcs = None  # hold no references to the live state
-                self._cond.notify_all()
+        self.copier = threading.get_ident()
+        try:
+            for k in range(self._staged, min(upto, self.nrounds)):
+                if self.streaming and k >= 2:
+                    self._wait_for(functools.partial(self._round_written, k - 1), deadline,
+                                   "the writer to free a region", True)
+                elif self._error is not None:
+                    raise SnapshotAborted(f"snapshot abandoned: {self._error}")
+                assert self._srcs is not None
+                t0 = time.perf_counter()
+                copy_round(plan.dsts[k], self._srcs[k], deadline, self.ready)
+                self.copy_seconds += time.perf_counter() - t0
+                with self._cond:
+                    self._staged = k + 1
+                    if self._staged == self.nrounds:
+                        self._srcs = None  # hold no references to the live state
+                    self._cond.notify_all()
+        finally:
+            self.copier = None
 
     def fail(self, error: BaseException) -> None:
         """Abandon the snapshot: wake every waiter. Any thread; the first error wins."""
