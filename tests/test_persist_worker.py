@@ -308,3 +308,18 @@ def test_a_forked_child_exits_at_once_and_leaves_the_parents_saves_alone(tmp_pat
         got = {"w": torch.zeros(256, 64), "step": 0}
         assert ckptlib.CheckpointManager(root).restore(got, step=step) == step
         assert_same(got, {"w": torch.randn(256, 64, generator=g), "step": step})
+
+
+def test_managers_dropped_without_close_are_not_kept_for_the_exit_drain(tmp_path):
+    """Each manager registers its exit drain; one garbage-collected without ``close()`` was kept
+    in that registry for the life of the process (one entry per manager ever made)."""
+    import ckptlib
+    from ckptlib.engine import persist_worker
+
+    before = len(persist_worker._AT_EXIT)
+    for i in range(5):
+        mgr = ckptlib.CheckpointManager(tmp_path / f"r{i}", async_save=False)
+        mgr.save(1, {"w": torch.ones(4)})
+        del mgr
+        gc.collect()
+    assert len(persist_worker._AT_EXIT) <= before + 1

@@ -34,6 +34,7 @@ interpreter shutdown" (no step, nothing reported).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook first, so that ours runs before it)
 import logging
 import os
@@ -137,8 +138,13 @@ _AT_EXIT: dict[int, Callable[[], Any]] = {}
 
 
 def drain_at_exit(fn: Callable[[], Any]) -> None:
-    """Training thread (the manager's constructor): call ``fn`` (its drain) at interpreter exit,
-    on the main thread, once that thread has ended and before the thread pools refuse work."""
+    """Training thread (the manager's constructor): call ``fn`` (its drain, a
+    ``weakref.finalize``) at interpreter exit, on the main thread, once that thread has ended and
+    before the thread pools refuse work. Drains already run (managers garbage-collected without
+    ``close``) are forgotten here, so a process making many managers keeps none of them."""
+    for key, old in list(_AT_EXIT.items()):
+        if getattr(old, "alive", True) is False:
+            del _AT_EXIT[key]
     _AT_EXIT[id(fn)] = fn
 
 
@@ -168,4 +174,8 @@ def _run_at_exit() -> None:
             log.exception("ckptlib: draining a save at interpreter exit failed")
 
 
-threading._register_atexit(_run_at_exit)  # type: ignore[attr-defined]  # as concurrent.futures does
+_register = getattr(threading, "_register_atexit", None)  # as concurrent.futures does (Python 3.9+)
+if _register is not None:
+    _register(_run_at_exit)
+else:  # pragma: no cover - a Python without it: atexit, as before (too late for the thread pools)
+    atexit.register(_run_at_exit)
