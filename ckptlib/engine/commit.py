@@ -65,7 +65,7 @@ from ckptlib import crashpoints
 from ckptlib.backends import Storage, join, parent
 from ckptlib.backends.base import Held
 from ckptlib.engine import target
-from ckptlib.engine.scan import check_step, read_manifest
+from ckptlib.engine.scan import check_step, read_capped, read_manifest
 from ckptlib.errors import (
     CheckpointError,
     CommitError,
@@ -440,7 +440,7 @@ def _taken(storage: Storage, st: Staging) -> CommitError:
     save's manifest (``StepExistsError``)."""
     path = join(st.final, MANIFEST_NAME)
     try:
-        record = fence_format.parse_abort(storage.read(path), path)
+        record = fence_format.parse_abort(read_capped(storage, path), path)
     except (OSError, CheckpointError):
         record = None
     if record is not None:
@@ -520,9 +520,11 @@ def committed_id(storage: Storage, final: str) -> str | None:
     judges them). Raises :class:`CommitError` when storage cannot tell."""
     path = join(final, MANIFEST_NAME)
     try:
-        data = storage.read(path)
+        data = read_capped(storage, path)
     except FileNotFoundError:
         return None
+    except CorruptCheckpointError:
+        return None  # over the size limit: no manifest of ours
     except Exception as e:
         raise CommitError(f"could not read {storage.url.rstrip('/')}/{path} after giving up: {e}") from e
     try:

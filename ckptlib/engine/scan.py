@@ -94,6 +94,16 @@ def read_manifest(storage: Storage, folder: str, *, pieces: bool = True) -> Mani
     raise CheckpointNotFoundError(f"no checkpoint at {where}: {record.describe()}")
 
 
+def read_capped(storage: Storage, path: str) -> bytes:
+    """The bytes of ``path``, a manifest or what stands in its place (an abort record, a claim),
+    refused over ``MAX_MANIFEST_BYTES`` before they are read (``CorruptCheckpointError``): a huge
+    or endless file there never fills memory. ``FileNotFoundError`` when absent. Callers (on
+    their own thread): the commit's look at a manifest key it lost or gave up on
+    (:mod:`ckptlib.engine.commit`) and a tier restore's persistent manifest."""
+    _check_size(storage.size(path), f"{storage.url.rstrip('/')}/{path}")
+    return storage.read(path)
+
+
 def _check_size(size: int | None, where: str) -> None:
     if size is not None and size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(

@@ -49,7 +49,7 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.resume import Candidate, missing_step, resume_newest
-from ckptlib.engine.scan import StepInfo, scan
+from ckptlib.engine.scan import StepInfo, read_capped, scan
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -153,7 +153,7 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, st
                           ).get(MANIFEST_NAME, mdata)
         if mdata is None and pers_id is not None:  # only the persistent copy has a manifest
             try:
-                mdata = persistent.read(join(c.folder, MANIFEST_NAME))
+                mdata = read_capped(persistent, join(c.folder, MANIFEST_NAME))
             except (CheckpointError, OSError) as e:
                 log.warning("ckptlib: cannot read the persistent manifest of step %d: %s", c.step, e)
         # Round 2: the files this rank reads and its node lacks, from peers (else persistent).
