@@ -610,6 +610,23 @@ def test_unsupported_dtype_value(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("value", [torch.ones(2), b"x" * (INLINE_BYTES + 1)], ids=["tensor", "long-bytes"])
+def test_tensor_name_longer_than_readers_accept_is_refused_at_save(tmp_path: Path, value: Any) -> None:
+    """A key path longer than the 4096 characters a reader accepts once saved without error and
+    then failed every load with CorruptCheckpointError: now the save refuses it, naming the key."""
+    ok = "k" * (mf.MAX_NAME - 3)  # "/a/" + ok is exactly the limit: saved and loaded
+    assert roundtrip({"a": {ok: value}}, tmp_path / "ok")["a"][ok] == value if isinstance(value, bytes) else \
+        torch.equal(roundtrip({"a": {ok: value}}, tmp_path / "ok2")["a"][ok], value)
+    path = tmp_path / "ck"
+    with pytest.raises(ckptlib.UnsupportedValueError, match=r"/a/kkkk.*4096") as ei:
+        ckptlib.save({"a": {"k" * 5000: value}}, path)
+    assert "shorten" in str(ei.value)
+    assert not path.exists()
+    with pytest.raises(ckptlib.UnsupportedValueError, match="4096"):  # escaping counts: "/" is "~1"
+        ckptlib.save({"/" * 2100: value}, path)
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
 def test_nested_tensor_is_unsupported(tmp_path: Path, layout: torch.layout) -> None:
     with warnings.catch_warnings():  # torch: the strided nested API is a prototype

@@ -46,7 +46,7 @@ from ckptlib.format.schema import (
     volume,
 )
 from ckptlib.format.sharding import Sharding, decode_sharding
-from ckptlib.format.validate import MAX_SIZE, Checker
+from ckptlib.format.validate import MAX_NAME, MAX_SIZE, Checker
 
 _PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 
@@ -146,7 +146,7 @@ def _decode_body(body: dict[str, Any], v: Checker) -> Manifest:
     members: list[tuple[int, int, int, str]] = []
     tensors: dict[str, TensorEntry] = {}
     for name, t in v.obj(body.get("tensors"), "tensors").items():
-        v.str_(name, "tensor name", 4096)
+        v.str_(name, "tensor name", MAX_NAME)
         tensors[name] = _decode_tensor(name, v.obj(t, f"tensor {name!r}"), files, ranges, packs, members, v)
     table = decode_table(body[TABLE_KEY], packs, v) if TABLE_KEY in body else NO_TABLE
     for name, entry in table.entries:
@@ -225,7 +225,7 @@ def _decode_body_v2(body: dict[str, Any], v: Checker) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     sharding: dict[str, Sharding] = {}
     for name, t in v.obj(body.get("tensors"), "tensors").items():
-        v.str_(name, "tensor name", 4096)
+        v.str_(name, "tensor name", MAX_NAME)
         t = v.obj(t, f"tensor {name!r:.200}")
         dtype = t.get("dtype")
         if type(dtype) is not str or dtype not in ITEMSIZE:

@@ -26,7 +26,7 @@ import numpy as np
 from ckptlib.format.build import WrittenChunk, WrittenPack
 from ckptlib.format.checksum import ALGORITHMS
 from ckptlib.format.schema import MAX_ZSTD_RATIO
-from ckptlib.format.validate import MAX_NDIM, MAX_SIZE, Checker
+from ckptlib.format.validate import MAX_NAME, MAX_NDIM, MAX_SIZE, Checker
 
 MAGIC = b"CKPTIDX2"
 MAX_INDEX_BYTES = 256 << 20
@@ -212,8 +212,8 @@ def decode_index(data: bytes, counts: dict[str, int], nfiles: int, file_sizes: S
         names = [blob[a:b].decode("utf-8") for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
     except UnicodeDecodeError:
         raise v.fail("an index tensor name is not valid UTF-8") from None
-    if len(set(names)) != len(names) or any(len(n) > 4096 for n in names):
-        raise v.fail("index tensor names must be unique strings of at most 4096 characters")
+    if len(set(names)) != len(names) or any(len(n) > MAX_NAME for n in names):
+        raise v.fail(f"index tensor names must be unique strings of at most {MAX_NAME} characters")
     n_names = len(names)
     # chunks
     ch = counts["chunks"]

@@ -16,7 +16,7 @@ import numpy as np
 
 from ckptlib.format.dtypes import ITEMSIZE
 from ckptlib.format.schema import Pack, Piece, TensorEntry
-from ckptlib.format.validate import MAX_NDIM, MAX_SIZE, Checker
+from ckptlib.format.validate import MAX_NAME, MAX_NDIM, MAX_SIZE, Checker
 
 TABLE_KEY = "packed_tensors"
 TABLE_COLUMNS = ("name", "dtype", "ndim", "dims", "pack", "offset")
@@ -80,8 +80,8 @@ def decode_table(raw: Any, packs: list[Pack], v: Checker) -> Table:
     if set(t) != set(TABLE_COLUMNS):
         raise v.fail(f"{TABLE_KEY} must have exactly the columns {list(TABLE_COLUMNS)}")
     names, dtypes = t["name"], t["dtype"]
-    if type(names) is not list or not set(map(type, names)) <= {str} or any(len(n) > 4096 for n in names):
-        raise v.fail(f"{TABLE_KEY}.name must be a list of strings of at most 4096 characters")
+    if type(names) is not list or not set(map(type, names)) <= {str} or any(len(n) > MAX_NAME for n in names):
+        raise v.fail(f"{TABLE_KEY}.name must be a list of strings of at most {MAX_NAME} characters")
     if type(dtypes) is not list or not set(map(type, dtypes)) <= {str} or not set(dtypes) <= ITEMSIZE.keys():
         bad = next((d for d in dtypes if type(d) is not str or d not in ITEMSIZE), None) if type(dtypes) is list else dtypes
         raise v.unknown(f"{TABLE_KEY}.dtype: {bad!r:.60} is not in the dtype allowlist", bad)

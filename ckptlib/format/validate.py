@@ -19,6 +19,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 MAX_SIZE = 1 << 62  # no file, range or tensor may claim more bytes than this
 MAX_NDIM = 64
+MAX_NAME = 4096  # characters in a tensor name (readers refuse longer ones; the flattener refuses to save them)
 
 
 def unknown(msg: str, name: object, where: str) -> CorruptCheckpointError:

@@ -23,7 +23,7 @@ import torch
 from ckptlib.errors import UnsupportedValueError
 from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.format.leaves import PerRank, Shard
-from ckptlib.format.manifest import MAX_NDIM
+from ckptlib.format.manifest import MAX_NAME, MAX_NDIM
 from ckptlib.format.tree import (
     escape as escape,  # re-exported: the one naming rule (megatron uses it)
 )
@@ -201,6 +201,11 @@ class _Flattener:
         if t.dtype not in NAMES:
             raise UnsupportedValueError(f"tensor at {path}: ckptlib cannot store dtype {t.dtype}")
         name = path or "/"
+        if len(name) > MAX_NAME:  # readers refuse longer names: never write a step that cannot load
+            raise UnsupportedValueError(
+                f"tensor at {name[:200]}... has a name of {len(name)} characters (its keys joined by '/', "
+                f"escaped); a checkpoint holds names of at most {MAX_NAME}: shorten the keys on its path"
+            )
         if global_shape is None:
             global_shape = tuple(t.shape)
             if len(global_shape) > MAX_NDIM:
