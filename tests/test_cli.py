@@ -708,3 +708,54 @@ def test_piped_rows_stay_on_one_line_without_padding(tmp_path: Path) -> None:
     assert len(lines) == 4, lines  # header, two rows, summary: nothing wrapped
     assert all(line == line.rstrip() for line in lines)
     assert lines[-1].startswith("2 step(s), 1 committed; 1 not usable (")
+
+
+def test_piped_inspect_of_many_tensors_is_not_rendered_row_by_row_by_rich(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `ckptlib inspect URL | less` of a 80,000-tensor checkpoint took over 2 minutes (rich renders
+    # a table at milliseconds per row) where `--json` took 13 s; piped tables are now laid out
+    # in linear time. Counted, not timed: rich's line splitting ran ~10 times per row.
+    from rich.segment import Segment
+
+    calls = 0
+    split = Segment.split_and_crop_lines
+
+    def counting(*a: Any, **k: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return split(*a, **k)
+
+    n = 3000
+    ckptlib.save({f"layers.{i}.w": torch.full((2,), float(i)) for i in range(n)}, tmp_path / "ck")
+    monkeypatch.setattr(Segment, "split_and_crop_lines", counting)
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "ck"))
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.startswith("/layers.")]
+    assert [r[0] for r in rows] == [f"/layers.{i}.w" for i in range(n)]
+    assert all(r[1:] == ["float32", "(2,)", "packed", "8", "B"] for r in rows)
+    assert calls < 100, calls
+
+
+@pytest.mark.parametrize("width", [output.PIPE_WIDTH, 59, 58])
+def test_plain_table_lays_out_as_rich_does(width: int) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    t = output.table("name", "dtype", "bytes", right=("bytes",), fold=("name",))
+    for cells in [("/a/b", "float32", "12 B"), ("/ü/🎉/中文", Text("x", style="red"), "1.5 KiB"), ("", "", ""),
+                  ("  lead", "trail  ", "7"), ("/" + "w" * 40, "int8", "0 B")]:
+        t.add_row(*cells)
+    console = Console(width=width, markup=False, highlight=False, emoji=False)
+    with console.capture() as captured:
+        console.print(t)
+    expected = "\n".join(line.rstrip() for line in captured.get().split("\n"))
+    fast = output.plain_table(t, width)
+    if width < 59:  # too wide (41 + 7 + 7 + 2 spaces twice): rich wraps the name column, so rich lays it out
+        assert fast is None
+    else:
+        assert fast == expected
+    for bad in ("a\nb", "tab\there", "esc\x1b[31m"):
+        t2 = output.table("name")
+        t2.add_row(bad)
+        assert output.plain_table(t2, width) is None
