@@ -190,6 +190,29 @@ def test_numpy_float_is_saved_as_float(tmp_path: Path) -> None:
     assert loaded["x"] == 0.25
 
 
+def test_subclasses_load_back_as_their_base_type(tmp_path: Path) -> None:
+    """What docs/format.md 3.6 says: subclasses are stored as their base type, never pickled."""
+    import collections
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    pair = collections.namedtuple("pair", "a b")
+    state = collections.OrderedDict(
+        size=torch.Size([2, 3]), nt=pair(1, torch.ones(2)), color=Color.RED, f=np.float64(0.5),
+        dd=collections.defaultdict(list, x=[1]), keyed={Color.RED: "r"},
+    )
+    out = roundtrip(state, tmp_path / "ck")
+    assert type(out) is dict and list(out) == list(state)
+    assert type(out["size"]) is tuple and out["size"] == (2, 3)
+    assert type(out["nt"]) is tuple and out["nt"][0] == 1 and torch.equal(out["nt"][1], torch.ones(2))
+    assert type(out["color"]) is int and out["color"] == 1
+    assert type(out["f"]) is float and out["f"] == 0.5
+    assert type(out["dd"]) is dict and out["dd"] == {"x": [1]}
+    assert out["keyed"] == {1: "r"} and type(next(iter(out["keyed"]))) is int
+
+
 # --------------------------------------------------------------------------- tensors
 
 
