@@ -732,6 +732,31 @@ def test_metadata_large_bytes(tmp_path: Path) -> None:
     assert_same(ckptlib.load_metadata(tmp_path / "ck"), meta)
 
 
+def test_metadata_no_reader_could_load_is_refused_at_save(tmp_path: Path) -> None:
+    """Metadata holding a PerRank value, or bytes past what the manifest holds inline, used to
+    save without error; load_metadata (and `ckptlib inspect`) then called the checkpoint corrupt.
+    Now the save refuses it, naming the path, before any byte is written; up to the limit loads."""
+    from ckptlib.format.tree import MAX_INLINE_B64
+
+    MAX_INLINE_RAW = MAX_INLINE_B64 // 4 * 3  # the most bytes whose base64 the reader accepts
+    at_limit = {"blob": os.urandom(MAX_INLINE_RAW), "io": io.BytesIO(b"x" * MAX_INLINE_RAW)}
+    ckptlib.save({}, tmp_path / "ok", metadata=at_limit)
+    loaded = ckptlib.load_metadata(tmp_path / "ok")
+    assert loaded["blob"] == at_limit["blob"] and loaded["io"].getvalue() == b"x" * MAX_INLINE_RAW
+    for meta, where in [({"a": {"b": os.urandom(MAX_INLINE_RAW + 1)}}, "/a/b"),
+                        ({"a": [io.BytesIO(bytes(MAX_INLINE_RAW + 1))]}, "/a/0"),
+                        ({"a": {"p": ckptlib.PerRank(1)}}, "/a/p")]:
+        path = tmp_path / "ck"
+        with pytest.raises(ckptlib.UnsupportedValueError, match=f"at {where}") as ei:
+            ckptlib.save({"w": torch.ones(2)}, path, metadata=meta)
+        assert "state" in str(ei.value)  # says where such a value goes instead
+        assert not path.exists()
+        with ckptlib.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+            with pytest.raises(ckptlib.UnsupportedValueError, match=f"at {where}"):
+                mgr.save(1, {"w": torch.ones(2)}, metadata=meta).wait()
+            assert mgr.steps() == []
+
+
 # --------------------------------------------------------------------------- existing steps, URLs
 
 

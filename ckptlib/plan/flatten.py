@@ -24,12 +24,16 @@ from ckptlib.errors import UnsupportedValueError
 from ckptlib.format.dtypes import NAMES, dtype_name
 from ckptlib.format.leaves import PerRank, Shard
 from ckptlib.format.manifest import MAX_NAME, MAX_NDIM
+from ckptlib.format.tree import MAX_INLINE_B64
 from ckptlib.format.tree import (
     escape as escape,  # re-exported: the one naming rule (megatron uses it)
 )
 
 INLINE_BYTES = 4096  # bytes values up to this size are stored inline (base64) in the manifest
 MAX_DEPTH = 100
+MAX_INLINE_RAW = MAX_INLINE_B64 // 4 * 3
+"""Bytes a value stored inline (metadata: ``inline_bytes=True``) may hold: its base64 text must
+fit the tree decoder's ``MAX_INLINE_B64``."""
 
 
 @dataclass(slots=True)
@@ -94,7 +98,9 @@ def encode_scalar(x: Any, path: str) -> Any:
 
 
 def flatten(state: Any, rank: int = 0, *, inline_bytes: bool = False) -> FlatState:
-    """``inline_bytes=True`` keeps every bytes value in the tree (used for metadata)."""
+    """``inline_bytes=True`` keeps every bytes value in the tree (used for metadata and plain
+    values): such a tree stands alone, so bytes past ``MAX_INLINE_RAW`` and ``PerRank`` values
+    raise :class:`UnsupportedValueError` naming their path."""
     f = _Flattener([], rank, inline_bytes)
     tree = f.encode(state, "", 0)
     return FlatState(tree, f.items, f.saw_per_rank)
@@ -142,6 +148,9 @@ class _Flattener:
         if isinstance(x, Shard):
             return self.tensor(x.local, path, tuple(x.global_shape), tuple(x.global_offset), False)
         if isinstance(x, PerRank):
+            if self.inline_bytes:  # metadata is one value for the whole save: no rank merges it
+                raise UnsupportedValueError(f"ckptlib.PerRank at {path or '<root>'}: metadata is one value for the "
+                                            "whole save; put per-rank values in the state")
             self.saw_per_rank = True
             self.in_per_rank += 1
             try:
@@ -165,6 +174,11 @@ class _Flattener:
         if isinstance(x, io.BytesIO) and x.getbuffer().nbytes > INLINE_BYTES and not self.inline_bytes:
             ref = self.tensor(_byte_tensor(x.getvalue()), path, None, None, True)["ref"]
             return {"t": "bytes", "ref": ref, "io": True}
+        if self.inline_bytes and isinstance(x, bytes | bytearray | memoryview | io.BytesIO):
+            n = x.getbuffer().nbytes if isinstance(x, io.BytesIO) else memoryview(x).nbytes
+            if n > MAX_INLINE_RAW:  # more than the tree decoder accepts inline: no reader could load it
+                raise UnsupportedValueError(f"bytes at {path or '<root>'}: {n} bytes; metadata holds at most "
+                                            f"{MAX_INLINE_RAW} bytes inline: put larger values in the state")
         return encode_scalar(x, path)
 
     def mapping(self, x: dict[Any, Any], path: str, depth: int) -> Any:
