@@ -103,3 +103,32 @@ def test_manifest_under_the_limit_is_read(tmp_path: Path) -> None:
     m = read_manifest(storage, "ck")
     assert list(m.tensors) == ["/w"]
     assert counter.bytes_read == (ck / MANIFEST_NAME).stat().st_size
+
+
+def test_save_whose_manifest_readers_would_refuse_fails_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A state with a long non-tensor value (a 257 MiB str, a sampler's list of 50M indices) used to
+    # commit a manifest over MAX_MANIFEST_BYTES: save() returned, every load then raised
+    # CorruptCheckpointError. Now the save fails with CommitError naming the limit, on the one-shot
+    # and the manager path, and nothing is committed. The limit is lowered to 1 MiB for the writer
+    # and the reader alike (the real one needs a 256 MiB value).
+    from ckptlib.engine import scan
+    from ckptlib.format import build
+
+    limit = 1 << 20
+    monkeypatch.setattr(build, "MAX_MANIFEST_BYTES", limit, raising=False)
+    monkeypatch.setattr(scan, "MAX_MANIFEST_BYTES", limit)
+    fits = {"w": torch.ones(2), "ids": list(range(1000))}
+    ckptlib.save(fits, tmp_path / "ok")
+    assert ckptlib.load(tmp_path / "ok")["ids"] == fits["ids"]
+    state = {"w": torch.ones(2), "ids": list(range(200_000))}  # ~1.3 MB of JSON
+    with pytest.raises(ckptlib.CommitError, match=f"manifest would be .* over the {limit} bytes"):
+        ckptlib.save(state, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists() or list((tmp_path / "ck").iterdir()) == []  # staging removed
+    with ckptlib.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+        mgr.save(1, fits).wait()
+        with pytest.raises(ckptlib.CommitError, match="manifest would be"):
+            mgr.save(2, state).wait()
+        assert mgr.latest_step() == 1
+        assert [(i.step, i.status) for i in mgr.steps()] == [(1, "committed")]

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ckptlib._version import __version__
+from ckptlib.errors import UnsupportedValueError
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import DEFAULT_ALGORITHM, checksum
 from ckptlib.format.packed_table import TABLE_KEY, PackedTable
 from ckptlib.format.schema import (
     FORMAT_NAME,
+    MAX_MANIFEST_BYTES,
     Manifest,
     TensorEntry,
     check_metrics,
@@ -232,10 +234,19 @@ def encode_body(body: dict[str, Any]) -> bytes:
 
     The head carries the format marker, version (2 when the body has ``indexes``, else 1) and
     an xxh3-64 checksum of exactly the body's bytes, so any change to the body is detected
-    without re-serializing it.
+    without re-serializing it. A manifest larger than ``MAX_MANIFEST_BYTES`` (which no reader
+    would open) raises :class:`UnsupportedValueError`; the save's coordinator
+    (``engine.save.SaveSession.publish``) turns it into the save's :class:`CommitError`.
     """
     text = jsonio.dumps(body, sort_keys=False).encode("ascii")
-    return manifest_head(2 if "indexes" in body else 1, checksum(text)) + text + b"}"
+    data = manifest_head(2 if "indexes" in body else 1, checksum(text)) + text + b"}"
+    if len(data) > MAX_MANIFEST_BYTES:  # readers refuse it by its size: never commit it
+        raise UnsupportedValueError(
+            f"the manifest would be {len(data)} bytes, over the {MAX_MANIFEST_BYTES} bytes a reader accepts "
+            "(non-tensor values are stored in it: move long lists and strings into tensors or bytes, "
+            "which go to payload files; docs/format.md 4.1)"
+        )
+    return data
 
 
 def manifest_head(version: int, digest: str) -> bytes:
