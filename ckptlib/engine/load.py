@@ -162,10 +162,14 @@ class Merge:
                 self.sets.append(lambda: target.update(new))
                 return target
             merged = {}
+            loaded: dict[int, list[Any]] | None = None  # the loaded keys' tensors by address, at the first miss
             for k in target:  # depth first, in the target's order
                 if k in v:
                     merged[k] = self.merge(target[k], v[k], f"{path}/{k}")
-                elif not any(k2 in v and _same_memory(target[k], target[k2]) for k2 in target):
+                    continue
+                if loaded is None:
+                    loaded = _by_address(target[k2] for k2 in target if k2 in v)
+                if not any(_same_memory(target[k], t) for t in loaded.get(_address(target[k]), ())):
                     self.missing.append(f"{path}/{k}")  # (a tied weight, k2's memory, is loaded with k2)
             self.unexpected += [f"{path}/{k}" for k in v if k not in target]
             self.sets.append(lambda: target.update(merged))
@@ -300,6 +304,24 @@ class _Lazy:
 
     def __init__(self, holder: list[Any]) -> None:
         self.holder = holder
+
+
+def _address(x: Any) -> int:
+    """Where a tensor's (a DTensor's local piece's) elements start: tensors that
+    :func:`_same_memory` calls the same share it (other values: their ``id``)."""
+    t = x.to_local() if is_dtensor(x) else x
+    if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 0 and not t.is_meta:
+        return t.data_ptr()
+    return id(x)
+
+
+def _by_address(values: Any) -> dict[int, list[Any]]:
+    """``values`` grouped by :func:`_address`, so that a dict's missing keys are matched to the
+    tied weights loaded with it in time linear in its keys (:meth:`Merge.merge`, caller's thread)."""
+    out: dict[int, list[Any]] = {}
+    for x in values:
+        out.setdefault(_address(x), []).append(x)
+    return out
 
 
 def _same_memory(a: Any, b: Any) -> bool:
