@@ -120,7 +120,12 @@ class Reader:
     verify: bool = True
     threads: int = 4
     timeout: float | None = None
+    reuse_packs: bool = False
+    """Keep the last pack read (checksum checked, decoded) for the next :meth:`read`: a view
+    reading tensors one at a time (``ckpt.read``, ``ckptlib diff``) reads and checks a pack of
+    many small tensors once, not once per tensor in it (``read.view.CheckpointView`` sets it)."""
     bytes_read: int = field(default=0, init=False)
+    _last_pack: tuple[int, np.ndarray] | None = field(default=None, init=False)
     _handles: dict[int, ReadHandle] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
@@ -164,6 +169,7 @@ class Reader:
             for h in self._handles.values():
                 h.close()
             self._handles.clear()
+            self._last_pack = None
 
     # ------------------------------------------------------------------ planning
     def _tasks(self, requests: list[Request]) -> tuple[list[_ChunkTask], list[_PackTask]]:
@@ -247,7 +253,12 @@ class Reader:
         work = [partial(self._run, g) for g in groups] + [partial(self._run_pack, p) for p in packs]
         run_all(work, threads=self.threads, name="ckptlib-read", timeout=self.timeout)
 
-    def _run_pack(self, task: _PackTask) -> None:
+    def _pack_raw(self, task: _PackTask) -> np.ndarray:
+        """Pack ``task``'s raw bytes: read, checksum checked, decoded (a reader thread of
+        :meth:`read`); the last one kept with :attr:`reuse_packs`."""
+        last = self._last_pack
+        if last is not None and last[0] == task.index:
+            return last[1]
         p = task.pack
         stored = np.empty(p.length, dtype=np.uint8)
         self._handle(p.file).read_into(p.start, stored.data)
@@ -262,6 +273,12 @@ class Reader:
         else:
             raw = np.empty(p.raw_length, dtype=np.uint8)
             codecs.decode_into(stored, p.codec, 1, raw, self._where(p.file))
+        if self.reuse_packs:
+            self._last_pack = (task.index, raw)
+        return raw
+
+    def _run_pack(self, task: _PackTask) -> None:
+        raw = self._pack_raw(task)
         base = raw.ctypes.data
         memmove = ctypes.memmove
         for dest, raw_offset, n in task.whole:  # bounds: validated with the manifest

@@ -83,7 +83,7 @@ class CheckpointView:
         self.where = where or f"{storage.url.rstrip('/')}/{join(folder, MANIFEST_NAME)}"
         check_files(storage, folder, manifest)
         index_io.resolve(storage, folder, manifest)  # v2: every piece (a scan's manifest has none)
-        self._reader = Reader(storage, folder, manifest, verify=verify)
+        self._reader = Reader(storage, folder, manifest, verify=verify, reuse_packs=True)
 
     @property
     def step(self) -> int | None:
