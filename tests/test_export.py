@@ -307,3 +307,33 @@ def test_export_memory_stays_bounded(tmp_path: Path, fmt: str) -> None:
     growth = got["peak"] - got["base"]
     print(f"{fmt}: peak RSS growth {growth >> 20} MiB for a {state_bytes >> 20} MiB state")
     assert growth < state_bytes // 2, f"peak RSS grew by {growth >> 20} MiB exporting {state_bytes >> 20} MiB"
+
+
+def test_zarr3_keys_that_read_as_paths_each_get_their_own_array(tmp_path: Path) -> None:
+    # Keys "..", ".", "zarr.json" and ones with spaces or "%" were percent-encoded, then decoded
+    # again by tensorstore's kvstore URL: "/m/.." was written over the root, "/m/x/.." replaced the
+    # group "m" (deleting the arrays already in it), "zarr.json" failed deep in tensorstore; the
+    # export still said "exported 7 tensors". Every tensor now has its own array, bitwise.
+    import tensorstore as ts
+
+    keys = ["..", ".", "a b%c", "A", "ü", "", "zarr.json", "%2E"]
+    state = {"m": {k: torch.full((i + 1,), float(i)) for i, k in enumerate(keys)}}
+    state["m"]["x"] = {"..": torch.full((9,), 9.0)}
+    ckptlib.save(state, tmp_path / "ck")
+    out = tmp_path / "out"
+    with ckptlib.open(tmp_path / "ck") as view:
+        summary = export_zarr3(view, str(out))
+        names = {i.name for i in view.tensors()}
+    assert summary["tensors"] == len(names) == len(keys) + 1
+    found = {}
+    for meta in out.rglob("zarr.json"):
+        doc = json.loads(meta.read_text())
+        if doc["node_type"] == "array":
+            arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(meta.parent) + "/"}}).result()
+            found[doc["attributes"]["ckptlib_path"]] = torch.from_numpy(arr.read().result())
+    assert set(found) == names
+    loaded = ckptlib.load(tmp_path / "ck")
+    with ckptlib.open(tmp_path / "ck") as view:
+        for name in names:
+            assert torch.equal(found[name], view.read(name)), name
+    assert torch.equal(loaded["m"]["x"][".."], found["/m/x/.."])

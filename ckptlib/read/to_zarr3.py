@@ -31,9 +31,10 @@ ZSTD_LEVEL = 3
 
 
 def array_key(name: str) -> str:
-    """The zarr3 node path of tensor ``name`` (each part percent-encoded; ``.``/``..`` kept safe)."""
+    """The zarr3 node path of tensor ``name`` (each part percent-encoded; ``.``, ``..`` and
+    ``zarr.json``, which would name another node or a node's metadata file, with ``.`` as ``%2E``)."""
     parts = [quote(p, safe="") for p in name.split("/") if p]
-    return "/".join("%2E" * len(p) if p in (".", "..") else p for p in parts)
+    return "/".join(p.replace(".", "%2E") if p in (".", "..", "zarr.json") else p for p in parts)
 
 
 def _local(out: str) -> str | None:
@@ -90,7 +91,7 @@ def _write(view: CheckpointView, base: str, out: str, select: str | None,
         stored_as = "native" if info.dtype in ZARR3_NATIVE else "bits"
         arr = ts.open({
             "driver": "zarr3",
-            "kvstore": f"{base}/{key}/",
+            "kvstore": f"{base}/{quote(key, safe='/')}/",  # a URL is percent-decoded once: to ``key`` itself
             "metadata": {
                 "shape": list(info.shape),
                 "data_type": zarr3_dtype(info.dtype),
