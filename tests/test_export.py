@@ -337,3 +337,27 @@ def test_zarr3_keys_that_read_as_paths_each_get_their_own_array(tmp_path: Path) 
         for name in names:
             assert torch.equal(found[name], view.read(name)), name
     assert torch.equal(loaded["m"]["x"][".."], found["/m/x/.."])
+
+
+def test_safetensors_names_are_the_saved_keys_not_their_escaped_form(tmp_path: Path) -> None:
+    # Keys that ckptlib escapes in tensor names ("0" as "~s0", "a/b" as "a~1b", "x~y" as "x~0y")
+    # were exported as their escaped form, so load_state_dict and ckptlib.load(folder) saw keys
+    # the state never had. They are now the keys themselves; keys that become one name are refused.
+    from safetensors.torch import load_file
+
+    sub = {"0": {"weight": torch.full((2,), 1.0)}, "a/b": torch.full((3,), 2.0), "x~y": torch.full((4,), 3.0),
+           "~s": torch.full((5,), 4.0), 7: torch.full((6,), 5.0)}
+    ckptlib.save({"model": sub}, tmp_path / "ck")
+    with ckptlib.open(tmp_path / "ck") as view:
+        export_safetensors(view, str(tmp_path / "st"), select="model")
+    files = sorted((tmp_path / "st").glob("*.safetensors"))
+    got = {k: v for f in files for k, v in load_file(str(f)).items()}
+    want = {"0.weight": sub["0"]["weight"], "a/b": sub["a/b"], "x~y": sub["x~y"], "~s": sub["~s"], "7": sub[7]}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    back = ckptlib.load(tmp_path / "st", select="model")["model"]
+    assert set(back) == set(want) and all(torch.equal(back[k], v) for k, v in want.items())
+    ckptlib.save({"model": {"0": torch.ones(1), 0: torch.zeros(1)}}, tmp_path / "clash")
+    with ckptlib.open(tmp_path / "clash") as view, pytest.raises(ckptlib.UnsupportedValueError, match="collide"):
+        export_safetensors(view, str(tmp_path / "st2"), select="model")

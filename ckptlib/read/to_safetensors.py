@@ -40,10 +40,20 @@ def owns(out: str, name: str) -> bool:
 
 
 def dotted(name: str, select: str | None) -> str:
-    """``name`` relative to ``select`` with ``/`` -> ``.`` (the last part when they are equal)."""
+    """``name`` relative to ``select`` with ``/`` -> ``.`` (the last part when they are equal),
+    each part the dict key it names (the inverse of :func:`ckptlib.format.tree.escape`: ``~s0``
+    -> ``0``, ``a~1b`` -> ``a/b``), as ``ckptlib.load(folder, select=...)`` maps it back."""
     top = "/" + (select or "").strip("/")
     rel = name[len(top):] if top != "/" else name
-    return (rel.strip("/") or name.rsplit("/", 1)[-1]).replace("/", ".")
+    parts = (rel.strip("/") or name.rsplit("/", 1)[-1]).split("/")
+    return ".".join(_unescape(p) for p in parts)
+
+
+def _unescape(part: str) -> str:
+    """The dict key a tensor-name part (``format.tree.escape``) stands for, as a str."""
+    if part.startswith("~s"):
+        part = part[2:]
+    return part.replace("~1", "/").replace("~0", "~")
 
 
 def _shards(infos: list[TensorInfo], limit: int) -> list[list[TensorInfo]]:
