@@ -30,6 +30,7 @@ from ckptlib.backends import open_storage
 from ckptlib.cli.main import main as cli
 from ckptlib.engine import commit, retire
 from ckptlib.engine import save as save_flow
+from ckptlib.engine import scan as scan_module
 from ckptlib.engine.scan import read_manifest, scan
 from ckptlib.errors import CommitError
 from ckptlib.format import fence as fence_format
@@ -325,7 +326,7 @@ def test_hostile_claim_is_a_typed_error(data, memory_url, monkeypatch):
     storage = open_storage(memory_url)
     sid = "ef" * 16
     storage.put_atomic(layout.claim_path(STEP, sid), data)
-    monkeypatch.setattr(commit, "MAX_MANIFEST_BYTES", 4096)
+    monkeypatch.setattr(scan_module, "MAX_MANIFEST_BYTES", 4096)
     with pytest.raises(CommitError, match="claim"):
         commit.fence(storage, STEP, sid, 1, "gave up")
     assert [(i.step, i.status, i.save_id) for i in scan(storage)] == [(1, "committed", old_id)]

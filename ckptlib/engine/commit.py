@@ -79,7 +79,6 @@ from ckptlib.format import fence as fence_format
 from ckptlib.format import layout
 from ckptlib.format.decode import decode
 from ckptlib.format.manifest import MANIFEST_NAME
-from ckptlib.format.schema import MAX_MANIFEST_BYTES
 
 COMMITTED = "committed"
 FENCED = "fenced"
@@ -421,12 +420,10 @@ def _read_claim(storage: Storage, path: str) -> tuple[fence_format.AbortRecord |
     or unreadable."""
     where = f"{storage.url.rstrip('/')}/{path}"
     try:
-        size = storage.size(path)
-        if size is None:
-            raise CommitError(f"{where} vanished while being read")
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"claim is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit", where)
-        data = storage.read(path)
+        try:
+            data = read_capped(storage, path)
+        except FileNotFoundError:
+            raise CommitError(f"{where} vanished while being read") from None
         record = fence_format.parse_abort(data, where)
         return record, data, "" if record is not None else decode(data, where).save_id
     except CommitError:
