@@ -42,6 +42,22 @@ def run_hidden(hidden: set[str], body: str, *argv: str) -> subprocess.CompletedP
                           env=env, timeout=120)
 
 
+def catching(body: str) -> str:
+    """``body`` wrapped so that the subprocess prints what its ``MissingDependencyError`` says
+    (``EXTRA``, ``PACKAGE``, ``MESSAGE`` lines), or ``NO ERROR``."""
+    return f"""
+try:
+{textwrap.indent(textwrap.dedent(body), " " * 4)}
+except ckptlib.MissingDependencyError as e:
+    assert isinstance(e, ImportError) and isinstance(e, ckptlib.CheckpointError)
+    print("EXTRA", e.extra)
+    print("PACKAGE", e.package)
+    print("MESSAGE", e)
+else:
+    print("NO ERROR")
+"""
+
+
 def extras() -> set[str]:
     with open(REPO / "pyproject.toml", "rb") as f:
         return set(tomllib.load(f)["project"]["optional-dependencies"])
@@ -76,16 +92,7 @@ CASES = {
 def test_missing_extra_names_the_install_command(extra: str, step: str) -> None:
     assert extra in extras()
     hidden, body = CASES[extra]
-    proc = run_hidden(hidden, f"""
-        try:
-{textwrap.indent(textwrap.dedent(body), " " * 12)}
-        except ckptlib.MissingDependencyError as e:
-            assert isinstance(e, ImportError) and isinstance(e, ckptlib.CheckpointError)
-            print("EXTRA", e.extra)
-            print("MESSAGE", e)
-        else:
-            print("NO ERROR")
-    """, step)
+    proc = run_hidden(hidden, catching(body), step)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"EXTRA {extra}\n" in proc.stdout, proc.stdout
     assert f'pip install "ckptlib[{extra}]"' in proc.stdout, proc.stdout
@@ -110,19 +117,14 @@ def test_import_ckptlib_needs_no_extra() -> None:
 def test_fsspec_scheme_without_its_package_names_it(tmp_path: Path) -> None:
     """``gs://`` needs gcsfs, which ckptlib has no extra for: the error names the package to install
     (it was fsspec's bare ImportError, not a ckptlib error); the CLI says the same, exit 2."""
-    proc = run_hidden({"gcsfs"}, """
+    body = catching("""
         import torch
-        try:
-            ckptlib.save({"a": torch.ones(2)}, "gs://bucket/run/step")
-        except ckptlib.MissingDependencyError as e:
-            assert isinstance(e, ImportError) and isinstance(e, ckptlib.CheckpointError)
-            print("PACKAGE", e.package)
-            print("MESSAGE", e)
-        else:
-            print("NO ERROR")
+        ckptlib.save({"a": torch.ones(2)}, "gs://bucket/run/step")
+    """)
+    proc = run_hidden({"gcsfs"}, body + textwrap.dedent("""
         from ckptlib.cli.main import main
         sys.exit(main(["ls", "gs://bucket/run"]))
-    """, str(tmp_path))
+    """), str(tmp_path))
     assert "PACKAGE gcsfs\n" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "pip install gcsfs" in proc.stdout, proc.stdout
     assert proc.returncode == 2 and "pip install gcsfs" in proc.stderr, proc.stderr[-3000:]
