@@ -92,8 +92,9 @@ def apply_retention(
     committed = [i.step for i in infos]
     metrics = {i.step: i.metrics for i in infos}
     deleted: list[int] = []
-    if just_saved is not None and committed and just_saved < max(committed):
-        warn_rollback(storage.url, just_saved, max(committed))
+    newest = max(committed, default=None)
+    if just_saved is not None and newest is not None and just_saved < newest:
+        warn_rollback(storage.url, just_saved, newest)
     decisions = retention.decide(committed, keep_last, keep_every, keep_best=keep_best, best_metric=best_metric,
                                  best_mode=best_mode, metrics=metrics, just_saved=just_saved)
     for d in decisions:

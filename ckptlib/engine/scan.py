@@ -12,7 +12,7 @@ import errno
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptlib.backends import Storage, join
+from ckptlib.backends import Entry, Storage, join
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.errors import (
     CheckpointError,
@@ -195,17 +195,26 @@ def check_step(
     return info
 
 
+def _root_entries(storage: Storage) -> list[Entry]:
+    """The root's listing (:func:`scan`, :func:`newest_committed`): ``CheckpointNotFoundError``
+    when the root does not exist, ``StorageError`` when it cannot be listed."""
+    try:
+        return storage.listdir("")
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"checkpoint root {storage.url} does not exist") from None
+    except OSError as e:
+        raise StorageError(f"cannot list {storage.url}: {e}") from e
+
+
 def newest_committed(storage: Storage) -> int | None:
     """The newest committed step under the root (quick check: manifest and sizes), or None;
     ``CheckpointManager.latest_step`` (caller's thread). One listing, then steps are judged newest
     first until one is committed: a root of many steps costs a few requests, not a manifest
     read per step as :func:`scan` does. Errors as :func:`scan`."""
     try:
-        entries = storage.listdir("")
-    except FileNotFoundError:
+        entries = _root_entries(storage)
+    except CheckpointNotFoundError:
         return None
-    except OSError as e:
-        raise StorageError(f"cannot list {storage.url}: {e}") from e
     folders = sorted(((s, e.name) for e in entries if e.is_dir and (s := layout.parse_step(e.name)) is not None),
                      reverse=True)
     return next((step for step, name in folders if check_step(storage, name, step).status == "committed"), None)
@@ -216,12 +225,7 @@ def scan(storage: Storage, *, deep: bool = False, unreadable: bool = False) -> l
     A step folder whose manifest this user may not read stops the scan (:class:`StorageError`:
     restore never skips what may be the newest good step); ``unreadable=True`` (``ckptlib ls``
     only) lists it instead, status ``unreadable``, the reason saying what to do."""
-    try:
-        entries = storage.listdir("")
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"checkpoint root {storage.url} does not exist") from None
-    except OSError as e:
-        raise StorageError(f"cannot list {storage.url}: {e}") from e
+    entries = _root_entries(storage)
     infos: list[StepInfo] = []
     committed_names: set[str] = set()
     for ent in entries:
