@@ -40,7 +40,7 @@ from ckptlib.engine.mapped_arena import Ring
 from ckptlib.engine.overlap import SnapshotGate, deferred_mask
 from ckptlib.engine.persist_worker import PersistWorker, lower_priority
 from ckptlib.engine.preemption import FinalCheckpoint, PreemptionWatcher
-from ckptlib.engine.scan import StepInfo, newest_committed, scan
+from ckptlib.engine.scan import StepInfo, newest_committed, refuse_run_inside_checkpoint, scan
 from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
 from ckptlib.format import layout
@@ -466,7 +466,8 @@ class CheckpointManager:
         return handle
 
     def _ensure_root(self) -> None:
-        if not self._root_ready:
+        if not self._root_ready:  # every rank, first save: never a run inside another run's step
+            refuse_run_inside_checkpoint(self.storage)
             self.storage.makedirs("")
             self._root_ready = True
 

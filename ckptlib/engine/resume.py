@@ -25,7 +25,7 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.options import flag
-from ckptlib.engine.scan import StepInfo, scan
+from ckptlib.engine.scan import StepInfo, checkpoint_root_error, enclosing_checkpoint, scan
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -33,7 +33,6 @@ from ckptlib.errors import (
     ManifestVersionError,
     StateMismatchError,
 )
-from ckptlib.format.schema import MANIFEST_NAME
 
 log = logging.getLogger("ckptlib")
 T = TypeVar("T")
@@ -209,11 +208,8 @@ def restore(
 
     def listing() -> list[Candidate]:  # the coordinator: its error reaches every rank
         cands = step_candidates(storage)
-        if not cands and storage.exists(MANIFEST_NAME):  # a first run would start from scratch
-            raise CheckpointNotFoundError(
-                f"{storage.url} is a single checkpoint written by ckptlib.save() (it holds {MANIFEST_NAME}), not a "
-                f"CheckpointManager run root: load it with ckptlib.load({storage.url!r}, into=state), and give "
-                "CheckpointManager a folder of its own")
+        if not cands and (found := enclosing_checkpoint(storage)):  # a first run would start from scratch
+            raise checkpoint_root_error(storage, found)
         if step is None:
             return cands
         newer = [c.step for c in cands if c.step > step and c.status == "committed"]

@@ -9,6 +9,7 @@ checks every chunk. The pure choice of a step lives in :mod:`ckptlib.plan.select
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from ckptlib.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StorageError,
+    TargetNotEmptyError,
 )
 from ckptlib.format import fence, layout
 from ckptlib.format.decode import decode
@@ -193,6 +195,54 @@ def check_step(
         return info
     info.status, info.bytes, info.manifest = "committed", m.payload_bytes, m
     return info
+
+
+def enclosing_checkpoint(storage: Storage) -> str | None:
+    """The checkpoint a manager root lies in, or None: the root itself when it holds a manifest
+    (a step folder of another run, or a folder ``ckptlib.save()`` wrote), else, on a local file
+    system, the nearest folder above it named like a step (``step-N``) that holds one. Only
+    folders named like a step are looked at, so a normal root costs one ``exists``. Callers:
+    ``CheckpointManager`` before its first save (every rank), and the restore's listing."""
+    if storage.exists(MANIFEST_NAME):
+        return storage.url
+    root = getattr(storage, "root", None)
+    if not isinstance(root, str) or "://" in storage.url:
+        return None
+    folder = os.path.dirname(root)
+    while folder != os.path.dirname(folder):
+        if layout.parse_step(os.path.basename(folder)) is not None and os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+            return folder
+        folder = os.path.dirname(folder)
+    return None
+
+
+def refuse_run_inside_checkpoint(storage: Storage) -> None:
+    """``CheckpointManager``'s first save, every rank: :class:`TargetNotEmptyError` when its root
+    is, or lies in, a checkpoint (:func:`enclosing_checkpoint`), before anything is written."""
+    if found := enclosing_checkpoint(storage):
+        raise checkpoint_root_error(storage, found, TargetNotEmptyError)
+
+
+def checkpoint_root_error(storage: Storage, found: str, cls: type[CheckpointError] = CheckpointNotFoundError
+                          ) -> CheckpointError:
+    """The error (``cls``: a restore's :class:`CheckpointNotFoundError`, a save's
+    :class:`TargetNotEmptyError`) for a manager root that is, or lies in, the checkpoint
+    ``found`` (:func:`enclosing_checkpoint`): what it is and what to do."""
+    name = found.rstrip("/").rsplit("/", 1)[-1]
+    if found == storage.url and (step := layout.parse_step(name)) is not None:
+        run = found.rstrip("/")[: -len(name)].rstrip("/") or "/"
+        return cls(f"{found} is step {step}'s folder of a CheckpointManager run (it holds {MANIFEST_NAME}), not a "
+                   f"run root: give CheckpointManager the run's folder ({run}) and restore(state, step={step}) "
+                   f"to go back to it, or load it alone with ckptlib.load({found!r}, into=state)")
+    if found == storage.url:
+        return cls(
+            f"{storage.url} is a single checkpoint written by ckptlib.save() (it holds {MANIFEST_NAME}), not a "
+            f"CheckpointManager run root: load it with ckptlib.load({storage.url!r}, into=state), and give "
+            "CheckpointManager a folder of its own")
+    return cls(
+        f"{storage.url} lies inside the checkpoint {found} (it holds {MANIFEST_NAME}), not beside it: a run "
+        "root inside a step folder would be deleted with that step by its run's retention; give "
+        "CheckpointManager a folder of its own (e.g. a sibling of the run folder)")
 
 
 def _root_entries(storage: Storage) -> list[Entry]:
