@@ -67,9 +67,9 @@ def test_a_root_inside_a_step_folder_is_refused(tmp_path: Path) -> None:
 def test_a_one_shot_checkpoint_as_root_is_refused_at_save(tmp_path: Path) -> None:
     ckptlib.save({"w": torch.ones(3)}, tmp_path / "one")
     before = _listing(str(tmp_path / "one"), None)
-    with ckptlib.CheckpointManager(tmp_path / "one", async_save=False) as mgr:
-        with pytest.raises(ckptlib.TargetNotEmptyError, match="is a single checkpoint written by ckptlib.save()"):
-            mgr.save(1, {"w": torch.zeros(3)})
+    with (ckptlib.CheckpointManager(tmp_path / "one", async_save=False) as mgr,
+          pytest.raises(ckptlib.TargetNotEmptyError, match=r"is a single checkpoint written by ckptlib\.save\(\)")):
+        mgr.save(1, {"w": torch.zeros(3)})
     assert _listing(str(tmp_path / "one"), None) == before
 
 

@@ -109,7 +109,7 @@ _DIGITS = re.compile(r"(\d+)")
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     """Sort key that orders numbers by value: ``layers.2`` before ``layers.10``."""
-    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(name) if p)
+    return tuple((0, int(p)) if _DIGITS.fullmatch(p) else (1, p) for p in _DIGITS.split(name) if p)
 
 def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
     """Describe one checkpoint: header (step, save id, world size, ...) and its tensors."""

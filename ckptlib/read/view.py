@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ from ckptlib.format.manifest import MANIFEST_NAME, Manifest
 from ckptlib.read.index import Index, plan_box
 
 log = logging.getLogger("ckptlib")
+_INT = re.compile(r"-?[0-9]+")  # a path segment naming an int key or list index (load)
 
 BLOCK_BYTES = 32 << 20
 """Largest block :meth:`CheckpointView.blocks` reads at once (bounds export/diff memory)."""
@@ -163,9 +165,10 @@ class CheckpointView:
         path = ""
         for key in [k for k in (select or "").split("/") if k]:
             path += "/" + key
-            if isinstance(saved, dict) and (key in saved or (key.lstrip("-").isdigit() and int(key) in saved)):
-                saved = saved[key] if key in saved else saved[int(key)]
-            elif isinstance(saved, list | tuple) and key.isdigit() and int(key) < len(saved):
+            number = int(key) if _INT.fullmatch(key) else None  # ASCII only: int("²") raises, int("\u0661") is 1
+            if isinstance(saved, dict) and (key in saved or number in saved):
+                saved = saved[key] if key in saved else saved[number]
+            elif isinstance(saved, list | tuple) and number is not None and 0 <= number < len(saved):
                 saved = saved[int(key)]
             else:
                 raise KeyError(f"{path}: not in the checkpoint {self.where}")

@@ -255,7 +255,7 @@ def node_folders(template: str, nodes: Sequence[int] | None = None) -> list[tupl
     for folder in glob.glob(glob.escape(template).replace(glob.escape("{node}"), "*")):
         m = pattern.match(folder)
         text = m.group(1) if m else ""
-        found.append((int(text) if text.isdigit() else None, folder))
+        found.append((int(text) if text.isascii() and text.isdigit() else None, folder))
     return sorted(found, key=lambda nf: (nf[0] is None, nf[0] or 0, nf[1]))
 
 
