@@ -1,6 +1,6 @@
 """Keys and folder names made of non-ASCII digits. ``str.isdigit()`` is true for "²" and for
 U+0661 (Arabic-Indic one), and ``int()`` refuses the first and reads the second as 1, so three places that asked
-``isdigit()`` before ``int()`` crashed or misread: ``ckptlib inspect`` sorting a tensor named
+``isdigit()`` before ``int()`` crashed or misread (and a fourth, the table width from ``COLUMNS``): ``ckptlib inspect`` sorting a tensor named
 ``w1²`` (exit 2, "invalid literal for int()"), ``open(url).load("x/³")`` (a ValueError for a
 key that is not saved, not the KeyError that names the path), and the node-folder listing of a
 tier template (``ckptlib nodes``) meeting a folder ``node-²``.
@@ -9,6 +9,7 @@ tier template (``ckptlib nodes``) meeting a folder ``node-²``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,12 @@ def test_node_folders_with_a_superscript_digit(tmp_path: Path) -> None:
     got = node_folders(str(tmp_path / "node-{node}"))
     assert got == [(0, str(tmp_path / "node-0")), (1, str(tmp_path / "node-1")),
                    (None, str(tmp_path / "node-x")), (None, str(tmp_path / "node-²"))]
+
+
+def test_a_superscript_columns_variable_is_ignored(saved: str) -> None:
+    """A piped command reads its table width from ``COLUMNS``; "²" used to end it in a traceback."""
+    env = {**os.environ, "COLUMNS": "²"}
+    r = subprocess.run([sys.executable, "-m", "ckptlib", "inspect", saved], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "/w1²" in r.stdout and "Traceback" not in r.stderr

@@ -53,6 +53,16 @@ class _Console(Console):
     broken_pipe = False
 
 
+def _console_environ() -> dict[str, str]:
+    """The environment rich reads, less a ``COLUMNS``/``LINES`` that is not a plain ASCII number
+    ("²" passes ``str.isdigit()``, and rich's ``int()`` of it ended the command in a traceback)."""
+    env = dict(os.environ)
+    for name in ("COLUMNS", "LINES"):
+        if name in env and not (env[name].isascii() and env[name].isdigit()):
+            del env[name]
+    return env
+
+
 class Output:
     """Where a command writes: a rich console for humans, or one JSON document."""
 
@@ -64,9 +74,10 @@ class Output:
         self.piped = not sys.stdout.isatty()
         if self.piped:
             columns = os.environ.get("COLUMNS", "")
-            width = int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
-        self.console = _Console(markup=False, highlight=False, emoji=False, width=width)
-        self.err = _Console(stderr=True, markup=False, highlight=False, emoji=False)
+            width = int(columns) if columns.isascii() and columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
+        env = _console_environ()
+        self.console = _Console(markup=False, highlight=False, emoji=False, width=width, _environ=env)
+        self.err = _Console(stderr=True, markup=False, highlight=False, emoji=False, _environ=env)
 
     @property
     def broken_pipe(self) -> bool:
