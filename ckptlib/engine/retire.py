@@ -50,7 +50,7 @@ DEFAULT_GRACE = 3600.0
 SAVE_ID_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_MARKER_BYTES = 1 << 16
 MAX_TREE_FILES = 100_000
-""":func:`tree_bytes` stops counting after this many files (and says so with ``None``)."""
+""":func:`tree_bytes` stops counting after this many entries, files and folders (and says so with ``None``)."""
 
 
 def delete_step(storage: Storage, folder: str, recycled: Callable[[], None] | None = None) -> None:
@@ -186,7 +186,7 @@ def find_debris(
 
 def tree_bytes(storage: Storage, folder: str) -> int | None:
     """Bytes of every file under ``folder`` (``ls``/``prune`` show debris sizes); None when
-    the folder is gone, holds more than ``MAX_TREE_FILES`` files, or cannot be walked (a path
+    the folder is gone, holds more than ``MAX_TREE_FILES`` entries (files and folders), or cannot be walked (a path
     past the file system's length limit, a folder we may not list): an unknown size, never an
     error that would stop ``ls`` or ``prune`` over one debris folder."""
     total, files = 0, 0
@@ -203,14 +203,14 @@ def tree_bytes(storage: Storage, folder: str) -> int | None:
                 if path == folder:
                     return None
                 continue
-            for e in entries:
+            for e in entries:  # folders count too: a tree of empty folders (or a loop of links) ends
+                files += 1
+                if files > MAX_TREE_FILES:
+                    return None
                 child = join(path, e.name)
                 if e.is_dir:
                     todo.append(child)
                     continue
-                files += 1
-                if files > MAX_TREE_FILES:
-                    return None
                 total += storage.size(child) or 0
     except OSError:  # StorageError included
         return None

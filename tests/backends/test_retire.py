@@ -206,3 +206,20 @@ def test_a_step_of_a_newer_format_is_never_removed_as_damaged(tmp_path):
     assert found[layout.step_dir(2)].removable  # damaged and superseded by step 3
     newer = found[layout.step_dir(1)]
     assert not newer.removable and "newer format" in newer.why
+
+
+def test_tree_bytes_stops_at_the_entry_limit_for_folders_too(tmp_path, monkeypatch):
+    """``ls``/``prune`` size each debris folder; a debris tree of empty folders (or a symlink
+    that loops back up) was walked without end, as only files counted against the limit."""
+    monkeypatch.setattr(retire, "MAX_TREE_FILES", 50)
+    s = open_storage(str(tmp_path))
+    for i in range(30):  # 60 folders, no files
+        (tmp_path / "deb" / f"a{i}" / "b").mkdir(parents=True)
+    assert retire.tree_bytes(s, "deb") is None
+    (tmp_path / "small" / "x").mkdir(parents=True)
+    (tmp_path / "small" / "x" / "f").write_bytes(b"12345")
+    assert retire.tree_bytes(s, "small") == 5
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "f").write_bytes(b"abc")
+    (tmp_path / "loop" / "up").symlink_to(tmp_path / "loop")
+    assert retire.tree_bytes(s, "loop") in (None, 3)  # a link is not followed, or the walk ends at the limit
