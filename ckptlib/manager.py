@@ -23,7 +23,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -41,7 +41,7 @@ from ckptlib.engine.overlap import SnapshotGate, deferred_mask
 from ckptlib.engine.persist_worker import PersistWorker, lower_priority
 from ckptlib.engine.preemption import FinalCheckpoint, PreemptionWatcher
 from ckptlib.engine.scan import StepInfo, newest_committed, refuse_run_inside_checkpoint, scan
-from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager
+from ckptlib.engine.snapshot import Snapshot, SnapshotAborted, Stager, failed_rounds
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
 from ckptlib.format import layout
 from ckptlib.format.schema import check_metrics
@@ -347,6 +347,7 @@ class CheckpointManager:
         ``metrics``: a flat dict of str -> finite float stored in the manifest (``keep_best``).
         With a local tier, ``persist`` forces (True) or skips (False) the drain of this step to
         ``url``; None follows ``persist_every`` (preemption saves are always drained)."""
+        self._check_process(f"save({step})")
         if self._closed:
             raise CheckpointError(f"save({step}): this CheckpointManager is closed (close() ran, or its with block "
                                   "ended); nothing was saved. Save before closing, or open a new manager")
@@ -364,6 +365,14 @@ class CheckpointManager:
             final.busy = False
         final.after_save(self)
         return handle
+
+    def _check_process(self, what: str) -> None:
+        """Caller's thread, first in each method using this manager's threads, tier, staging or
+        coordinator: refuse in a process forked from its builder's (docs/async.md, Fork)."""
+        if os.getpid() != self._pid:
+            raise CheckpointError(f"{what}: this CheckpointManager was built by process {self._pid}, which this one "
+                                  "was forked from: its threads, drains, staging and coordinator are that process's. "
+                                  "Build a new CheckpointManager in this process (close() here is harmless)")
 
     def should_save(self, step: int) -> bool:
         """True when ``step`` is due for a save (``save_interval_steps`` or ``"auto"``). Training
@@ -492,7 +501,7 @@ class CheckpointManager:
                     rounds = snap.rounds(deadline)
                 else:
                     snap.wait_staged(deadline)
-                    rounds = None if snap.error is None else _failed_rounds(snap.error)
+                    rounds = None if snap.error is None else failed_rounds(snap.error)
             replace = step in self._replace  # a step restore() found damaged is not a step to keep
             if replace:
                 log.info("ckptlib: step %d was found damaged by restore(); this save replaces it", step)
@@ -571,6 +580,7 @@ class CheckpointManager:
         or optimizer state any other way. A copy that misses ``timeout`` (default: the snapshot
         deadline) abandons its save, which then fails (raised by the handle, not here).
         """
+        self._check_process("wait_for_snapshot()")
         self._overlap.release(timeout)
 
     @property
@@ -599,6 +609,7 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for all pending saves; raise the first failure not yet raised."""
+        self._check_process("wait()")
         self._stager.check_caller("wait()")
         self._overlap.finish()
         self._join_thread(timeout)
@@ -609,13 +620,12 @@ class CheckpointManager:
         and threads, and restore signal handlers. Also via ``with``. With a local tier,
         ``drain=True`` also waits for pending drains (``False``: they are abandoned; the steps
         stay local) and raises a drain failure not yet raised."""
+        if os.getpid() != self._pid:  # a forked child saves nothing through it: the parent's saves are not its own
+            self._closed = True
+            return
         if self._closed:
             return
         self._stager.check_caller("close()")
-        if os.getpid() != self._pid:  # a forked child: only its own saves are waited for (docs/async.md)
-            self.wait(timeout)
-            self._closed = True
-            return
         try:
             self.wait(timeout)
             if self._drainer is not None and drain:
@@ -675,6 +685,7 @@ class CheckpointManager:
         ``exit_code`` once committed, else ``failure_exit_code``, also from a watchdog
         ``deadline`` seconds after the signal.
         """
+        self._check_process("save_on_signal()")
         if save_in_handler and state_fn is None:
             raise ValueError("save_in_handler=True needs a state_fn returning (step, state)")
         if self._final is not None:
@@ -699,6 +710,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ inspecting
     def steps(self, *, deep: bool = False) -> list[StepInfo]:
         """Every step under the root, oldest first, with status and reason."""
+        self._check_process("steps()")
         try:
             infos = scan(self.storage, deep=deep)
         except CheckpointNotFoundError:
@@ -710,6 +722,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest committed step (quick check: manifest and sizes), or None."""
+        self._check_process("latest_step()")
         if self._tier is None:  # newest first, stopping at the first committed step
             return newest_committed(self.storage)
         return next((i.step for i in reversed(self.steps()) if i.status == "committed"), None)
@@ -736,6 +749,7 @@ class CheckpointManager:
         ``per_rank``: policy for ``PerRank`` values of another world size (error, rank0, all).
         ``strict``: as ``ckptlib.load``; with ``strict=False`` a step restored is returned as a
         :class:`~ckptlib.engine.load.LoadResult` (``.step``, ``.missing``, ``.unexpected``)."""
+        self._check_process("restore()")
         resume.check_target(state, strict, verify)
         if step is not None:
             layout.step_dir(step)  # an int from 0 up, as save() takes (TypeError/ValueError naming it)
@@ -782,8 +796,3 @@ def note_relaunch(error: BaseException, what: str, where: str) -> None:
     error.add_note(f"ckptlib: {what}. A rank that died or froze ends the job's process group: "
                    f"relaunch the whole job; restore() then resumes from {where}.")
 
-
-def _failed_rounds(error: BaseException) -> Iterator[list[TensorItem]]:
-    """Rounds of a save whose snapshot failed: raising inside ``persist`` fails the commit."""
-    raise SnapshotAborted(f"snapshot failed: {type(error).__name__}: {error}") from error
-    yield []  # pragma: no cover  (makes this a generator)

@@ -1,10 +1,12 @@
 """The manager's one persist thread (ckptlib/engine/persist_worker.py): every async save of a
 manager runs on the same thread, no thread is started per save, a failed save does not lose the
-thread, a manager dropped without close leaves no thread and a forked child gets a new one; each save's bytes come back."""
+thread, a manager dropped without close leaves no thread and a forked child cannot save through its
+parent's manager; each save's bytes come back."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import threading
@@ -112,18 +114,8 @@ def test_a_save_after_close_and_reopen_runs_on_a_new_thread(tmp_path):
     w.stop(30)
 
 
-def test_forked_child_saves_on_a_thread_of_its_own(tmp_path):
-    mgr = ckptlib.CheckpointManager(tmp_path)
-    mgr.save(1, state_of(1)).wait(timeout=60)
-    assert persist_threads()  # the parent's idle persist thread, which the child will not have
-    pid = os.fork()
-    if pid == 0:  # the child: save once, exit 0 only if it committed
-        code = 1
-        try:
-            mgr.save(2, state_of(2)).wait(timeout=60)
-            code = 0
-        finally:
-            os._exit(code)
+def child_result(pid: int, read_end: int) -> dict:
+    """The forked child's report (JSON through the pipe), once it exited 0 (killed past 120 s)."""
     deadline = time.monotonic() + 120
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -132,11 +124,51 @@ def test_forked_child_saves_on_a_thread_of_its_own(tmp_path):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            pytest.fail("the forked child's save hung")
+            pytest.fail("the forked child hung")
         time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0
+    with os.fdopen(read_end) as f:
+        report = f.read()
+    assert os.waitstatus_to_exitcode(status) == 0, report
+    return json.loads(report)
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_a_forked_child_cannot_save_or_restore_through_the_parents_manager(tmp_path, tier, request):
+    # A child's save() through its inherited manager ran: with a memory tier its staging came from
+    # the parent's mapped files, and its drains never started (the drain thread is the parent's).
+    # Now every call that would use the manager refuses at once; close() in the child is harmless.
+    local = str(request.getfixturevalue("shm_node")) if tier else None
+    mgr = ckptlib.CheckpointManager(tmp_path / "ckpt", local=local)
+    mgr.save(1, state_of(1)).wait(timeout=60)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report each call's outcome, then close
+        report: dict = {}
+        try:
+            os.close(read_end)
+            calls = {"save": lambda: mgr.save(2, state_of(2)), "restore": lambda: mgr.restore(state_of(0)),
+                     "wait": mgr.wait, "latest_step": mgr.latest_step}
+            for name, call in calls.items():
+                try:
+                    call()
+                    report[name] = "returned"
+                except BaseException as e:
+                    report[name] = f"{type(e).__name__}: {e}"
+            mgr.close()
+            report["close"] = "returned"
+        finally:
+            os.write(write_end, json.dumps(report).encode())
+            os._exit(0)
+    os.close(write_end)
+    report = child_result(pid, read_end)
+    for name in ("save", "restore", "wait", "latest_step"):
+        assert report[name].startswith("CheckpointError:") and "Build a new CheckpointManager" in report[name], report
+    assert report["close"] == "returned", report
+    mgr.save(3, state_of(3)).wait(timeout=60)  # the parent's manager goes on, its staging untouched
     mgr.close()
-    assert_same(loaded(tmp_path, 2), state_of(2))
+    assert [i.step for i in ckptlib.CheckpointManager(tmp_path / "ckpt", local=local).steps()
+            if i.status == "committed"] == [1, 3]
+    assert_same(loaded(tmp_path / "ckpt", 3), state_of(3))
 
 
 def test_worker_join_is_bounded_and_a_raising_job_does_not_end_the_thread():

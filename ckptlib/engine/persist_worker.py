@@ -20,7 +20,8 @@ the new thread had been scheduled: at 32 ranks on 2 cores ``save()`` took 0.95-1
 The thread ends with :meth:`PersistWorker.stop` (``close``) or, for a manager dropped without
 ``close``, when its worker is garbage-collected (a finalizer wakes the thread to end: the thread
 holds no reference to the worker or the manager between saves). A forked child does not have the
-parent's thread: its first submit starts one of its own. Only the training thread calls
+parent's thread (a worker's first submit there would start one of its own; the manager refuses
+to save in a child, ``CheckpointManager._check_process``). Only the training thread calls
 ``submit`` and ``stop``, so no lock is taken that a fork could leave held.
 
 Interpreter exit (:func:`drain_at_exit`): a manager not closed registers its drain, which waits

@@ -478,3 +478,10 @@ def copy_cpu(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         t.join()  # a memory copy: bounded by bytes / memory bandwidth
     if errors:
         raise errors[0]
+
+
+def failed_rounds(error: BaseException) -> Iterator[list[TensorItem]]:
+    """Rounds of a save whose snapshot failed (the persist thread, ``CheckpointManager._persist``):
+    raising inside ``persist`` fails the commit on every rank."""
+    raise SnapshotAborted(f"snapshot failed: {type(error).__name__}: {error}") from error
+    yield []  # pragma: no cover  (makes this a generator)
