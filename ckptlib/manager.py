@@ -356,14 +356,17 @@ class CheckpointManager:
         metrics = check_metrics(metrics)
         final = self._final
         self._persist_next = self._wants_drain(persist)
-        if final is None:
-            return self._scheduled(step, time.monotonic(), self._save(step, state, metadata, metrics))
-        final.busy = True  # a save_in_handler signal now waits until this call returns
+        if final is not None:
+            final.busy = True  # a save_in_handler signal now waits until this call returns
+        outer, self._stager.saver = self._stager.saver, threading.get_ident()  # a handler's close()/wait() refuse
         try:
             handle = self._scheduled(step, time.monotonic(), self._save(step, state, metadata, metrics))
         finally:
-            final.busy = False
-        final.after_save(self)
+            self._stager.saver = outer
+            if final is not None:
+                final.busy = False
+        if final is not None:
+            final.after_save(self)
         return handle
 
     def _check_process(self, what: str) -> None:

@@ -17,6 +17,7 @@ from helpers import assert_same, disk_full, patch_creates
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import ckptlib
+from ckptlib.engine import save as save_mod
 from ckptlib.engine import snapshot as snap_mod
 from ckptlib.engine import staging_cuda
 from ckptlib.format import layout
@@ -782,3 +783,46 @@ def test_close_or_wait_from_a_signal_handler_inside_save_refuses_at_once(tmp_pat
     got = {"w": torch.zeros(256, 64), "b": torch.zeros(9)}
     assert ckptlib.CheckpointManager(tmp_path).restore(got) == 1
     assert_same(got, state)
+
+
+@pytest.mark.parametrize("call", ["close", "wait"])
+def test_close_or_wait_from_a_signal_handler_while_save_flattens_refuses_at_once(tmp_path, monkeypatch, call):
+    # A signal that landed while save() flattened the state (before the copy) was not caught: a
+    # handler's close() closed the manager under the save, which then went on regardless on a new
+    # persist thread that close() never stopped; its wait() returned as if nothing was in flight.
+    mgr = ckptlib.CheckpointManager(tmp_path, snapshot_timeout=20.0)
+    seen: list[tuple[BaseException | None, float]] = []
+
+    def handler(signum, frame):
+        start = time.monotonic()
+        try:
+            getattr(mgr, call)()
+            seen.append((None, time.monotonic() - start))
+        except BaseException as e:
+            seen.append((e, time.monotonic() - start))
+
+    real = save_mod.flatten
+
+    def signalled(*args, **kwargs):  # the signal lands while save() flattens, on the training thread
+        if not seen:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real(*args, **kwargs)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    monkeypatch.setattr(save_mod, "flatten", signalled)
+    state = {"w": torch.randn(256, 64), "b": torch.randn(9)}
+    try:
+        mgr.save(1, state).wait(timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    [(error, took)] = seen
+    assert isinstance(error, ckptlib.CheckpointError) and "inside save()" in str(error), error
+    assert took < 10, took
+    later = {"w": torch.randn(256, 64), "b": torch.randn(9)}
+    mgr.save(2, later).wait(timeout=60)  # the manager was not closed under the save: it goes on
+    mgr.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("ckptlib-persist", "ckptlib-save-"))]
+    for step, want in ((1, state), (2, later)):
+        got = {"w": torch.zeros(256, 64), "b": torch.zeros(9)}
+        assert ckptlib.CheckpointManager(tmp_path).restore(got, step=step) == step
+        assert_same(got, want)

@@ -86,6 +86,8 @@ class Stager:
         """(plan key, mappable, arena bytes) of the last plan asked for a mapped arena."""
         self.current: Snapshot | None = None
         """The last snapshot begun (:meth:`check_caller`)."""
+        self.saver: int | None = None
+        """The thread inside ``CheckpointManager.save`` (ident; set by it), if any (:meth:`check_caller`)."""
 
     @property
     def nbytes(self) -> int:
@@ -100,14 +102,22 @@ class Stager:
 
     def check_caller(self, what: str) -> None:
         """``wait()``/``close()``, first thing, on any thread: refuse at once to wait for a
-        snapshot that the calling thread is copying itself (a signal handler that interrupted
-        ``save()``): that wait held the copy it waited for until ``snapshot_timeout`` (300 s),
-        and then the save failed ("timed out waiting for the snapshot")."""
+        save that the calling thread is inside itself (a signal handler that interrupted
+        ``save()``). During the copy that wait held the copy it waited for until
+        ``snapshot_timeout`` (300 s), and then the save failed ("timed out waiting for the
+        snapshot"); earlier (flattening, planning; a synchronous save's write) ``close()``
+        closed the manager under the save, which went on on a persist thread nothing stopped."""
+        me = threading.get_ident()
         snap = self.current
-        if snap is not None and snap.copier == threading.get_ident():
-            raise CheckpointError(f"{what} was called on the thread that is inside save(), copying the state (a "
-                                  "signal handler?): it would wait for that copy, which waits for it. Call it after "
-                                  "save() returns; on SIGTERM use save_on_signal() (docs/async.md, Preemption)")
+        if snap is not None and snap.copier == me:
+            doing = "copying the state"
+        elif self.saver == me:
+            doing = "flattening, planning or writing the state"
+        else:
+            return
+        raise CheckpointError(f"{what} was called on the thread that is inside save(), {doing} (a signal "
+                              "handler?): it would wait for that save, which waits for it. Call it after save() "
+                              "returns; on SIGTERM use save_on_signal() (docs/async.md, Preemption)")
 
     # ------------------------------------------------------------------ planning
     def begin(self, flat: FlatState, deferred: Sequence[bool] | None = None, direct: bool = False) -> Snapshot:
