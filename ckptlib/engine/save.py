@@ -66,7 +66,7 @@ from ckptlib.errors import (
 )
 from ckptlib.format import jsonio
 from ckptlib.format import manifest as mf
-from ckptlib.format.build import build_body, encode_body
+from ckptlib.format.build import build_body, check_room, encode_body
 from ckptlib.plan.flatten import FlatState, TensorItem, flatten
 from ckptlib.plan.grid import propose
 from ckptlib.plan.trees import TreeMismatch
@@ -716,6 +716,14 @@ def write_state(session: SaveSession, flat: FlatState, rounds: Iterable[list[Ten
     write failure, for ``finish(error=...)``; used by :func:`persist` and the tiers' local save.
     ``arena``: ``flat`` lies in this mapped arena; adopted when this rank writes all of it."""
     session.v2 = session.options.writes_v2(session.session.world)
+    one = session.session.world == 1
+    try:  # a manifest certain to be over the limit fails the save before any payload is written
+        exact = one and not session.v2 and not flat.per_rank  # the manifest's tree is flat.tree
+        check_room((it.name for it in flat.items), flat.tree if exact else None)
+    except UnsupportedValueError as e:
+        if one:
+            return e
+        session.stage_error = session.stage_error or f"{type(e).__name__}: {e}"  # the plan fails everywhere
     items = plan_items(session, flat.items)
     mine = {it.name for it in items}
     if before_write is not None:

@@ -13,7 +13,7 @@ Who calls what:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -241,12 +241,39 @@ def encode_body(body: dict[str, Any]) -> bytes:
     text = jsonio.dumps(body, sort_keys=False).encode("ascii")
     data = manifest_head(2 if "indexes" in body else 1, checksum(text)) + text + b"}"
     if len(data) > MAX_MANIFEST_BYTES:  # readers refuse it by its size: never commit it
-        raise UnsupportedValueError(
-            f"the manifest would be {len(data)} bytes, over the {MAX_MANIFEST_BYTES} bytes a reader accepts "
-            "(non-tensor values are stored in it: move long lists and strings into tensors or bytes, "
-            "which go to payload files; docs/format.md 4.1)"
-        )
+        raise _too_big(f"{len(data)} bytes")
     return data
+
+
+def manifest_floor(names: Iterable[str], tree: Any = None) -> int:
+    """A floor of the manifest's size, never more than :func:`encode_body` will make: its head,
+    each distinct tensor name (a JSON string in every format: its characters, one byte or more
+    each, two quotes, a separator) and, only where the caller passes it, ``tree``, which must be
+    exactly the body's ``tree`` (a one-rank v1 save with no ``PerRank`` value)."""
+    distinct = set(names)
+    floor = len(manifest_head(1, "0" * 16)) + 1 + sum(map(len, distinct)) + 3 * len(distinct)
+    if floor <= MAX_MANIFEST_BYTES and tree is not None:
+        floor += len(jsonio.dumps(tree, sort_keys=False))
+    return floor
+
+
+def check_room(names: Iterable[str], tree: Any = None) -> None:
+    """Every rank, on the save's thread, before any payload byte is written
+    (``engine.save.write_state``): raise :class:`UnsupportedValueError`, as :func:`encode_body`
+    would at the commit, when :func:`manifest_floor` proves the manifest over
+    ``MAX_MANIFEST_BYTES``. Never refuses a manifest that fits; the commit's exact check stays."""
+    floor = manifest_floor(names, tree)
+    if floor > MAX_MANIFEST_BYTES:
+        raise _too_big(f"at least {floor} bytes")
+
+
+def _too_big(size: str) -> UnsupportedValueError:
+    """The refusal of a manifest over the limit (:func:`encode_body`, :func:`check_room`)."""
+    return UnsupportedValueError(
+        f"the manifest would be {size}, over the {MAX_MANIFEST_BYTES} bytes a reader accepts "
+        "(non-tensor values are stored in it: move long lists and strings into tensors or bytes, "
+        "which go to payload files; docs/format.md 4.1)"
+    )
 
 
 def manifest_head(version: int, digest: str) -> bytes:
