@@ -118,6 +118,19 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _ZEROS = [(0,) * n for n in range(MAX_NDIM + 1)]  # global offsets of whole tensors, by ndim
 
 
+def check_name(name: str) -> str:
+    """``name``, a tensor's name in a checkpoint, or :class:`UnsupportedValueError` when it is
+    longer than ``MAX_NAME`` (readers refuse it: never write a step that cannot load). Caller's
+    thread, before any I/O: the flattener, for every tensor, and adapters that build names
+    themselves (the Megatron save strategy)."""
+    if len(name) > MAX_NAME:
+        raise UnsupportedValueError(
+            f"tensor at {name[:200]}... has a name of {len(name)} characters (its keys joined by '/', "
+            f"escaped); a checkpoint holds names of at most {MAX_NAME}: shorten the keys on its path"
+        )
+    return name
+
+
 @dataclass(slots=True)
 class _Flattener:
     """One walk over the state. Hot for states with many tensors: keep per-leaf work small."""
@@ -214,12 +227,7 @@ class _Flattener:
             raise UnsupportedValueError(f"tensor at {path} is on the meta device (it has no data)")
         if t.dtype not in NAMES:
             raise UnsupportedValueError(f"tensor at {path}: ckptlib cannot store dtype {t.dtype}")
-        name = path or "/"
-        if len(name) > MAX_NAME:  # readers refuse longer names: never write a step that cannot load
-            raise UnsupportedValueError(
-                f"tensor at {name[:200]}... has a name of {len(name)} characters (its keys joined by '/', "
-                f"escaped); a checkpoint holds names of at most {MAX_NAME}: shorten the keys on its path"
-            )
+        name = check_name(path or "/")
         if global_shape is None:
             global_shape = tuple(t.shape)
             if len(global_shape) > MAX_NDIM:

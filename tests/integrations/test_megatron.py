@@ -339,6 +339,31 @@ def test_arbitrary_python_object_is_a_typed_error_before_io(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_tensor_key_too_long_for_a_checkpoint_name_is_refused_before_io(tmp_path):
+    # The strategy built "/tensors/<key>" names without the flattener's length check: a key
+    # over MAX_NAME (4096) characters was written and committed, and every reader then refused
+    # the manifest. Now the save fails first, with the flattener's error, and writes nothing.
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from ckptlib.errors import UnsupportedValueError
+    from ckptlib.format.validate import MAX_NAME
+
+    ck = _ck()
+    (tmp_path / "common.pt").write_bytes(b"")
+    key = "k" * MAX_NAME
+    sd = {"w": ShardedTensor.from_rank_offsets(key, torch.randn(3, 2)),
+          "ok": ShardedTensor.from_rank_offsets("ok", torch.randn(2))}
+    with pytest.raises(UnsupportedValueError, match=f"a checkpoint holds names of at most {MAX_NAME}: shorten"):
+        ck.SaveStrategy().save(sd, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["common.pt"]
+    short = "k" * (MAX_NAME - len("/tensors/"))  # the longest key that fits is saved and loads
+    sd = {"w": ShardedTensor.from_rank_offsets(short, w := torch.randn(3, 2))}
+    ck.SaveStrategy().save(sd, tmp_path)
+    target = {"w": ShardedTensor.from_rank_offsets(short, torch.zeros(3, 2))}
+    assert torch.equal(ck.LoadStrategy().load(target, tmp_path)["w"], w)
+
+
 def test_bit_flip_in_common_pt_is_detected(tmp_path):
     import torch
     from megatron.core.dist_checkpointing import ShardedTensor

@@ -42,11 +42,13 @@ from ckptlib.integrations.megatron.layout import (
     iteration_of,
     piece,
 )
-from ckptlib.plan.flatten import FlatState, TensorItem, escape, flatten
+from ckptlib.plan.flatten import FlatState, TensorItem, check_name, escape, flatten
 
 
 def _tensor_name(key: str) -> str:
-    return f"/tensors/{escape(key)}"
+    """The checkpoint name of Megatron's ``key``; a name over ``MAX_NAME`` is refused as the
+    flattener refuses it (:func:`~ckptlib.plan.flatten.check_name`)."""
+    return check_name(f"/tensors/{escape(key)}")
 
 
 def _build(sd: ShardedStateDict, s: Session, timeout: float, copy: bool
@@ -75,6 +77,8 @@ def _build(sd: ShardedStateDict, s: Session, timeout: float, copy: bool
     mine: Any
     try:
         obj_flat = flatten({"objects": PerRank(objects)}, s.rank)
+        for k in keys:
+            _tensor_name(k)  # a key too long for a name fails the save on every rank, before any I/O
         mine = sorted(keys.items())
     except UnsupportedValueError as e:
         mine = {"unsupported": str(e)}
