@@ -31,7 +31,7 @@ from ckptlib import crashpoints
 from ckptlib.backends import Storage, open_storage
 from ckptlib.backends.posix import PosixStorage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
-from ckptlib.coord.liveness import LOST
+from ckptlib.coord.liveness import note_relaunch
 from ckptlib.engine import options as argcheck
 from ckptlib.engine import persist_worker, resume, retire
 from ckptlib.engine import save as save_flow
@@ -783,19 +783,4 @@ class CheckpointManager:
         if strict or got is None:
             return got
         return LoadResult(state, keys["missing"], keys["unexpected"], got)
-
-
-def note_relaunch(error: BaseException, what: str, where: str) -> None:
-    """When a save (the persist thread, or a synchronous save's caller) or a restore (the
-    caller) failed because a rank is gone from the job (a liveness verdict in
-    ``error.failures``, which end in :data:`~ckptlib.coord.liveness.LOST`: a silent rank, an
-    unreachable coordinator): add what to do next to the error's notes, which Python 3.11 and
-    later prints under its traceback. ``what`` failed; ``where`` a relaunch resumes. Other
-    failures (a rank's storage error, non-finite values) get no note: a relaunch does not mend
-    them."""
-    failures = getattr(error, "failures", None) or {}
-    if not any(LOST in str(why) for why in failures.values()) or not hasattr(error, "add_note"):
-        return
-    error.add_note(f"ckptlib: {what}. A rank that died or froze ends the job's process group: "
-                   f"relaunch the whole job; restore() then resumes from {where}.")
 

@@ -41,7 +41,7 @@ def heartbeat_period(dead_after: float) -> float:
 
 LOST = "died, hung or stopped"
 """How every verdict of a rank gone from the job ends (a silent rank, an unreachable coordinator):
-:func:`ckptlib.manager.note_relaunch` looks for it."""
+:func:`note_relaunch` looks for it."""
 
 
 def hb_key(rank: int) -> str:
@@ -208,3 +208,19 @@ def _stop_pulses() -> None:
     """At exit, before the interpreter tears down: no pulse left inside a store call."""
     for pulse in list(_PULSES):
         pulse.stop()
+
+
+def note_relaunch(error: BaseException, what: str, where: str) -> None:
+    """``CheckpointManager``, when a save (the persist thread, or a synchronous save's caller)
+    or a restore (the caller) failed because a rank is gone from the job (a liveness verdict in
+    ``error.failures``, which end in :data:`LOST`: a silent rank, an unreachable coordinator):
+    add what to do next to the error's notes, which Python 3.11 and later prints under its
+    traceback. ``what`` failed; ``where`` a relaunch resumes. Other
+    failures (a rank's storage error, non-finite values) get no note: a relaunch does not mend
+    them."""
+    failures = getattr(error, "failures", None) or {}
+    if not any(LOST in str(why) for why in failures.values()) or not hasattr(error, "add_note"):
+        return
+    error.add_note(f"ckptlib: {what}. A rank that died or froze ends the job's process group: "
+                   f"relaunch the whole job; restore() then resumes from {where}.")
+
