@@ -75,6 +75,7 @@ class SaveHandle:
         self._durable_at: float | None = None  # time.monotonic() when committed
         self._drain: DrainTicket | None = None
         self._tiered = False
+        self._pid = os.getpid()  # its save runs in this process only
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -111,6 +112,9 @@ class SaveHandle:
 
         ``timeout=None`` waits up to the save's own deadline (plus a margin).
         """
+        if os.getpid() != self._pid and not self._event.is_set():  # a forked child: it would wait out the limit
+            raise CheckpointError(f"step {self.step}: its save runs in process {self._pid}, which this one was "
+                                  "forked from, and is never done here; wait for it there")
         limit = self._timeout + 30.0 if timeout is None else timeout
         if not self._event.wait(limit):
             raise CommitTimeoutError(f"save of step {self.step} still running after {limit:g}s of waiting; it goes "

@@ -171,6 +171,43 @@ def test_a_forked_child_cannot_save_or_restore_through_the_parents_manager(tmp_p
     assert_same(loaded(tmp_path / "ckpt", 3), state_of(3))
 
 
+def test_a_forked_child_waiting_on_the_parents_save_handle_is_refused(tmp_path, monkeypatch):
+    # A handle of a save in flight at the fork is never finished in the child (the save runs in
+    # the parent): its wait() blocked until its limit (save_timeout + 30 s), then said "still
+    # running". Now it refuses at once; the parent's save commits as before.
+    from ckptlib.engine import save as save_flow
+
+    gate = threading.Event()
+    real = save_flow.persist
+
+    def held(*args, **kwargs):  # the save is still in flight when the process forks
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_flow, "persist", held)
+    mgr = ckptlib.CheckpointManager(tmp_path)
+    h = mgr.save(1, state_of(1))
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        report = "not raised"
+        try:
+            os.close(read_end)
+            h.wait(timeout=5)
+        except BaseException as e:
+            report = f"{type(e).__name__}: {e}"
+        finally:
+            os.write(write_end, json.dumps({"wait": report}).encode())
+            os._exit(0)
+    os.close(write_end)
+    report = child_result(pid, read_end)["wait"]
+    gate.set()
+    assert report.startswith("CheckpointError:") and "forked" in report, report
+    h.wait(timeout=60)
+    mgr.close()
+    assert_same(loaded(tmp_path, 1), state_of(1))
+
+
 def test_worker_join_is_bounded_and_a_raising_job_does_not_end_the_thread():
     w = PersistWorker()
     gate = threading.Event()
