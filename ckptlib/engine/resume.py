@@ -2,7 +2,8 @@
 
 One loop for the manager and every integration, on the caller's thread, every rank in the
 same order, in one coordination session (the caller's, or its own): the coordinator lists the
-candidates (newest first) and every rank gets the same list (:meth:`Session.share`); for each
+candidates (newest first), judging steps only as far as the loop needs, and every rank gets the
+same candidates in batches (:func:`_shared`, :meth:`Session.share`); for each
 ``committed`` candidate the ranks meet, run ``attempt(candidate)``, and exchange the outcomes
 (:meth:`Session.exchange`): if any rank found the step damaged, all move on to the next older
 one; other failures are raised everywhere. A wait on another rank lasts while that rank's
@@ -14,8 +15,9 @@ leaves last, so the last verdict never vanishes with its process. :func:`resume_
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -25,7 +27,7 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.options import flag
-from ckptlib.engine.scan import StepInfo, checkpoint_root_error, enclosing_checkpoint, scan
+from ckptlib.engine.scan import StepInfo, checkpoint_root_error, enclosing_checkpoint, iter_steps
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -71,7 +73,7 @@ def corruption_of(error: BaseException) -> str | None:
 
 def resume_newest(
     coord: Coordinator | Session,
-    list_candidates: Callable[[], list[Candidate]],
+    list_candidates: Callable[[], Iterable[Candidate]],
     attempt: Callable[[Candidate], T],
     *,
     timeout: float,
@@ -83,7 +85,8 @@ def resume_newest(
     """Run the resume loop (module docstring). Collective when several ranks. ``coord``: a
     coordinator (the loop opens its own session) or the caller's open session (a tier restore).
 
-    ``list_candidates`` runs on the coordinator only; ``attempt`` on every rank, in the same
+    ``list_candidates`` runs on the coordinator only and returns a list or an iterator (read
+    lazily, up to the candidate that loads); ``attempt`` on every rank, in the same
     order. ``damaged(error)`` says why an exception from ``attempt`` means the step is damaged
     (fall back), or None for a failure every rank must raise (a state that does not match).
     ``where`` (the root) and ``label`` ("step", "iteration") word the log lines and errors.
@@ -98,22 +101,19 @@ def resume_newest(
         return _loop(s, list_candidates, attempt, timeout, where, label, damaged, corrupt)
 
 
-def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: Callable[[Candidate], T],
+def _loop(s: Session, list_candidates: Callable[[], Iterable[Candidate]], attempt: Callable[[Candidate], T],
           timeout: float, where: str, label: str, damaged: Callable[[BaseException], str | None],
           corrupt: list[int] | None = None) -> Resumed[T] | None:
     def deadline() -> float:
         return s.now() + timeout
 
-    raw = s.share([[c.step, c.folder, c.status, c.reason, c.extra] for c in list_candidates()]
-                  if s.is_coordinator else None, deadline=deadline(), what="list the checkpoints")
     skipped: list[str] = []
     corrupt_seen = False
-    for step, folder, status, reason, extra in raw:
-        cand = Candidate(int(step), folder, status, reason, extra)
-        if status != "committed":
-            log.warning("ckptlib: skipping %s %d (%s): %s", label, cand.step, status, reason)
-            skipped.append(f"{label} {cand.step}: {status}: {reason}")
-            corrupt_seen |= status == "corrupt"
+    for cand in _shared(s, list_candidates, deadline):
+        if cand.status != "committed":
+            log.warning("ckptlib: skipping %s %d (%s): %s", label, cand.step, cand.status, cand.reason)
+            skipped.append(f"{label} {cand.step}: {cand.status}: {cand.reason}")
+            corrupt_seen |= cand.status == "corrupt"
             continue
         crashpoints.point("restore", s.rank)
         if s.world > 1:
@@ -159,21 +159,44 @@ def _loop(s: Session, list_candidates: Callable[[], list[Candidate]], attempt: C
     return None
 
 
+def _shared(s: Session, list_candidates: Callable[[], Iterable[Candidate]],
+            deadline: Callable[[], float]) -> Iterator[Candidate]:
+    """The candidates, newest first, the same on every rank, in batches: the coordinator takes
+    them from ``list_candidates()`` (a list, or an iterator that judges steps as it goes) up to
+    and including the next ``committed`` one, or to the end, and shares that batch with an end
+    flag (:meth:`Session.share`). Every rank asks for the next batch together, only when the
+    loop goes on past the batch's committed candidate (every rank's verdict on it exchanged),
+    so a restore whose newest step loads judges one step folder, not the whole root."""
+    source = iter(list_candidates()) if s.is_coordinator else None
+    while True:
+        batch: list[list[Any]] = []
+        if source is not None:
+            for c in source:
+                batch.append([c.step, c.folder, c.status, c.reason, c.extra])
+                if c.status == "committed":
+                    break
+        mine = {"batch": batch, "end": not batch or batch[-1][2] != "committed"} if source is not None else None
+        got = s.share(mine, deadline=deadline(), what="list the checkpoints")
+        for step, folder, status, reason, extra in got["batch"]:
+            yield Candidate(int(step), folder, status, reason, extra)
+        if got["end"]:
+            return
+
+
 def step_candidates(
     storage: Storage, judge: Callable[[StepInfo], tuple[str, str, Any]] | None = None
-) -> list[Candidate]:
-    """Every step under ``storage`` (scan: manifest, sizes), newest first. ``judge(info)``,
-    called for committed steps only, returns ``(status, reason, extra)``: an integration's own
-    verdict (e.g. ``not_dcp``) and its caller data (a DeepSpeed tag, ...)."""
+) -> Iterator[Candidate]:
+    """Every step under ``storage`` (manifest, sizes), newest first, each judged only when the
+    caller iterates that far (:func:`ckptlib.engine.scan.iter_steps`). ``judge(info)``, called
+    for committed steps only, returns ``(status, reason, extra)``: an integration's own verdict
+    (e.g. ``not_dcp``) and its caller data (a DeepSpeed tag, ...)."""
     try:
-        infos = scan(storage)
+        infos = iter_steps(storage)
     except CheckpointNotFoundError:
-        return []
-    return [
-        Candidate(i.step, i.path, *judge(i)) if judge is not None and i.status == "committed"
-        else Candidate(i.step, i.path, i.status, i.reason)
-        for i in infos
-    ]
+        return
+    for i in infos:
+        yield (Candidate(i.step, i.path, *judge(i)) if judge is not None and i.status == "committed"
+               else Candidate(i.step, i.path, i.status, i.reason))
 
 
 def check_target(state: Any, strict: Any, verify: Any) -> None:
@@ -206,12 +229,14 @@ def restore(
     ``strict``/``keys``: as :func:`ckptlib.engine.load.load_checkpoint` (keys of the step restored);
     ``corrupt``: as :func:`resume_newest`."""
 
-    def listing() -> list[Candidate]:  # the coordinator: its error reaches every rank
-        cands = step_candidates(storage)
-        if not cands and (found := enclosing_checkpoint(storage)):  # a first run would start from scratch
+    def listing() -> Iterator[Candidate] | list[Candidate]:  # the coordinator: its error reaches every rank
+        lazy = step_candidates(storage)
+        first = next(lazy, None)
+        if first is None and (found := enclosing_checkpoint(storage)):  # a first run would start from scratch
             raise checkpoint_root_error(storage, found)
         if step is None:
-            return cands
+            return itertools.chain([first] if first is not None else [], lazy)
+        cands = [first, *lazy] if first is not None else []  # restore(step=N): every step, for the warning
         newer = [c.step for c in cands if c.step > step and c.status == "committed"]
         if newer:  # a rollback: say now what a resume after the next crash will do
             log.warning("ckptlib: restoring step %d from %s, which holds %d newer committed step(s) (newest: %d): "
@@ -234,7 +259,7 @@ def restore(
     if got is None and step is not None:
         # Rank 0 lists again for its message (an error path; the other ranks' say less).
         raise missing_step(step, storage.url, f"ckptlib ls {storage.url}",
-                           step_candidates(storage) if coord.rank == 0 else None)
+                           list(step_candidates(storage)) if coord.rank == 0 else None)
     return got.candidate.step if got else None
 
 

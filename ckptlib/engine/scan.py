@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ckptlib.backends import Entry, Storage, join
@@ -258,16 +258,69 @@ def _root_entries(storage: Storage) -> list[Entry]:
 
 def newest_committed(storage: Storage) -> int | None:
     """The newest committed step under the root (quick check: manifest and sizes), or None;
-    ``CheckpointManager.latest_step`` (caller's thread). One listing, then steps are judged newest
-    first until one is committed: a root of many steps costs a few requests, not a manifest
-    read per step as :func:`scan` does. Errors as :func:`scan`."""
+    ``CheckpointManager.latest_step`` (caller's thread). Judged lazily (:func:`iter_steps`): a
+    root of many steps costs a few requests, not a manifest read per step as :func:`scan` does.
+    Errors as :func:`iter_steps`."""
     try:
-        entries = _root_entries(storage)
+        steps = iter_steps(storage)
     except CheckpointNotFoundError:
         return None
-    folders = sorted(((s, e.name) for e in entries if e.is_dir and (s := layout.parse_step(e.name)) is not None),
-                     reverse=True)
-    return next((step for step, name in folders if check_step(storage, name, step).status == "committed"), None)
+    return next((i.step for i in steps if i.status == "committed"), None)
+
+
+_Plan = list[tuple[int, list["str | StepInfo"]]]
+
+
+def _plan(entries: list[Entry]) -> _Plan:
+    """The root's ``entries`` grouped by step, newest first: per step, the step folders still to
+    judge (their names, in listing order), then the in-progress/crashed/fenced saves of a step
+    without a folder of that name (judged already: incomplete, no I/O)."""
+    groups: dict[int, list[str | StepInfo]] = {}
+    folders = {e.name for e in entries if e.is_dir and layout.parse_step(e.name) is not None}
+    for ent in entries:
+        step = layout.parse_step(ent.name)
+        if step is not None and ent.is_dir:
+            groups.setdefault(step, []).append(ent.name)
+    for ent in entries:
+        m = layout.TMP_RE.match(ent.name)
+        if m and m.group(2) == "tmp" and ent.is_dir:
+            step = layout.parse_step(m.group(1))
+            if step is not None and m.group(1) not in folders:
+                groups.setdefault(step, []).append(
+                    StepInfo(step, "incomplete", reason="save in progress, or crashed before its commit", path=ent.name)
+                )
+        a = fence.ABORT_RE.match(ent.name)
+        if a and ent.is_dir and (step := layout.parse_step(a.group(1))) is not None and a.group(1) not in folders:
+            why = f"save {a.group(2)} failed: a rank gave up on its coordinator and fenced it; never committed"
+            groups.setdefault(step, []).append(StepInfo(step, "incomplete", reason=why, path=ent.name,
+                                                        save_id=a.group(2)))
+    return sorted(groups.items(), reverse=True, key=lambda g: g[0])
+
+
+def _steps(plan: _Plan, judge: Callable[[str, int], StepInfo]) -> Iterator[StepInfo]:
+    """The steps of ``plan`` newest first, a step's folders judged (``judge(name, step)``) only
+    when the caller gets that far; within a step, committed entries first."""
+    for step, group in plan:
+        infos = [judge(x, step) if isinstance(x, str) else x for x in group]
+        yield from sorted(infos, key=lambda i: i.status == "committed", reverse=True)
+
+
+def _judge(storage: Storage, name: str, step: int, deep: bool, unreadable: bool) -> StepInfo:
+    try:
+        return check_step(storage, name, step, deep=deep)
+    except UnreadableStepError as e:
+        if not unreadable:
+            raise
+        return StepInfo(step, "unreadable", reason=str(e), path=name)
+
+
+def iter_steps(storage: Storage) -> Iterator[StepInfo]:
+    """:func:`scan`'s steps in its order, but judged lazily (manifest and sizes), one step
+    folder at a time as the caller iterates: a resume that takes the newest step judges one
+    folder, not every one (``engine/resume.py``, ``newest_committed``; the caller's thread). The
+    root is listed now (its errors as :func:`scan`); an unreadable manifest raises
+    :class:`UnreadableStepError` when the iteration reaches that step."""
+    return _steps(_plan(_root_entries(storage)), lambda name, step: _judge(storage, name, step, False, False))
 
 
 def scan(storage: Storage, *, deep: bool = False, unreadable: bool = False) -> list[StepInfo]:
@@ -275,30 +328,7 @@ def scan(storage: Storage, *, deep: bool = False, unreadable: bool = False) -> l
     A step folder whose manifest this user may not read stops the scan (:class:`StorageError`:
     restore never skips what may be the newest good step); ``unreadable=True`` (``ckptlib ls``
     only) lists it instead, status ``unreadable``, the reason saying what to do."""
-    entries = _root_entries(storage)
-    infos: list[StepInfo] = []
-    committed_names: set[str] = set()
-    for ent in entries:
-        step = layout.parse_step(ent.name)
-        if step is not None and ent.is_dir:
-            try:
-                infos.append(check_step(storage, ent.name, step, deep=deep))
-            except UnreadableStepError as e:
-                if not unreadable:
-                    raise
-                infos.append(StepInfo(step, "unreadable", reason=str(e), path=ent.name))
-            committed_names.add(ent.name)
-    for ent in entries:
-        m = layout.TMP_RE.match(ent.name)
-        if m and m.group(2) == "tmp" and ent.is_dir:
-            step = layout.parse_step(m.group(1))
-            if step is not None and m.group(1) not in committed_names:
-                infos.append(
-                    StepInfo(step, "incomplete", reason="save in progress, or crashed before its commit", path=ent.name)
-                )
-        a = fence.ABORT_RE.match(ent.name)
-        if a and ent.is_dir and (step := layout.parse_step(a.group(1))) is not None and a.group(1) not in committed_names:
-            why = f"save {a.group(2)} failed: a rank gave up on its coordinator and fenced it; never committed"
-            infos.append(StepInfo(step, "incomplete", reason=why, path=ent.name, save_id=a.group(2)))
-    infos.sort(key=lambda i: (i.step, i.status == "committed"), reverse=True)
-    return infos
+    plan = _plan(_root_entries(storage))
+    judged = {name: _judge(storage, name, step, deep, unreadable)  # oldest first, as the root lists
+              for step, group in reversed(plan) for name in group if isinstance(name, str)}
+    return list(_steps(plan, lambda name, step: judged[name]))

@@ -10,6 +10,7 @@ on the caller's thread, every rank in the same order; each attempt is a ``dcp.lo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,10 +50,11 @@ def _judge(i: StepInfo) -> tuple[str, str, Any]:
     return i.status, i.reason, [i.save_id, i.world_size]
 
 
-def candidates(root: str, storage_options: dict[str, Any] | None) -> list[Candidate]:
-    """Every step under ``root``, newest first; ``folder`` is the step's URL."""
-    return [replace(c, folder=f"{root.rstrip('/')}/{c.folder}")
-            for c in step_candidates(open_storage(root, storage_options), _judge)]
+def candidates(root: str, storage_options: dict[str, Any] | None) -> Iterator[Candidate]:
+    """Every step under ``root``, newest first, each judged as the caller gets to it
+    (``step_candidates``); ``folder`` is the step's URL."""
+    return (replace(c, folder=f"{root.rstrip('/')}/{c.folder}")
+            for c in step_candidates(open_storage(root, storage_options), _judge))
 
 
 def latest_checkpoint(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +52,10 @@ def share(files: list[tuple[str, int]], world: int) -> list[list[int]]:
     return out
 
 
-def candidates(storage: Storage) -> list[Candidate]:
-    """Every step (ckptlib's scan), newest first, ``extra`` = its tag; a committed step
-    without a readable tag is ``corrupt``. Runs on the coordinator only."""
+def candidates(storage: Storage) -> Iterator[Candidate]:
+    """Every step, newest first, each judged as the caller gets to it (``step_candidates``),
+    ``extra`` = its tag; a committed step without a readable tag is ``corrupt``. Runs on the
+    coordinator only."""
 
     def judge(i: StepInfo) -> tuple[str, str, Any]:
         try:
