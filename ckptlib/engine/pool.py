@@ -1,7 +1,8 @@
-"""Run I/O tasks on a small thread pool with one deadline (writer and reader).
+"""Run I/O tasks on a small thread pool with one deadline (writer, reader, status scan).
 
-Called on the caller's thread by ``engine.reader.ChunkReader.read`` and
-``engine.writer.write_files``; the tasks run on pool threads named ``name``.
+Called on the caller's thread by ``engine.reader.ChunkReader.read``,
+``engine.writer.write_files`` and ``engine.scan.scan``; the tasks run on pool threads named
+``name``, which are gone when the call returns (but a task stuck at the deadline).
 
 The first failure is raised on the caller's thread, once, and only after every task that had
 already started has finished (tasks not yet started are cancelled): the caller frees the
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,6 +48,43 @@ def cpu_share(wanted: int) -> int:
     return max(1, min(wanted, cpus // local))
 
 
+class _Pool:
+    """The threads of one :func:`run_all` call. Daemons, unlike ``ThreadPoolExecutor``'s, which
+    interpreter exit joins: a task stuck at the deadline (left behind) never holds up the exit
+    of a process that gave up on it (``ckptlib ls --timeout`` on a stalled remote)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._failed = False
+        self._work: queue.SimpleQueue[tuple[cf.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, task: Callable[[], Any]) -> cf.Future[Any]:
+        fut: cf.Future[Any] = cf.Future()
+        self._work.put((fut, task))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            fut, task = item
+            if self._failed or not fut.set_running_or_notify_cancel():
+                fut.cancel()  # after a failure no task starts (the caller cancels them too, later)
+                continue
+            try:
+                fut.set_result(task())
+            except BaseException as e:  # the caller's thread raises it
+                self._failed = True
+                fut.set_exception(e)
+
+    def shutdown(self, wait: bool) -> None:
+        for _ in self._threads:
+            self._work.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
+
+
 def run_all(
     tasks: Sequence[Callable[[], Any]], *, threads: int, name: str, timeout: float | None = None
 ) -> list[Any]:
@@ -52,7 +92,7 @@ def run_all(
     if threads <= 1 or len(tasks) <= 1:
         return [t() for t in tasks]
     deadline = time.monotonic() + limit
-    pool = cf.ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix=name)
+    pool = _Pool(min(threads, len(tasks)), name)
     futs = [pool.submit(t) for t in tasks]
     try:
         done, pending = cf.wait(futs, timeout=limit, return_when=cf.FIRST_EXCEPTION)
@@ -65,6 +105,7 @@ def run_all(
     finally:
         for f in futs:
             f.cancel()
-        # Let the tasks already running finish (bounded by what is left of the deadline).
-        cf.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
-        pool.shutdown(wait=False)
+        # Let the tasks already running finish (bounded by what is left of the deadline); then
+        # the idle threads end before the call returns, unless a task is stuck (left behind).
+        _, stuck = cf.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
+        pool.shutdown(wait=not stuck)
