@@ -88,3 +88,17 @@ def test_failed_load_leaves_no_reader_running(tmp_path, monkeypatch):
     with pytest.raises(ckptlib.CorruptCheckpointError, match="injected"):
         ckptlib.load(tmp_path / "ck")
     assert active == []
+
+
+def test_a_failure_with_tasks_still_queued_returns_without_waiting_out_the_deadline():
+    """After a failure the pool cancels the queued tasks it picks up; a future cancelled but not
+    marked as notified never counted as done, so run_all waited out its whole deadline (600 s
+    by default) before raising: a restore falling back over a damaged step hung that long."""
+    def boom():
+        raise OSError(5, "Input/output error")
+
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="Input/output"):
+        run_all([boom, *[lambda: time.sleep(0.01)] * 40], threads=2, name="t", timeout=120)
+    assert time.monotonic() - t0 < 60  # the deadline is 120 s: a hang detector, not a timing
+    assert not [t for t in threading.enumerate() if t.name.startswith("t_")]

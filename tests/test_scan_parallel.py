@@ -30,6 +30,7 @@ class HookedStorage(FaultyStorage):
     def __init__(self, inner: Storage, hook: Callable[[str], None]) -> None:
         super().__init__(inner, [])
         self.hook = hook
+        self.supports_atomic_rename = False  # judged like an object store: on the pool (a local root is not)
 
     def open_read(self, path: str) -> ReadHandle:
         if path.endswith("manifest.json"):
@@ -68,6 +69,16 @@ def test_steps_are_judged_together_and_listed_in_order(root: Path) -> None:
     assert [(i.step, i.status, i.path) for i in infos] == one_at_a_time(open_storage(str(root)), root)
     assert {i.step: i.status for i in infos}[7] == "incomplete" and {i.step: i.status for i in infos}[12] == "corrupt"
     assert not [t for t in threading.enumerate() if t.name.startswith("ckptlib-scan")]
+
+
+def test_a_local_root_is_judged_one_step_at_a_time(root: Path) -> None:
+    """Retention scans after every save: on a local file system that starts no pool threads."""
+    seen: set[str] = set()
+    local = HookedStorage(open_storage(str(root)), lambda path: seen.add(threading.current_thread().name))
+    local.supports_atomic_rename = True
+    infos = scan(local)
+    assert [(i.step, i.status, i.path) for i in infos] == one_at_a_time(open_storage(str(root)), root)
+    assert seen == {threading.current_thread().name}
 
 
 def test_the_oldest_failing_step_is_raised_even_when_a_newer_one_fails_first(root: Path) -> None:

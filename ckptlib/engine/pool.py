@@ -68,8 +68,9 @@ class _Pool:
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
             fut, task = item
-            if self._failed or not fut.set_running_or_notify_cancel():
+            if self._failed:
                 fut.cancel()  # after a failure no task starts (the caller cancels them too, later)
+            if not fut.set_running_or_notify_cancel():  # cancelled, here or by the caller: waiters are told
                 continue
             try:
                 fut.set_result(task())
@@ -96,7 +97,7 @@ def run_all(
     futs = [pool.submit(t) for t in tasks]
     try:
         done, pending = cf.wait(futs, timeout=limit, return_when=cf.FIRST_EXCEPTION)
-        failed = [f for f in futs if f in done and f.exception() is not None]
+        failed = [f for f in futs if f in done and not f.cancelled() and f.exception() is not None]
         if failed:
             raise failed[0].exception()  # type: ignore[misc]
         if pending:

@@ -326,9 +326,11 @@ def iter_steps(storage: Storage) -> Iterator[StepInfo]:
 
 
 SCAN_THREADS = 12
-"""Step folders :func:`scan` judges at once (quick checks only): their requests are small and
-wait on the store's latency, so a few in flight cut ``ckptlib ls`` on an object store by
-about that factor; a bounded pool, gone when the scan returns."""
+"""Step folders :func:`scan` judges at once (quick checks only) on an object store or another
+remote file system: their requests are small and wait on the store's latency, so a few in
+flight cut ``ckptlib ls`` there by about that factor; a bounded pool, gone when the scan
+returns. A local file system (``supports_atomic_rename``) answers in microseconds: there the
+steps are judged one at a time, so retention, which scans after every save, starts no threads."""
 
 
 def _outcome(storage: Storage, name: str, step: int, unreadable: bool) -> StepInfo | Exception:
@@ -346,7 +348,8 @@ def scan(storage: Storage, *, deep: bool = False, unreadable: bool = False) -> l
     restore never skips what may be the newest good step); ``unreadable=True`` (``ckptlib ls``
     only) lists it instead, status ``unreadable``, the reason saying what to do. Called on the
     caller's thread (``ls``, ``verify``, retention, ``mgr.steps()``, the read view); the quick
-    checks run on up to :data:`SCAN_THREADS` pool threads (``engine/pool.py``), and an error
+    checks run on up to :data:`SCAN_THREADS` pool threads off a local file system
+    (``engine/pool.py``), and an error
     from any step (a :class:`StorageError`, ...) is raised here, the oldest step's first, as a
     scan one step at a time would. ``deep`` judges one step at a time (each reads every chunk)."""
     plan = _plan(_root_entries(storage))
@@ -355,7 +358,8 @@ def scan(storage: Storage, *, deep: bool = False, unreadable: bool = False) -> l
         judged = {name: _judge(storage, name, step, True, unreadable) for name, step in todo}
     else:
         tasks = [functools.partial(_outcome, storage, name, step, unreadable) for name, step in todo]
-        outcomes = run_all(tasks, threads=SCAN_THREADS, name="ckptlib-scan")
+        threads = 1 if storage.supports_atomic_rename else SCAN_THREADS
+        outcomes = run_all(tasks, threads=threads, name="ckptlib-scan")
         if errors := [o for o in outcomes if isinstance(o, Exception)]:
             raise errors[0]
         judged = {name: info for (name, _), info in zip(todo, outcomes, strict=True)}
