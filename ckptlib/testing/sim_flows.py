@@ -21,7 +21,8 @@ invariant violations found (:func:`violations`):
 5. a rank frozen longer than the liveness timeout is named, within it (twice it where a bulk
    transfer waits on it first: a tier save's replica stream), by every rank whose flow failed
    while it was frozen;
-6. a restore: every live rank returns the same step with the saved bytes, or every live rank
+6. a restore (steps 2 and 3, and a newest step 4 damaged inside, which the ranks must find and
+   pass over): every live rank returns the same step with the saved bytes, or every live rank
    raises;
 7. with no fault before the flows returned (none, a late rank, exits after returning), no rank
    of any flow fails.
@@ -304,8 +305,17 @@ def _restore_flow(w: World, coords: list[SimCoordinator]) -> Flow:
     expect = _Expect(storage, layout.step_dir(3), restore_step=3)
 
     def setup() -> None:
-        _pre_save(w, coords, storage, 2)
-        _pre_save(w, coords, storage, 3)
+        for step in (2, 3, 4):
+            _pre_save(w, coords, storage, step)
+        # Step 4 passes the quick check (manifest, sizes) but holds a flipped byte: the ranks load
+        # it, the one that reads the byte finds it damaged, and all fall back to step 3 through
+        # the loop's second batch of candidates (engine/resume.py, _shared).
+        folder = layout.step_dir(4) + "/"
+        payload = max((k for k in storage.files if k.startswith(folder) and not k.endswith("manifest.json")),
+                      key=lambda k: (len(storage.files[k]), k))
+        data = bytearray(storage.files[payload])
+        data[len(data) // 2] ^= 0xFF
+        storage.files[payload] = bytes(data)
         expect.setup_commits = len(storage.commits)
 
     def body(r: int) -> str:
@@ -316,7 +326,11 @@ def _restore_flow(w: World, coords: list[SimCoordinator]) -> Flow:
         return f"restored {step}" + ("" if ok else " WRONG BYTES")
 
     def check(r: int, result: Any) -> str | None:
-        return f"restored wrong bytes ({result})" if "WRONG" in str(result) else None
+        if "WRONG" in str(result):
+            return f"restored wrong bytes ({result})"
+        if expect.fault_free and result != "restored 3":
+            return f"{result} with no fault: step 4 is damaged, so every rank must fall back to step 3"
+        return None
 
     expect.check = check
     return setup, body, expect
