@@ -158,7 +158,9 @@ class Harness:
         if not path.exists():
             return []
         out = []
-        for line in path.read_text().splitlines():
+        # A job appends each event with one write; a read beside it can see a long line (a save's
+        # hashes) cut short. The piece after the last newline is that line, or nothing: skip it.
+        for line in path.read_text().split("\n")[:-1]:
             if not line.strip():
                 continue
             e = json.loads(line)

@@ -483,6 +483,7 @@ def test_s3_server_killed_mid_upload(tmp_path: Path, committed_before: int, mb: 
                 except BaseException:
                     for p in started[1]:
                         p.kill()
+                        p.communicate(timeout=60)  # reaped, its output pipe closed
                     raise
             mid_upload = target not in h.committed("a")
             rec.note = f"killed {'during' if mid_upload else 'after'} the save of step {target}"
