@@ -17,6 +17,8 @@ import json
 import math
 import os
 import struct
+import threading
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import zstandard
 
+from ckptlib.backends import Entry, ReadHandle, Storage
 from ckptlib.format import jsonio
 from ckptlib.format.checksum import checksum
 from ckptlib.format.manifest import (
@@ -32,6 +35,7 @@ from ckptlib.format.manifest import (
     TABLE_COLUMNS,
     TABLE_KEY,
 )
+from ckptlib.testing.faults import FaultyStorage
 
 # --------------------------------------------------------------------------- tensors
 
@@ -400,3 +404,43 @@ def disk_full(real: Callable[..., Any]) -> Callable[..., Any]:
         raise ckptlib.StorageError(28, "No space left on device")
 
     return create
+
+
+class CountingStorage(FaultyStorage):
+    """A storage that counts its requests in ``calls``, by ``key(path)`` (default: the path):
+    ``size``, ``exists``, ``open_read``, ``read`` and ``listdir``, or only the ``kinds`` given.
+    Thread-safe (a scan judges steps on a pool)."""
+
+    KINDS = ("size", "exists", "open_read", "read", "listdir")
+
+    def __init__(self, inner: Storage, key: Callable[[str], str] = lambda path: path,
+                 kinds: tuple[str, ...] = KINDS) -> None:
+        super().__init__(inner, [])
+        self.calls: Counter[str] = Counter()
+        self._key, self._kinds = key, frozenset(kinds)
+        self._lock = threading.Lock()
+
+    def _count(self, kind: str, path: str) -> None:
+        if kind in self._kinds:
+            with self._lock:
+                self.calls[self._key(path)] += 1
+
+    def size(self, path: str) -> int | None:
+        self._count("size", path)
+        return super().size(path)
+
+    def exists(self, path: str = "") -> bool:
+        self._count("exists", path)
+        return super().exists(path)
+
+    def open_read(self, path: str) -> ReadHandle:
+        self._count("open_read", path)
+        return super().open_read(path)
+
+    def read(self, path: str) -> bytes:
+        self._count("read", path)
+        return super().read(path)
+
+    def listdir(self, path: str = "") -> list[Entry]:
+        self._count("listdir", path)
+        return super().listdir(path)

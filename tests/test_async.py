@@ -747,10 +747,14 @@ def test_a_wait_that_runs_out_says_the_save_goes_on(tmp_path: Any, monkeypatch: 
 
 
 @pytest.mark.parametrize("call", ["close", "wait"])
-def test_close_or_wait_from_a_signal_handler_inside_save_refuses_at_once(tmp_path, monkeypatch, call):
+@pytest.mark.parametrize("during", ["copy", "flatten"])
+def test_close_or_wait_from_a_signal_handler_inside_save_refuses_at_once(tmp_path, monkeypatch, call, during):
     # A handler that called close() (or wait()) while save() was copying the state on the same
     # thread waited for that copy, which could not go on: a hang until snapshot_timeout, then the
-    # save failed ("timed out waiting for the snapshot").
+    # save failed ("timed out waiting for the snapshot"). One that landed earlier, while save()
+    # flattened the state, was not caught at all: close() closed the manager under the save, which
+    # went on regardless on a new persist thread that close() never stopped, and wait() returned
+    # as if nothing was in flight.
     mgr = ckptlib.CheckpointManager(tmp_path, snapshot_timeout=20.0)
     seen: list[tuple[BaseException | None, float]] = []
 
@@ -762,54 +766,16 @@ def test_close_or_wait_from_a_signal_handler_inside_save_refuses_at_once(tmp_pat
         except BaseException as e:
             seen.append((e, time.monotonic() - start))
 
-    real = snap_mod.copy_round
+    module, name = (snap_mod, "copy_round") if during == "copy" else (save_mod, "flatten")
+    real = getattr(module, name)
 
-    def signalled(*args, **kwargs):  # the signal lands while save() copies, on the training thread
+    def signalled(*args, **kwargs):  # the signal lands inside save(), on the training thread
         if not seen:
             os.kill(os.getpid(), signal.SIGUSR1)
         return real(*args, **kwargs)
 
     old = signal.signal(signal.SIGUSR1, handler)
-    monkeypatch.setattr(snap_mod, "copy_round", signalled)
-    state = {"w": torch.randn(256, 64), "b": torch.randn(9)}
-    try:
-        mgr.save(1, state).wait(timeout=60)
-    finally:
-        signal.signal(signal.SIGUSR1, old)
-    mgr.close()
-    [(error, took)] = seen
-    assert isinstance(error, ckptlib.CheckpointError) and "inside save()" in str(error), error
-    assert took < 10, took
-    got = {"w": torch.zeros(256, 64), "b": torch.zeros(9)}
-    assert ckptlib.CheckpointManager(tmp_path).restore(got) == 1
-    assert_same(got, state)
-
-
-@pytest.mark.parametrize("call", ["close", "wait"])
-def test_close_or_wait_from_a_signal_handler_while_save_flattens_refuses_at_once(tmp_path, monkeypatch, call):
-    # A signal that landed while save() flattened the state (before the copy) was not caught: a
-    # handler's close() closed the manager under the save, which then went on regardless on a new
-    # persist thread that close() never stopped; its wait() returned as if nothing was in flight.
-    mgr = ckptlib.CheckpointManager(tmp_path, snapshot_timeout=20.0)
-    seen: list[tuple[BaseException | None, float]] = []
-
-    def handler(signum, frame):
-        start = time.monotonic()
-        try:
-            getattr(mgr, call)()
-            seen.append((None, time.monotonic() - start))
-        except BaseException as e:
-            seen.append((e, time.monotonic() - start))
-
-    real = save_mod.flatten
-
-    def signalled(*args, **kwargs):  # the signal lands while save() flattens, on the training thread
-        if not seen:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return real(*args, **kwargs)
-
-    old = signal.signal(signal.SIGUSR1, handler)
-    monkeypatch.setattr(save_mod, "flatten", signalled)
+    monkeypatch.setattr(module, name, signalled)
     state = {"w": torch.randn(256, 64), "b": torch.randn(9)}
     try:
         mgr.save(1, state).wait(timeout=60)

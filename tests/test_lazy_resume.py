@@ -6,57 +6,29 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
-from collections import Counter
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 
 import ckptlib
-from ckptlib.backends import Entry, Storage, open_storage
+from ckptlib.backends import Storage, open_storage
 from ckptlib.backends.base import ReadHandle
 from ckptlib.coord.coordinator import LocalCoordinator
 from ckptlib.engine import resume
 from ckptlib.engine.scan import UnreadableStepError, scan
 from ckptlib.errors import CorruptCheckpointError
 from ckptlib.format import layout
-from ckptlib.testing.faults import FaultyStorage
 
 STEPS = 50
 
 
-class CountingStorage(FaultyStorage):
+class CountingStorage(helpers.CountingStorage):
     """Counts the requests (size, exists, open, read, list) under each top-level folder."""
 
     def __init__(self, inner: Storage) -> None:
-        super().__init__(inner, [])
-        self.calls: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def _count(self, path: str) -> None:
-        with self._lock:
-            self.calls[path.split("/")[0]] += 1
-
-    def size(self, path: str) -> int | None:
-        self._count(path)
-        return super().size(path)
-
-    def exists(self, path: str = "") -> bool:
-        self._count(path)
-        return super().exists(path)
-
-    def open_read(self, path: str) -> ReadHandle:
-        self._count(path)
-        return super().open_read(path)
-
-    def read(self, path: str) -> bytes:
-        self._count(path)
-        return super().read(path)
-
-    def listdir(self, path: str = "") -> list[Entry]:
-        self._count(path)
-        return super().listdir(path)
+        super().__init__(inner, key=lambda path: path.split("/")[0])
 
     def folders(self) -> list[int]:
         """The step folders touched, newest first."""

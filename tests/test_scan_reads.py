@@ -8,24 +8,21 @@ The 4-rank v2 checkpoints are saved in one process: four simulated ranks of the 
 from __future__ import annotations
 
 import functools
-import threading
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import CountingStorage
 
 import ckptlib
 from ckptlib.backends import Storage, open_storage
-from ckptlib.backends.base import ReadHandle
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine import resume
 from ckptlib.engine import save as save_flow
 from ckptlib.engine.scan import check_step, read_manifest, scan
 from ckptlib.format import layout
-from ckptlib.testing.faults import FaultyStorage
 from ckptlib.testing.simulation import SimCoordinator, World
 
 WORLD = 4
@@ -45,27 +42,6 @@ def on_ranks(fn: Callable[[int, Coordinator], Any]) -> list[Any]:
         if t.error is not None:
             raise t.error
     return [t.result for t in threads]
-
-
-class CountingStorage(FaultyStorage):
-    """Counts whole-file reads and opens for reading, per path."""
-
-    def __init__(self, inner: Storage) -> None:
-        super().__init__(inner, [])
-        self.reads: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def _count(self, path: str) -> None:
-        with self._lock:
-            self.reads[path] += 1
-
-    def open_read(self, path: str) -> ReadHandle:
-        self._count(path)
-        return super().open_read(path)
-
-    def read(self, path: str) -> bytes:
-        self._count(path)
-        return super().read(path)
 
 
 def values(step: int) -> torch.Tensor:
@@ -115,7 +91,7 @@ def needed(storage: Storage, folder: str, rank: int) -> set[int]:
 
 def restore_all(root: Path) -> list[tuple[int | None, dict[str, Any], CountingStorage]]:
     def one(rank: int, coord: Coordinator) -> tuple[int | None, dict[str, Any], CountingStorage]:
-        storage = CountingStorage(open_storage(str(root)))
+        storage = CountingStorage(open_storage(str(root)), kinds=("open_read", "read"))
         state = rank_state(rank, 0, zero=True)
         return resume.restore(storage, state, coord, timeout=60), state, storage
 
@@ -123,16 +99,16 @@ def restore_all(root: Path) -> list[tuple[int | None, dict[str, Any], CountingSt
 
 
 def test_status_scan_reads_no_index_file(root: Path) -> None:
-    storage = CountingStorage(open_storage(str(root)))
+    storage = CountingStorage(open_storage(str(root)), kinds=("open_read", "read"))
     folder = layout.step_dir(6)
     info = check_step(storage, folder, 6)
     assert info.status == "committed", info
-    assert set(storage.reads) == {f"{folder}/manifest.json"}, storage.reads
+    assert set(storage.calls) == {f"{folder}/manifest.json"}, storage.calls
     assert [i.status for i in scan(storage)] == ["committed", "committed"]
-    assert not set(storage.reads) & {p for s in (5, 6) for p in index_paths(storage, layout.step_dir(s)).values()}
-    storage.reads.clear()
+    assert not set(storage.calls) & {p for s in (5, 6) for p in index_paths(storage, layout.step_dir(s)).values()}
+    storage.calls.clear()
     assert check_step(storage, folder, 6, deep=True).status == "committed"
-    assert set(index_paths(storage, folder).values()) <= set(storage.reads)  # deep: every one
+    assert set(index_paths(storage, folder).values()) <= set(storage.calls)  # deep: every one
 
 
 def test_restore_reads_only_overlapping_index_files(root: Path) -> None:
@@ -146,15 +122,15 @@ def test_restore_reads_only_overlapping_index_files(root: Path) -> None:
         assert torch.equal(state["w"].local, values(6)[rank * n : (rank + 1) * n])
         assert torch.equal(state["plain"], torch.full((5,), 6.0))
         assert state["rng"].value.tolist() == [rank] * 3
-        read = {p for p in storage.reads if p in paths.values()}
+        read = {p for p in storage.calls if p in paths.values()}
         want = {paths[r] for r in needed(plain, folder, rank)}
         assert read == want, (rank, sorted(read), sorted(want))
         assert len(read) < WORLD, (rank, read)  # not every rank's file
         # Each index read once; an index at the end of its rank's payload file (the layout a plain
         # save writes) shares the file with the pieces this rank then reads from it: two opens.
         opens = 2 if tails(plain, folder) else 1
-        assert all(storage.reads[p] == opens for p in read), storage.reads
-    assert not any(p in outcomes[1][2].reads for p in index_paths(plain, layout.step_dir(5)).values())
+        assert all(storage.calls[p] == opens for p in read), storage.calls
+    assert not any(p in outcomes[1][2].calls for p in index_paths(plain, layout.step_dir(5)).values())
 
 
 def test_damaged_index_file_falls_back_to_the_older_step(root: Path) -> None:
