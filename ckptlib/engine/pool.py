@@ -78,12 +78,14 @@ class _Pool:
                 self._failed = True
                 fut.set_exception(e)
 
-    def shutdown(self, wait: bool) -> None:
+    def shutdown(self, wait_until: float | None) -> None:
+        """End the threads once the queue is drained; ``wait_until`` (a ``time.monotonic()``
+        deadline): join them until then, or None: leave them (a task is stuck)."""
         for _ in self._threads:
             self._work.put(None)
-        if wait:
+        if wait_until is not None:
             for t in self._threads:
-                t.join()
+                t.join(max(1.0, wait_until - time.monotonic()))
 
 
 def run_all(
@@ -109,4 +111,4 @@ def run_all(
         # Let the tasks already running finish (bounded by what is left of the deadline); then
         # the idle threads end before the call returns, unless a task is stuck (left behind).
         _, stuck = cf.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
-        pool.shutdown(wait=not stuck)
+        pool.shutdown(None if stuck else deadline)
