@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckptlib.plan import retention, trees
-from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
+from ckptlib.plan.assign import PieceDesc, PlanError, assign, difference, digest
 
 
 def desc(name, offset=(0,), shape=(10,), nbytes=40, gshape=None):
@@ -54,6 +54,31 @@ def test_disagreements_are_errors():
         assign([desc("a")], [digest([desc("a")]), digest([desc("b")])], [[], []])
     with pytest.raises(PlanError, match=r"rank 1 has float32 \[12\]"):
         assign([], [digest([])] * 2, [[desc("w", gshape=(10,))], [desc("w", gshape=(12,))]])
+
+
+def test_differing_plain_tensors_list_every_rank_and_bound_who_names_them():
+    rep = [desc("a")]
+    digests = [digest(rep)] + [digest([desc("b")]) if r % 2 else digest(rep) for r in range(1, 24)]
+    with pytest.raises(PlanError) as got:
+        assign(rep, digests, [[]] * 24)
+    odd = list(range(1, 24, 2))
+    assert got.value.ranks == odd
+    assert "12 ranks (1, 3, 5, 7, 9, 11, 13, 15 and 4 more) hold a different set of plain" in str(got.value)
+    assert "the errors of ranks 1, 3, 5 and 7 name them" in str(got.value)
+
+
+def test_difference_names_what_differs():
+    ref = [desc("a"), desc("b", shape=(2, 2)), desc("c")]
+    assert difference(ref, list(ref)) == ""
+    mine = [desc("a"), desc("b", shape=(2, 3)), desc("d", offset=(4,))]
+    assert difference(ref, mine) == ("'b' is float32 [2, 3] here, float32 [2, 2] on rank 0; "
+                                     "'d'@[4] only here (float32 [10]); 'c' only on rank 0 (float32 [10])")
+    assert difference(ref, [ref[1], ref[0], ref[2]]).startswith(
+        "the same tensors in another order (at position 0: 'b' here, 'a' on rank 0)")
+    many = [desc(f"x{i}") for i in range(7)]
+    assert difference([], many).endswith("'x3' only here (float32 [10]); and 3 more")
+    half = PieceDesc("a", (0,), (10,), 20, "bfloat16", (10,))
+    assert difference(ref, [half, *ref[1:]]) == "'a' is bfloat16 [10] here, float32 [10] on rank 0"
 
 
 def test_tree_merge_per_rank_and_mismatch():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ckptlib.coord.session import detail
 from ckptlib.engine import wire
 from ckptlib.format.dtypes import dtype_name
-from ckptlib.plan.assign import PieceDesc, PlanError, assign, digest
+from ckptlib.plan.assign import NAMED, PieceDesc, PlanError, assign, difference, digest
 from ckptlib.plan.flatten import TensorItem
 from ckptlib.plan.grid import conform, describe, propose
 
@@ -125,13 +125,16 @@ def plan_items(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
                 save.layout = describe(offer.proposal, set(offer.union), everyone[0][1], writer, chosen)
             return [["ok", wire.plan_out(p)] for p in got]
         except PlanError as e:
-            failures = offer.staged or {0: str(e)}
-            return [["error", {str(r): m for r, m in failures.items()}]] * s.world
+            failures = {str(r): m for r, m in (offer.staged or {0: str(e)}).items()}
+            # The first ranks whose plain tensors differ get rank 0's list, to name them (difference).
+            named = set() if offer.staged else set(e.ranks[:NAMED])
+            ref = wire.pieces_out(everyone[0][1]) if named else None
+            return [["error", failures, ref if r in named else None] for r in range(s.world)]
 
     first: list[Any] | None = None
     if s.is_coordinator:
         first = [["more", sorted(offer.union)]] * s.world if offer.union and not offer.staged else plans()
-    status, sent = s.answer_each(first, deadline=save.deadline)
+    status, sent, *ref = s.answer_each(first, deadline=save.deadline)
     if save.v2:  # which sharded tensors are not a grid: their pieces, written as assigned
         union = set(sent) if status == "more" else set()
         offer.mine = [i for i, d in enumerate(shd_desc) if d.name in union]
@@ -140,8 +143,11 @@ def plan_items(save: SaveSession, items: list[TensorItem]) -> list[TensorItem]:
             got = s.report(wire.pieces_out(shd_desc[i] for i in offer.mine), deadline=save.deadline, hold=True)
             if got is not None:
                 offer.explicit = [wire.pieces_in(x) for x in got]
-            status, sent = s.answer_each(plans() if s.is_coordinator else None, deadline=save.deadline)
+            status, sent, *ref = s.answer_each(plans() if s.is_coordinator else None, deadline=save.deadline)
     if status == "error":
-        raise save.plan_failed({int(r): m for r, m in sent.items()})
+        failures = {int(r): m for r, m in sent.items()}
+        if ref and ref[0] is not None and (differs := difference(wire.pieces_in(ref[0]), rep_desc)):
+            failures[s.rank] = f"its plain tensors differ from rank 0's: {differs}"
+        raise save.plan_failed(failures)
     plan = wire.plan_in(sent)
     return [rep[i] for i in plan.replicated] + offer.grid + [shd[offer.mine[i]] for i in plan.sharded]

@@ -30,7 +30,18 @@ class PieceDesc:
 
 
 class PlanError(ValueError):
-    """Ranks disagree about a tensor (dtype, global shape, or the set of replicated tensors)."""
+    """Ranks disagree about a tensor (dtype, global shape, or the set of replicated tensors).
+    ``ranks``: the ranks whose plain (replicated) tensors differ from rank 0's, if that is why."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+NAMED = 4
+"""How many of the ranks whose plain tensors differ get rank 0's list back on the failure path
+(:func:`ckptlib.engine.save_plan.plan_items`), so that their own error names the tensors
+(:func:`difference`): bounded, as every rank may differ at 4,096 ranks."""
 
 
 def digest(pieces: Sequence[PieceDesc]) -> str:
@@ -38,6 +49,34 @@ def digest(pieces: Sequence[PieceDesc]) -> str:
     for p in pieces:
         h.update(repr((p.name, p.offset, p.shape, p.dtype, p.global_shape)).encode())
     return h.hexdigest()
+
+
+def difference(reference: Sequence[PieceDesc], mine: Sequence[PieceDesc], limit: int = 4) -> str:
+    """What differs between rank 0's plain tensors (``reference``) and this rank's (``mine``),
+    by name: tensors only on one side, dtype or shape differences, else the first position
+    where the order differs ("" when the lists agree). A rank whose digest differed, on the
+    failure path of :func:`ckptlib.engine.save_plan.plan_items`; at most ``limit`` named."""
+    ref = {(p.name, p.offset): p for p in reference}
+    own = {(p.name, p.offset): p for p in mine}
+
+    def label(p: PieceDesc) -> str:
+        return repr(p.name) + (f"@{list(p.offset)}" if any(p.offset) else "")
+
+    said = []
+    for key, p in own.items():
+        q = ref.get(key)
+        if q is None:
+            said.append(f"{label(p)} only here ({p.dtype} {list(p.shape)})")
+        elif (q.dtype, q.shape, q.global_shape) != (p.dtype, p.shape, p.global_shape):
+            said.append(f"{label(p)} is {p.dtype} {list(p.shape)} here, {q.dtype} {list(q.shape)} on rank 0")
+    said += [f"{label(q)} only on rank 0 ({q.dtype} {list(q.shape)})" for key, q in ref.items() if key not in own]
+    if said:
+        return "; ".join(said[:limit]) + (f"; and {len(said) - limit} more" if len(said) > limit else "")
+    for i, (p, q) in enumerate(zip(mine, reference, strict=False)):
+        if (p.name, p.offset) != (q.name, q.offset):
+            return (f"the same tensors in another order (at position {i}: {label(p)} here, {label(q)} on "
+                    "rank 0): build the state in the same order on every rank")
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +97,17 @@ def assign(
     writes anyway (its grid pieces, format v2), counted when balancing."""
     world = len(sharded)
     want = digest(replicated)
-    for r, d in enumerate(digests):
-        if d != want:
-            raise PlanError(
-                f"rank {r} holds a different set of plain (replicated) tensors than rank 0; plain "
-                "tensors must be identical on every rank (wrap per-rank state in ckptlib.PerRank, "
-                "shards in ckptlib.Shard)"
-            )
+    odd = [r for r, d in enumerate(digests) if d != want]
+    if odd:
+        shown = ", ".join(map(str, odd[:8])) + (f" and {len(odd) - 8} more" if len(odd) > 8 else "")
+        who = f"rank {odd[0]} holds" if len(odd) == 1 else f"{len(odd)} ranks ({shown}) hold"
+        named = odd[:NAMED]
+        whose = (f"rank {odd[0]}'s own error names them" if len(odd) == 1 else
+                 f"the errors of ranks {', '.join(map(str, named[:-1]))} and {named[-1]} name them")
+        raise PlanError(
+            f"{who} a different set of plain (replicated) tensors than rank 0 (names, dtypes, shapes or "
+            f"order; {whose}); plain tensors must be identical on every rank (wrap "
+            "per-rank state in ckptlib.PerRank, shards in ckptlib.Shard)", odd)
     meta: dict[str, tuple[str, tuple[int, ...]]] = {p.name: (p.dtype, p.global_shape) for p in replicated}
     rep_out: list[list[int]] = [[] for _ in range(world)]
     shard_out: list[list[int]] = [[] for _ in range(world)]

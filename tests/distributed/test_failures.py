@@ -108,6 +108,25 @@ def test_coordinator_frozen_or_killed_during_publish_fails_others_in_time(tmp_pa
             p.communicate(timeout=30)
 
 
+def test_plain_tensors_that_differ_are_named_by_the_ranks_that_hold_them(tmp_path):
+    """Plain tensors must be the same on every rank: where they differ, no rank commits, rank 0's
+    error names the ranks, and each of those ranks' own error names the tensors (shape, dtype,
+    only on one side, order), in format v1 and v2."""
+    out = run("plain_differs", 4, tmp_path, {}, timeout=120, env=ENV)
+    for fmt in ("v1", "v2"):
+        for r in out:
+            kind, message = r[fmt]
+            assert kind == "CommitError" and "3 ranks (1, 2, 3) hold a different set of plain" in message, (fmt, r)
+            assert "the errors of ranks 1, 2 and 3 name them" in message, (fmt, r)
+        assert os.listdir(tmp_path / fmt) == [], fmt  # nothing committed, no staging folder left
+        assert "rank 1: its plain tensors differ from rank 0's: '/plain/b' is float32 [2, 3] here, float32 [2, 2] on " \
+            "rank 0" in out[1][fmt][1], out[1]
+        assert "rank 2: its plain tensors differ from rank 0's: '/plain/extra' only here (int64 [5])" in out[2][fmt][1]
+        assert "rank 3: its plain tensors differ from rank 0's: the same tensors in another order (at position 0: " \
+            "'/plain/c' here, '/plain/a' on rank 0)" in out[3][fmt][1], out[3]
+        assert "its plain tensors differ" not in out[0][fmt][1], out[0]
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_state_one_rank_cannot_save_fails_every_rank_at_once(tmp_path, async_save):
     """A value ckptlib cannot save on one rank only: that rank raises UnsupportedValueError from

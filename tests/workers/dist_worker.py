@@ -372,6 +372,28 @@ def sc_fsdp_resume(rank: int, world: int, root: str, args: dict) -> dict:
     return {"bad": [k for k in want if not torch.equal(got[k], want[k])]}
 
 
+def sc_plain_differs(rank: int, world: int, root: str, args: dict) -> dict:
+    """Plain (replicated) tensors that differ between ranks (a caller's bug): rank 1's ``b`` has
+    another shape, rank 2 holds an ``extra`` tensor, rank 3 (if any) the same ones in another
+    order. What each rank's save raises, in format v1 and v2."""
+    out: dict = {}
+    for fmt in (1, 2):
+        plain = {"a": torch.zeros(3), "b": torch.zeros(2, 2 + (rank == 1)), "c": torch.ones(1)}
+        if rank == 2:
+            plain["extra"] = torch.zeros(5, dtype=torch.int64)
+        if rank == 3:
+            plain = dict(reversed(plain.items()))
+        state = {"w": shard("emb", 0, world, rank), "plain": plain}
+        os.environ["CKPTLIB_FORMAT_VERSION"] = str(fmt)  # read by each save
+        with ckptlib.CheckpointManager(os.path.join(root, f"v{fmt}"), save_timeout=30) as mgr:
+            try:
+                mgr.save(1, state).wait(timeout=60)
+                out[f"v{fmt}"] = None
+            except ckptlib.CheckpointError as e:
+                out[f"v{fmt}"] = [type(e).__name__, str(e)]
+    return out
+
+
 def sc_step_mismatch(rank: int, world: int, root: str, args: dict) -> dict:
     """Every rank saves a different step at once (a bug in the caller): what each save raises,
     then a save of one step by all, and what is on disk."""
