@@ -1,13 +1,13 @@
 """Oversized manifests are refused by their size, before a byte of them is read.
 
 The limit (``format.schema.MAX_MANIFEST_BYTES``, arithmetic in docs/format.md) is checked on
-``storage.size`` before the manifest is opened, and again on the open file, so a storage that
-reports a wrong size still never makes the reader read more than the limit.
+the open file's size (``Storage.read_small``: one open here; on object stores the answer of
+one ranged GET) before a byte is read, so a storage whose ``size`` reports a wrong size never
+makes the reader read more than the limit.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +66,15 @@ def test_oversized_manifest_is_refused_without_reading(tmp_path: Path) -> None:
     _oversized(tmp_path)
     storage = open_storage(str(tmp_path))
     counter = Counting(storage)
-    t = time.monotonic()
     with pytest.raises(ckptlib.CorruptCheckpointError) as ei:
         read_manifest(storage, "ck")
     msg = str(ei.value)
     assert f"{MAX_MANIFEST_BYTES + 1} bytes" in msg and f"{MAX_MANIFEST_BYTES} byte limit" in msg, msg
     assert MANIFEST_NAME in msg
-    assert counter.opened == [] and counter.bytes_read == 0
+    assert counter.opened == [f"ck/{MANIFEST_NAME}"] and counter.bytes_read == 0  # opened for its size only
     info = check_step(storage, "ck")
     assert info.status == "corrupt" and "limit" in info.reason
-    assert counter.opened == [] and counter.bytes_read == 0
-    assert time.monotonic() - t < 5  # nothing is read: no time goes with the size
+    assert counter.bytes_read == 0
 
 
 def test_public_load_refuses_oversized_manifest(tmp_path: Path) -> None:

@@ -201,6 +201,17 @@ class Storage(ABC):
         with self.open_read(path) as h:
             return h.read(0, h.size)
 
+    def read_small(self, path: str, limit: int) -> tuple[bytes | None, int]:
+        """A whole small file (a manifest, an abort record, a claim) in as few requests as the
+        backend allows: ``(its bytes, its size)``, or ``(None, its size)`` without reading a byte
+        of it when it is over ``limit`` bytes. Errors as :meth:`open_read`. Callers: the manifest
+        reads of :mod:`ckptlib.engine.scan` (``read_manifest``, ``read_capped``), on their own
+        thread. Object stores answer it with one ranged GET (no HEAD first)."""
+        with self.open_read(path) as h:
+            if h.size > limit:
+                return None, h.size
+            return h.read(0, h.size), h.size
+
     @abstractmethod
     def size(self, path: str) -> int | None:
         """Size of a regular file, or ``None`` if there is none at ``path``."""

@@ -286,6 +286,31 @@ class S3Storage(Storage):
             raise _ShortBody(f"got {len(data)} of {resp['ContentLength']} bytes")
         return data
 
+    def read_small(self, path: str, limit: int) -> tuple[bytes | None, int]:
+        """One GET of at most ``limit + 1`` bytes; the object's size comes from its
+        ``Content-Range`` (the body of an object over ``limit`` is closed unread)."""
+        key = self._key(path)
+
+        async def get() -> tuple[bytes | None, int]:
+            try:
+                resp = await self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{limit}")
+            except Exception as e:
+                if error_code(e)[0] != "InvalidRange":
+                    raise
+                data = await self._get(key)  # an empty object: no byte 0 to range over
+                return data, len(data)
+            span = str(resp.get("ContentRange") or "")
+            total = int(span.rpartition("/")[2]) if span.rpartition("/")[2].isdigit() else int(resp["ContentLength"])
+            async with resp["Body"] as stream:
+                if total > limit:
+                    return None, total
+                data = await stream.read()
+            if len(data) != int(resp["ContentLength"]) or len(data) != total:
+                raise _ShortBody(f"got {len(data)} of {total} bytes")
+            return data, total
+
+        return self._run(self._call(get, path), f"get {path}")
+
     def _read_range(self, path: str, start: int, out: memoryview) -> None:
         key = self._key(path)
         n = len(out)

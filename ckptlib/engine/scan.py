@@ -61,21 +61,15 @@ class StepInfo:
 
 
 def read_manifest(storage: Storage, folder: str, *, pieces: bool = True) -> Manifest:
-    """Read and validate ``folder/manifest.json``; over ``MAX_MANIFEST_BYTES`` it is refused by
-    its size before opening and by the open file's size (never more than the limit is read).
+    """Read and validate ``folder/manifest.json`` (one request on object stores: a ranged GET);
+    over ``MAX_MANIFEST_BYTES`` it is refused by the size of the open file, or of the GET's
+    answer, before a byte of it is read.
     Format v2: ``pieces=True`` also loads every piece index file (engine/index_io.py);
     ``pieces=False`` leaves that to the reader, which loads only the ones it needs."""
     path = join(folder, MANIFEST_NAME)
     where = f"{storage.url.rstrip('/')}/{path}"
     try:
-        try:
-            size = storage.size(path)
-        except StorageError:  # e.g. the step "folder" is a file: open_read says what is wrong
-            size = None
-        _check_size(size, where)  # None (missing, not a regular file): open_read says which
-        with storage.open_read(path) as h:
-            _check_size(h.size, where)
-            data = h.read(0, h.size)
+        data = _read_limited(storage, path, where)
         record = fence.parse_abort(data, where)  # a failed save's fence (engine/commit.py)
         if record is None:
             with paused_gc():
@@ -104,15 +98,18 @@ def read_capped(storage: Storage, path: str) -> bytes:
     or endless file there never fills memory. ``FileNotFoundError`` when absent. Callers (on
     their own thread): the commit's look at a manifest key it lost or gave up on
     (:mod:`ckptlib.engine.commit`) and a tier restore's persistent manifest."""
-    _check_size(storage.size(path), f"{storage.url.rstrip('/')}/{path}")
-    return storage.read(path)
+    return _read_limited(storage, path, f"{storage.url.rstrip('/')}/{path}")
 
 
-def _check_size(size: int | None, where: str) -> None:
-    if size is not None and size > MAX_MANIFEST_BYTES:
+def _read_limited(storage: Storage, path: str, where: str) -> bytes:
+    """``path`` whole, in one request on object stores (:meth:`Storage.read_small`); over
+    ``MAX_MANIFEST_BYTES`` a ``CorruptCheckpointError`` without a byte read."""
+    data, size = storage.read_small(path, MAX_MANIFEST_BYTES)
+    if data is None:
         raise CorruptCheckpointError(
             f"manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit; refused without reading it", where
         )
+    return data
 
 
 def check_files(storage: Storage, folder: str, m: Manifest) -> None:

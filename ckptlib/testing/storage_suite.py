@@ -135,6 +135,16 @@ class StorageSuite:
         with pytest.raises(FileNotFoundError):
             storage.read("w/none.json")
 
+    def test_read_small(self, storage: Storage) -> None:
+        storage.put_atomic("s/m.json", b'{"a": 1}')
+        assert storage.read_small("s/m.json", 8) == (b'{"a": 1}', 8)  # exactly at the limit
+        assert storage.read_small("s/m.json", 100) == (b'{"a": 1}', 8)
+        assert storage.read_small("s/m.json", 7) == (None, 8)  # over it: not read, its size said
+        storage.put_atomic("s/empty", b"")
+        assert storage.read_small("s/empty", 10) == (b"", 0)
+        with pytest.raises(FileNotFoundError):
+            storage.read_small("s/none.json", 10)
+
     def test_exists(self, storage: Storage) -> None:
         storage.put_atomic("x/y/z", b"1")
         assert storage.exists("x/y/z") and storage.exists("x/y") and storage.exists("x")

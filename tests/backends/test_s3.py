@@ -22,7 +22,7 @@ from ckptlib.backends import open_storage
 from ckptlib.backends.retry import FatalStorageError, deadline_scope
 from ckptlib.engine import retire
 from ckptlib.engine.scan import read_manifest, scan
-from ckptlib.errors import CommitError
+from ckptlib.errors import CommitError, CorruptCheckpointError
 from ckptlib.format import layout
 
 
@@ -282,8 +282,28 @@ def test_latest_step_reads_only_the_newest_manifests(moto_s3):
         mgr.storage.delete(f"{layout.step_dir(8)}/manifest.json")  # step 8: crashed before its commit
         mgr.storage.stats.clear()
         assert mgr.latest_step() == 7
-        assert mgr.storage.stats["get"] == 1, dict(mgr.storage.stats)  # step 7's manifest only
+        # step 8's missing manifest and step 7's (one GET each), step 7's payload file size (a HEAD)
+        assert (mgr.storage.stats["get"], mgr.storage.stats["head"]) == (2, 1), dict(mgr.storage.stats)
         assert [i.step for i in mgr.steps() if i.status == "committed"] == list(range(1, 8))
+
+
+def test_a_manifest_read_is_one_get_and_no_head(moto_s3, monkeypatch):
+    """Reading a step's manifest sent a HEAD for its size limit, a HEAD to open it and a GET:
+    now one ranged GET, its size from the answer (over the limit: refused unread)."""
+    url, opts = s3_root(moto_s3)
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.arange(4.0)})
+        storage = mgr.storage
+        storage.stats.clear()
+        m = read_manifest(storage, layout.step_dir(1))
+        assert m.step == 1
+        assert (storage.stats["get"], storage.stats["head"]) == (1, 0), dict(storage.stats)
+        storage.put_atomic(f"{layout.step_dir(2)}/manifest.json", b" " * 64)
+        monkeypatch.setattr("ckptlib.engine.scan.MAX_MANIFEST_BYTES", 16)
+        storage.stats.clear()
+        with pytest.raises(CorruptCheckpointError, match="64 bytes, over the 16 byte limit"):
+            read_manifest(storage, layout.step_dir(2))
+        assert (storage.stats["get"], storage.stats["head"]) == (1, 0), dict(storage.stats)
 
 
 def test_request_counts_include_the_folder_probes_of_a_listing(moto_s3):
