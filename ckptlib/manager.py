@@ -444,8 +444,7 @@ class CheckpointManager:
         coord = self.coordinator
         flat = save_flow.prepare(state, coord.rank, metadata=metadata, collective=coord.world_size > 1)
         crashpoints.point("snapshot", self.coordinator.rank)
-        if self._tier is None:  # with tiers the drain makes it (the persistent tier may be down)
-            self._ensure_root()
+        self._ensure_root()
         save_id = save_flow.new_save_id()
         created = time.time()
         if not self.options.async_save or flat.error is not None:
@@ -483,8 +482,10 @@ class CheckpointManager:
 
     def _ensure_root(self) -> None:
         if not self._root_ready:  # every rank, first save: never a run inside another run's step
-            refuse_run_inside_checkpoint(self.storage)
-            self.storage.makedirs("")
+            # With tiers the drain makes the persistent root: a persistent tier that is down is not waited for.
+            refuse_run_inside_checkpoint(self.storage, patient=self._tier is None)
+            if self._tier is None:
+                self.storage.makedirs("")
             self._root_ready = True
 
     def _persist(

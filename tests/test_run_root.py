@@ -7,12 +7,14 @@ object store (moto); a folder beside a run is a root like any other.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from backends.servers import S3_BUCKET
+from launcher import free_port
 
 import ckptlib
 from ckptlib.backends import open_storage
@@ -92,3 +94,39 @@ def test_object_store_step_folder_as_root_is_refused(moto_s3, tmp_path: Path) ->
         mgr.save(6, {"w": torch.zeros(6)})
     mgr.close()
     assert _listing(f"{run}/{STEP}", opts) == before
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_tiered_managers_persistent_root_in_a_step_folder_is_refused(tmp_path: Path, async_save: bool) -> None:
+    """With a local tier the first save did not look at the persistent root (the drain makes
+    it), so a step folder given as that root took the drained steps inside it. Now the first
+    save refuses as without tiers, before anything is written to either tier."""
+    _run(str(tmp_path / "run"))
+    step = tmp_path / "run" / STEP
+    before = _listing(str(step), None)
+    mgr = ckptlib.CheckpointManager(step, local=str(tmp_path / "local"), async_save=async_save)
+    with pytest.raises(ckptlib.TargetNotEmptyError, match="is step 5's folder of a CheckpointManager run"):
+        mgr.save(6, {"w": torch.zeros(6)})
+    mgr.close()
+    assert _listing(str(step), None) == before
+    local = tmp_path / "local"
+    assert not local.exists() or not [p for p in local.rglob("*") if p.is_file()]
+
+
+def test_a_tiered_manager_saves_locally_while_its_persistent_root_cannot_be_checked(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A persistent tier that does not answer (an S3 endpoint where nothing listens) is not
+    waited for past its bounded root check: the first save commits locally and the failed check
+    is logged (the drain then fails on its own, raised once, as any drain failure)."""
+    opts = {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}",
+            "client_kwargs": {"region_name": "us-east-1"}, "ckptlib_retry": {"deadline": 2, "attempt_timeout": 1}}
+    w = torch.arange(6, dtype=torch.float32)
+    mgr = ckptlib.CheckpointManager(f"s3://{S3_BUCKET}/down", local=str(tmp_path / "local"), async_save=False,
+                                    storage_options=opts)
+    with caplog.at_level(logging.INFO, logger="ckptlib"):
+        mgr.save(3, {"w": w}, persist=False)
+    assert "could not check the persistent root s3://" in caplog.text
+    mgr.close()
+    manifests = list((tmp_path / "local").rglob("manifest.json"))
+    assert [m.parent.name for m in manifests] == [STEP.replace("5", "3")], manifests
+    assert torch.equal(ckptlib.load(manifests[0].parent)["w"], w)  # committed on the local tier

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ckptlib.backends import Entry, Storage, join
+from ckptlib.backends.retry import deadline_scope
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.pool import run_all
 from ckptlib.errors import (
@@ -27,6 +29,8 @@ from ckptlib.errors import (
 from ckptlib.format import fence, layout
 from ckptlib.format.decode import decode
 from ckptlib.format.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, IndexRef, Manifest
+
+log = logging.getLogger("ckptlib")
 
 
 class UnreadableStepError(StorageError):
@@ -215,10 +219,26 @@ def enclosing_checkpoint(storage: Storage) -> str | None:
     return None
 
 
-def refuse_run_inside_checkpoint(storage: Storage) -> None:
+ROOT_CHECK_S = 5.0
+"""How long a tiered manager's first save checks its persistent root (:func:`refuse_run_inside_checkpoint`)."""
+
+
+def refuse_run_inside_checkpoint(storage: Storage, patient: bool = True) -> None:
     """``CheckpointManager``'s first save, every rank: :class:`TargetNotEmptyError` when its root
-    is, or lies in, a checkpoint (:func:`enclosing_checkpoint`), before anything is written."""
-    if found := enclosing_checkpoint(storage):
+    is, or lies in, a checkpoint (:func:`enclosing_checkpoint`), before anything is written.
+    ``patient=False`` (a tiered manager's persistent root: its saves wait for no persistent
+    tier): a storage that fails or does not answer within :data:`ROOT_CHECK_S` is logged and
+    not waited for; the drain's saves meet it later."""
+    if patient:
+        found = enclosing_checkpoint(storage)
+    else:
+        try:
+            with deadline_scope(storage, ROOT_CHECK_S):
+                found = enclosing_checkpoint(storage)
+        except OSError as e:  # a StorageError too: down or slow, not proof of anything
+            log.info("ckptlib: could not check the persistent root %s before the first save: %s", storage.url, e)
+            return
+    if found:
         raise checkpoint_root_error(storage, found, TargetNotEmptyError)
 
 
