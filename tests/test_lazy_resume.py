@@ -5,6 +5,7 @@ scan.py ``iter_steps``): requests counted per step folder by a storage wrapper o
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -124,6 +125,26 @@ def test_restore_of_a_named_step_and_nothing_usable(root: Path) -> None:
         os.truncate(payload(root, step), 3)
     with pytest.raises(CorruptCheckpointError, match="no usable checkpoint"):
         restore(root)
+
+
+def test_a_named_step_judges_itself_and_the_newer_steps_up_to_a_committed_one(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ckptlib")
+    got, target, storage = restore(root, step=7)
+    assert got == 7 and torch.equal(target["w"], state(7)["w"])
+    assert storage.folders() == [STEPS, 7]  # the newest, for the rollback warning, then step 7 alone
+    assert f"newest {STEPS}" in caplog.text and f"resumes from step {STEPS}" in caplog.text, caplog.text
+    # a newest step without its manifest is not the newest committed one: the warning names the next
+    (root / layout.step_dir(STEPS) / "manifest.json").unlink()
+    caplog.clear()
+    got, _, storage = restore(root, step=7)
+    assert got == 7 and storage.folders() == [STEPS, STEPS - 1, 7]
+    assert f"resumes from step {STEPS - 1}" in caplog.text, caplog.text
+    # the newest step itself: nothing newer, no warning
+    caplog.clear()
+    got, _, storage = restore(root, step=STEPS - 1)
+    assert got == STEPS - 1 and storage.folders() == [STEPS, STEPS - 1] and "newer" not in caplog.text
 
 
 def test_an_empty_root_restores_nothing(tmp_path: Path) -> None:

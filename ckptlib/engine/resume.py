@@ -27,7 +27,13 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.options import flag
-from ckptlib.engine.scan import StepInfo, checkpoint_root_error, enclosing_checkpoint, iter_steps
+from ckptlib.engine.scan import (
+    StepInfo,
+    checkpoint_root_error,
+    enclosing_checkpoint,
+    iter_steps,
+    step_judges,
+)
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -194,9 +200,23 @@ def step_candidates(
         infos = iter_steps(storage)
     except CheckpointNotFoundError:
         return
+    yield from as_candidates(infos, judge)
+
+
+def as_candidates(infos: Iterable[StepInfo], judge: Callable[[StepInfo], tuple[str, str, Any]] | None = None
+                  ) -> Iterator[Candidate]:
+    """``infos`` as candidates, in their order (``judge``: as :func:`step_candidates`)."""
     for i in infos:
         yield (Candidate(i.step, i.path, *judge(i)) if judge is not None and i.status == "committed"
                else Candidate(i.step, i.path, i.status, i.reason))
+
+
+def _judges(storage: Storage) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
+    """:func:`step_judges`, none when the root does not exist."""
+    try:
+        return step_judges(storage)
+    except CheckpointNotFoundError:
+        return []
 
 
 def check_target(state: Any, strict: Any, verify: Any) -> None:
@@ -230,20 +250,20 @@ def restore(
     ``corrupt``: as :func:`resume_newest`."""
 
     def listing() -> Iterator[Candidate] | list[Candidate]:  # the coordinator: its error reaches every rank
-        lazy = step_candidates(storage)
-        first = next(lazy, None)
-        if first is None and (found := enclosing_checkpoint(storage)):  # a first run would start from scratch
+        judges = _judges(storage)
+        if not judges and (found := enclosing_checkpoint(storage)):  # a first run would start from scratch
             raise checkpoint_root_error(storage, found)
         if step is None:
-            return itertools.chain([first] if first is not None else [], lazy)
-        cands = [first, *lazy] if first is not None else []  # restore(step=N): every step, for the warning
-        newer = [c.step for c in cands if c.step > step and c.status == "committed"]
-        if newer:  # a rollback: say now what a resume after the next crash will do
-            log.warning("ckptlib: restoring step %d from %s, which holds %d newer committed step(s) (newest: %d): "
+            return as_candidates(itertools.chain.from_iterable(judge() for _, judge in judges))
+        # restore(step=N): step N judged alone; for the warning, the newer steps newest first,
+        # up to the first committed one (the newest committed: what a restore() without step= takes)
+        newest = next((n for n, judge in judges if n > step and judge()[0].status == "committed"), None)
+        if newest is not None:  # a rollback: say now what a resume after the next crash will do
+            log.warning("ckptlib: restoring step %d from %s, which holds newer committed step(s), the newest %d: "
                         "a restore() without step= resumes from step %d, not from the saves this run makes "
                         "next. To go on from step %d for good, delete the newer steps or save to a new folder",
-                        step, storage.url, len(newer), max(newer), max(newer), step)
-        return [c for c in cands if c.step == step]
+                        step, storage.url, newest, newest, step)
+        return list(as_candidates(i for n, judge in judges if n == step for i in judge()))
 
     def attempt(c: Candidate) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -339,7 +340,20 @@ def iter_steps(storage: Storage) -> Iterator[StepInfo]:
     folder, not every one (``engine/resume.py``, ``newest_committed``; the caller's thread). The
     root is listed now (its errors as :func:`scan`); an unreadable manifest raises
     :class:`UnreadableStepError` when the iteration reaches that step."""
-    return _steps(_plan(_root_entries(storage)), lambda name, step: _judge(storage, name, step, False, False))
+    return itertools.chain.from_iterable(judge() for _, judge in step_judges(storage))
+
+
+def step_judges(storage: Storage) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
+    """The root's step numbers, newest first, each with a call that judges that step only
+    (manifest and sizes; its :class:`StepInfo` entries in :func:`scan`'s order, committed first)
+    when the caller makes it: a caller that needs some steps, not the newest ones first
+    (``restore(step=N)``, a tier restore merging its local steps; the caller's thread) judges
+    those alone. The root is listed now (errors as :func:`scan`); an unreadable manifest raises
+    :class:`UnreadableStepError` from that step's call."""
+    def judged(step: int, group: list[str | StepInfo]) -> list[StepInfo]:
+        return list(_steps([(step, group)], lambda name, n: _judge(storage, name, n, False, False)))
+
+    return [(step, functools.partial(judged, step, group)) for step, group in _plan(_root_entries(storage))]
 
 
 SCAN_THREADS = 12
