@@ -5,8 +5,11 @@ payload file read from the fastest source that verifies.
 is the one resume loop, :func:`ckptlib.engine.resume.resume_newest`, given two things:
 
 - the candidates (:func:`candidates`): every rank lists the steps committed in its node's
-  folder; the coordinator merges them with the persistent tier's scan, newest first. A step
-  counts once, as the local save it came from (a drained copy names it in ``extra["tiers"]``);
+  folder; the coordinator merges their numbers with the persistent root's, newest first, and
+  judges a persistent step only when the resume loop gets that far (it shares candidates in
+  batches up to the next committed one), so a restore whose newest step loads judges at most
+  one persistent step. A step counts once (``extra``: the local save id and the persistent
+  copy's);
 - ``attempt(candidate)``, collective, two rounds: each rank verifies the copies its node holds
   (:func:`ckptlib.tiers.sources.holdings`) and reports them with a digest of its manifest;
   round 1, the coordinator has manifests sent to ranks without one (or another one); round 2,
@@ -42,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from ckptlib.backends import Storage, join
@@ -49,7 +53,7 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.resume import Candidate, missing_step, resume_newest
-from ckptlib.engine.scan import StepInfo, read_capped, scan
+from ckptlib.engine.scan import StepInfo, read_capped, step_judges
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -70,34 +74,38 @@ from ckptlib.tiers.write_back import write_back
 log = logging.getLogger("ckptlib")
 
 
-def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]]) -> list[Candidate]:
-    """Coordinator: every step of either tier, newest first. ``held``: each rank's
-    :func:`local_steps`. ``extra``: ``save_id`` (the local save), ``persistent`` (the
-    persistent copy's save id, or None), ``nodes`` (how many ranks' nodes hold it locally)."""
-    try:
-        infos = scan(persistent)
-    except CheckpointNotFoundError:
-        infos = []
-    out: dict[int, Candidate] = {}
-    for i in infos:
-        if i.step in out:
-            continue
-        if i.status == "committed" and i.manifest is not None:
-            out[i.step] = Candidate(i.step, layout.step_dir(i.step), "committed", "",
-                                    {"save_id": local_save_id(i.manifest), "persistent": i.save_id})
-        else:
-            out[i.step] = Candidate(i.step, layout.step_dir(i.step), i.status, i.reason, None)
+def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]], step: int | None = None
+               ) -> Iterator[Candidate]:
+    """Coordinator: every step of either tier (``step``: that one only), newest first, each
+    persistent step judged (manifest and sizes) only when the caller iterates that far, so a
+    restore whose newest step loads judges at most one persistent step. ``held``: each rank's
+    :func:`local_steps`. A step committed on the persistent tier is its candidate, else the local
+    one. ``extra``: ``save_id`` (the local save), ``persistent`` (the persistent copy's save id,
+    or None). The persistent root is listed at the first step asked for."""
     local: dict[int, Counter[str]] = {}
     for mine in held:
-        for step, sid in mine.items():
-            local.setdefault(int(step), Counter())[sid] += 1
-    for step, ids in local.items():
-        c = out.get(step)
-        if c is not None and c.status == "committed":
-            continue
-        out[step] = Candidate(step, layout.step_dir(step), "committed", "",
-                              {"save_id": ids.most_common(1)[0][0], "persistent": None})
-    return [out[s] for s in sorted(out, reverse=True)]
+        for n, sid in mine.items():
+            local.setdefault(int(n), Counter())[sid] += 1
+    try:
+        judges = dict(step_judges(persistent))
+    except CheckpointNotFoundError:
+        judges = {}
+    for n in sorted(judges.keys() | local.keys(), reverse=True):
+        if step is None or n == step:
+            yield _candidate(n, judges[n]()[0] if n in judges else None, local.get(n))
+
+
+def _candidate(step: int, info: StepInfo | None, ids: Counter[str] | None) -> Candidate:
+    """:func:`candidates`' one for ``step``: ``info``, the persistent tier's first entry of it
+    (committed first), or ``ids``, the local saves of it (the most held wins)."""
+    if info is not None and info.status == "committed" and info.manifest is not None:
+        return Candidate(step, layout.step_dir(step), "committed", "",
+                         {"save_id": local_save_id(info.manifest), "persistent": info.save_id})
+    if info is not None and (info.status == "committed" or ids is None):
+        return Candidate(step, layout.step_dir(step), info.status, info.reason, None)
+    assert ids is not None
+    return Candidate(step, layout.step_dir(step), "committed", "",
+                     {"save_id": ids.most_common(1)[0][0], "persistent": None})
 
 
 def restore(tier: LocalTier, persistent: Storage, state: Any, coord: Coordinator, *, step: int | None = None,
@@ -123,9 +131,8 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, st
 
     s.consult(mine, keep, deadline=s.now() + timeout)
 
-    def listing() -> list[Candidate]:
-        cands = candidates(tier, persistent, [{int(n): sid for n, sid in h.items()} for h in held])
-        return cands if step is None else [c for c in cands if c.step == step]
+    def listing() -> Iterator[Candidate]:
+        return candidates(tier, persistent, [{int(n): sid for n, sid in h.items()} for h in held], step)
 
     def deadline() -> float:
         return s.now() + timeout
