@@ -460,3 +460,33 @@ def test_load_common_refuses_a_fifo_when_no_common_record_was_saved(tmp_path):
     torch.save({"iteration": 3, "t": torch.arange(3)}, d / "common.pt")
     got = ck.LoadCommonStrategy().load_common(d)
     assert got["iteration"] == 3 and torch.equal(got["t"], torch.arange(3))
+
+
+def test_resume_judges_the_newest_iterations_only(tmp_path, monkeypatch):
+    """``latest_iteration`` and ``load_latest`` judge iterations newest first up to the first
+    good one (``iter_iterations``), not every folder: a save_dir of 12 iterations whose newest
+    is unfinalized judges two. ``iterations`` still judges all."""
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from ckptlib.integrations.megatron import resume as mresume
+
+    _ck()
+    for it in range(1, 13):
+        _iteration(tmp_path, it)
+    (tmp_path / "iter_0000012" / "metadata.json").unlink()  # a save not finalized
+    judged: list[int] = []
+    judge = mresume._judge
+    monkeypatch.setattr(mresume, "_judge", lambda path, it, deep: judged.append(it) or judge(path, it, deep))
+    assert mresume.latest_iteration(tmp_path) == 11 and judged == [12, 11]
+    judged.clear()
+    dist = torch.distributed  # dist_checkpointing.load asks the default group for its rank: one of 1 rank
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        got, sd = mresume.load_latest({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3))}, tmp_path,
+                                      timeout=60)
+    finally:
+        dist.destroy_process_group()
+    assert got == 11 and torch.equal(sd["w"], torch.ones(3)) and judged == [12, 11]
+    judged.clear()
+    assert [i.iteration for i in mresume.iterations(tmp_path)] == list(range(12, 0, -1)) and len(judged) == 12

@@ -4,13 +4,14 @@
 :func:`load_latest` runs on the training thread of every rank, in the same order, on
 :func:`ckptlib.engine.resume.resume_newest`: the coordinator lists the iterations, the ranks
 meet with the coordinator's deadlines, each rank's ``dist_checkpointing.load`` is the attempt,
-and a damaged iteration is skipped on every rank together.
+and a damaged iteration is skipped on every rank together. Iterations are judged newest first,
+only as far as the caller needs (:func:`iter_iterations`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,24 +88,28 @@ def iterations(save_dir: str | os.PathLike[str], *, deep: bool = False) -> list[
     metadata.json names the ckptlib backend, the manifest validates and names the same
     iteration, payload sizes match, common.pt matches its checksum (``deep``: every chunk's
     checksum too). ``latest_checkpointed_iteration.txt`` is ignored."""
+    return list(iter_iterations(save_dir, deep=deep))
+
+
+def iter_iterations(save_dir: str | os.PathLike[str], *, deep: bool = False) -> Iterator[IterationInfo]:
+    """:func:`iterations` judged lazily: the folder is listed now, each iteration judged only
+    when the caller iterates that far, so :func:`latest_iteration` and :func:`load_latest`
+    judge the newest iterations up to the first good one, not every one."""
     root = Path(save_dir)
     if not root.is_dir():
-        return []
+        return iter(())
     found = []
     for p in root.iterdir():
         m = ITER_RE.match(p.name)
         if m and p.is_dir():
             found.append((int(m.group(1)), str(p)))
-    return [_judge(path, it, deep) for it, path in sorted(found, reverse=True)]
+    return (_judge(path, it, deep) for it, path in sorted(found, reverse=True))
 
 
 def latest_iteration(save_dir: str | os.PathLike[str], *, deep: bool = False) -> int | None:
     """The newest consistent iteration under ``save_dir`` (quick check; ``deep=True`` also
     reads every chunk), or None. Pure I/O, no collective."""
-    for info in iterations(save_dir, deep=deep):
-        if info.status == "committed":
-            return info.iteration
-    return None
+    return next((i.iteration for i in iter_iterations(save_dir, deep=deep) if i.status == "committed"), None)
 
 
 def load_latest(
@@ -126,8 +131,8 @@ def load_latest(
 
     kwargs = {} if strict is None else {"strict": strict}
 
-    def listing() -> list[Candidate]:
-        return [Candidate(i.iteration, i.path, i.status, i.reason) for i in iterations(save_dir)]
+    def listing() -> Iterator[Candidate]:  # judged as the resume loop gets there
+        return (Candidate(i.iteration, i.path, i.status, i.reason) for i in iter_iterations(save_dir))
 
     def attempt(c: Candidate) -> Any:
         sd = sharded_state_dict() if callable(sharded_state_dict) else dict_list_map_outplace(lambda x: x, sharded_state_dict)
