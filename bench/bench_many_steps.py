@@ -3,10 +3,12 @@
 What a resume and ``ckptlib ls`` cost where every request waits on the network (an object
 store): a root of ``--steps`` committed steps (a small state each, made once in ``--root``)
 is opened through a wrapper that sleeps ``--latency-ms`` before every metadata or read call and
-reports itself as an object store (``supports_atomic_rename`` False). It times, in a fresh
-process each, ``engine.scan.scan`` (what ``ls``, ``verify`` and retention judge) and
-``engine.resume.restore`` (one process, the newest step good), and counts the storage calls of
-each. ``--tree DIR`` measures another checkout (``PYTHONPATH``) beside this one, in the same
+reports itself as an object store (``supports_atomic_rename`` False). The steps are saved
+through a node-local tier (``ROOT/node0``, the newest two kept) and drained to ``ROOT/persistent``,
+the root measured. It times, in a fresh process each, ``engine.scan.scan`` (what ``ls``,
+``verify`` and retention judge), ``engine.resume.restore`` (one process, the newest step good;
+and with ``step=`` the middle step, a rollback) and ``tiers.restore.restore`` (the tier restore,
+the newest step on both tiers), and counts the storage calls to the persistent root of each. ``--tree DIR`` measures another checkout (``PYTHONPATH``) beside this one, in the same
 run, the two alternated ``--rounds`` times: the "before" column.
 
     python bench/bench_many_steps.py [--steps 300] [--latency-ms 10] [--rounds 1] [--tree DIR] [--json OUT]
@@ -23,13 +25,15 @@ import sys
 import tempfile
 
 CHILD = r'''
-import json, sys, time
+import json, os, sys, time
 import torch
 import ckptlib
 from ckptlib.backends import open_storage
 from ckptlib.coord.coordinator import default_coordinator
 from ckptlib.engine import resume, scan as scan_mod
 from ckptlib.testing.faults import FaultyStorage
+from ckptlib.tiers import restore as tier_restore
+from ckptlib.tiers.local import LocalTier
 
 root, steps, latency = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]) / 1000
 
@@ -64,15 +68,23 @@ class Remote(FaultyStorage):
 
 
 out = {}
-st = Remote(open_storage(root))
+persistent = os.path.join(root, "persistent")
+st = Remote(open_storage(persistent))
 t = time.perf_counter()
 infos = scan_mod.scan(st)
 out["scan_s"], out["scan_calls"] = time.perf_counter() - t, st.calls
 assert len(infos) == steps and all(i.status == "committed" for i in infos), infos[:3]
-st = Remote(open_storage(root))
+for key, kw, want in (("restore", {}, steps), ("restore_n", {"step": steps // 2}, steps // 2)):
+    st = Remote(open_storage(persistent))
+    t = time.perf_counter()
+    got = resume.restore(st, {"w": torch.zeros(8)}, default_coordinator(), timeout=600, **kw)
+    out[key + "_s"], out[key + "_calls"] = time.perf_counter() - t, st.calls
+    assert got == want, got
+st = Remote(open_storage(persistent))
 t = time.perf_counter()
-got = resume.restore(st, {"w": torch.zeros(8)}, default_coordinator(), timeout=600)
-out["restore_s"], out["restore_calls"] = time.perf_counter() - t, st.calls
+tier = LocalTier(open_storage(os.path.join(root, "node0")), 0)
+got = tier_restore.restore(tier, st, {"w": torch.zeros(8)}, default_coordinator(), timeout=600)
+out["tier_s"], out["tier_calls"] = time.perf_counter() - t, st.calls
 assert got == steps, got
 out["ckptlib"] = ckptlib.__file__
 print(json.dumps(out))
@@ -84,9 +96,11 @@ def _make_root(root: str, steps: int) -> None:
 
     import ckptlib
 
-    with ckptlib.CheckpointManager(root, async_save=False) as mgr:
+    with ckptlib.CheckpointManager(os.path.join(root, "persistent"), local=os.path.join(root, "node{node}"),
+                                   local_keep_last=2, async_save=False) as mgr:
         for step in range(1, steps + 1):
             mgr.save(step, {"w": torch.full((8,), float(step))})
+        mgr.wait()
 
 
 def _measure(tree: str, root: str, steps: int, latency_ms: float) -> dict[str, float]:
@@ -121,14 +135,15 @@ def main() -> None:
                 runs[name].append(_measure(tree, root, args.steps, args.latency_ms))
     print(f"{args.steps} committed steps, {args.latency_ms:g} ms per storage call, {args.rounds} round(s); "
           "medians (time / storage calls)")
-    print(f"{'code':<12} {'restore()':>22} {'scan()':>22}")
+    cols = (("restore", "restore()"), ("restore_n", f"restore(step={args.steps // 2})"),
+            ("tier", "tier restore()"), ("scan", "scan()"))
+    print(f"{'code':<12}" + "".join(f" {title:>22}" for _, title in cols))
     summary: dict[str, dict[str, float]] = {}
     for name, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "ckptlib"}
         print(f"  ({name}: {rs[0]['ckptlib']})")
         summary[name] = med
-        print(f"{name:<12} {med['restore_s']:>10.2f} s / {med['restore_calls']:>6.0f} "
-              f"{med['scan_s']:>10.2f} s / {med['scan_calls']:>6.0f}")
+        print(f"{name:<12}" + "".join(f" {med[k + '_s']:>11.2f} s / {med[k + '_calls']:>6.0f}" for k, _ in cols))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": args.steps, "latency_ms": args.latency_ms, "runs": runs, "medians": summary}, f,
