@@ -127,6 +127,32 @@ def test_damaged_step_raises_corrupt_and_the_newest_good_one_is_opened_with_a_wa
     assert "opening step 10 of" in caplog.text and "the newer step 20 is damaged" in caplog.text
 
 
+def test_a_run_root_opens_judging_the_newest_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``open(root)`` judges steps newest first up to the newest committed one (a root of 30
+    steps whose newest is damaged: two step folders read), not every step of the root."""
+    from helpers import CountingStorage
+
+    from ckptlib.read import view
+
+    root = tmp_path / "run"
+    with ckptlib.CheckpointManager(root, async_save=False) as mgr:
+        for step in range(1, 31):
+            mgr.save(step, {"w": torch.full((8,), float(step))})
+    (victim,) = payload_files(root / step_dir(30))
+    os.truncate(victim, 10)
+    opened: list[CountingStorage] = []
+    real = view.open_storage
+
+    def counting(url: str, options: dict | None = None) -> CountingStorage:
+        opened.append(CountingStorage(real(url, options), key=lambda path: path.split("/")[0]))
+        return opened[-1]
+
+    monkeypatch.setattr(view, "open_storage", counting)
+    with view.open_view(root) as ck:
+        assert ck.step == 29 and ck.read("/w", 0).item() == 29.0
+    assert sorted(p for p in opened[0].calls if p.startswith("step-")) == [step_dir(29), step_dir(30)]
+
+
 def test_step_deleted_after_open_is_not_called_corrupt(tmp_path: Path) -> None:
     """A step pruned between ``open`` and a read raises CheckpointNotFoundError saying it was
     deleted (open it again), not CorruptCheckpointError ("payload file is missing"), which

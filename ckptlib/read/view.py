@@ -27,7 +27,7 @@ from ckptlib.engine import index_io, safetensors_folder, target
 from ckptlib.engine.load import Merge, alloc_tensor, resolve_lazy, run_plan
 from ckptlib.engine.options import flag
 from ckptlib.engine.reader import Reader, Request
-from ckptlib.engine.scan import StepInfo, check_files, check_step, read_manifest, scan
+from ckptlib.engine.scan import StepInfo, check_files, check_step, iter_steps, read_manifest
 from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
@@ -226,7 +226,11 @@ def open_view(
                 cls = CorruptCheckpointError if info.status == "corrupt" else CheckpointNotFoundError
                 raise cls(f"step {step} under {storage.url} is {info.status}: {info.reason}")
         else:
-            infos = scan(storage)
+            infos = []  # newest first, judged up to the newest committed one (all of them when none is)
+            for i in iter_steps(storage):
+                infos.append(i)
+                if i.status == "committed" and i.manifest is not None:
+                    break
             committed = [i for i in infos if i.status == "committed" and i.manifest is not None]
             if not committed:
                 raise CheckpointNotFoundError(_nothing_committed(storage, infos))
