@@ -120,3 +120,32 @@ def test_integration_packages_import_no_framework():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_newest_checkpoint_checks_the_files_of_the_newest_folders_only(tmp_path, monkeypatch):
+    """``newest_checkpoint`` reads every folder's manifest (its global_step orders them) but
+    checks payload sizes newest first only as far as it goes: of 12 checkpoints whose newest is
+    cut short, the files of two folders are checked, not of all 12."""
+    from helpers import CountingStorage, payload_files
+
+    from ckptlib.integrations.lightning import checkpoint_candidates
+    from ckptlib.integrations.lightning import resume as lresume
+
+    io = CkptlibCheckpointIO()
+    for gs in range(1, 13):  # names that do not sort like the steps
+        io.save_checkpoint({"state_dict": {"w": torch.full((4,), float(gs))}, "global_step": gs}, tmp_path / f"{13 - gs:02d}.ckpt")
+    (victim,) = payload_files(tmp_path / "01.ckpt")  # global step 12
+    os.truncate(victim, 3)
+    opened: list[CountingStorage] = []
+    real = lresume.open_storage
+
+    def counting(url, options=None):
+        opened.append(CountingStorage(real(url, options), kinds=("size",)))
+        return opened[-1]
+
+    monkeypatch.setattr(lresume, "open_storage", counting)
+    assert newest_checkpoint(tmp_path) == f"{tmp_path}/02.ckpt"  # global step 11
+    checked = {p.split("/")[0] for p in opened[0].calls if not p.endswith("manifest.json")}
+    assert checked == {"01.ckpt", "02.ckpt"}, sorted(opened[0].calls)
+    cands = checkpoint_candidates(real(str(tmp_path)))  # the full list still judges every folder
+    assert [(c.step, c.status) for c in cands][:2] == [(12, "corrupt"), (11, "committed")] and len(cands) == 12

@@ -5,34 +5,37 @@ Called on the training thread before ``trainer.fit(ckpt_path=...)``, by every ra
 get the same answer). The candidates are the ckptlib checkpoint folders written by
 :class:`~ckptlib.integrations.lightning.CkptlibCheckpointIO` directly under ``dirpath``
 (``epoch=3-step=120.ckpt``, ``last.ckpt``, ...), newest first by the ``global_step`` each
-recorded (then by save time); crashed saves (``*.tmp-*`` folders) are never candidates. The
-quick check (manifest, file sizes) runs for all; ``verify=True`` also checksums the chosen one
-and falls back to an older one if it is damaged.
+recorded (then by save time); crashed saves (``*.tmp-*`` folders) are never candidates. Every
+manifest is read to order them; the rest of the quick check (file sizes) runs newest first only
+as far as the resume goes; ``verify=True`` also checksums the chosen one and falls back to an
+older one if it is damaged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ckptlib.backends import Storage, join, open_storage
 from ckptlib.coord.coordinator import LocalCoordinator
 from ckptlib.engine.resume import Candidate, resume_newest
-from ckptlib.engine.scan import StepInfo, check_step
-from ckptlib.errors import CheckpointError, CorruptCheckpointError
+from ckptlib.engine.scan import StepInfo, check_step, read_manifest
+from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
+from ckptlib.format.manifest import Manifest
 
 log = logging.getLogger("ckptlib")
 
 
-def _global_step(info: StepInfo, where: str) -> int:
+def _global_step(manifest: Manifest | None, where: str) -> int:
     """The ``global_step`` the plugin recorded in the manifest's metadata (-1 if none)."""
-    if info.manifest is None or info.manifest.metadata is None:
+    if manifest is None or manifest.metadata is None:
         return -1
     try:
-        meta = tree_codec.decode(info.manifest.metadata, (), where)
+        meta = tree_codec.decode(manifest.metadata, (), where)
     except CheckpointError:
         return -1
     step = meta.get("global_step") if isinstance(meta, dict) else None
@@ -40,22 +43,41 @@ def _global_step(info: StepInfo, where: str) -> int:
 
 
 def checkpoint_candidates(storage: Storage) -> list[Candidate]:
-    """Every checkpoint folder under ``storage``'s root, newest first (module docstring)."""
+    """Every checkpoint folder under ``storage``'s root, newest first (module docstring), each judged."""
+    return list(iter_candidates(storage))
+
+
+def iter_candidates(storage: Storage) -> Iterator[Candidate]:
+    """:func:`checkpoint_candidates`, lazily: every folder's manifest is read now (its
+    ``global_step`` orders them); the rest of the quick check (every payload file's size) runs
+    only when the caller iterates that far, so a resume whose newest checkpoint is good checks
+    the files of that one alone. A folder without a readable manifest is judged now, at global
+    step -1."""
     try:
         entries = storage.listdir("")
     except FileNotFoundError:
-        return []
-    found: list[tuple[int, float, Candidate]] = []
+        return iter(())
+    found: list[tuple[int, float, str, StepInfo | None]] = []
     for e in entries:
         if not e.is_dir or layout.TMP_RE.match(e.name):
             continue
-        info = check_step(storage, e.name)
-        if info.status == "incomplete" and storage.size(join(e.name, layout.MARKER)) is None:
-            continue  # a folder without a manifest that ckptlib did not start: not a checkpoint
-        step = _global_step(info, f"{storage.url}/{e.name}")
-        found.append((step, info.created or 0.0, Candidate(step, e.name, info.status, info.reason)))
-    found.sort(key=lambda f: (f[0], f[1], f[2].folder), reverse=True)
-    return [c for _, _, c in found]
+        try:
+            m = read_manifest(storage, e.name, pieces=False)
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            info = check_step(storage, e.name)  # its verdict and reason, as for any step
+            if info.status == "incomplete" and storage.size(join(e.name, layout.MARKER)) is None:
+                continue  # a folder without a manifest that ckptlib did not start: not a checkpoint
+            found.append((-1, info.created or 0.0, e.name, info))
+            continue
+        found.append((_global_step(m, f"{storage.url}/{e.name}"), m.created, e.name, None))
+    found.sort(key=lambda f: (f[0], f[1], f[2]), reverse=True)
+    return (_candidate(storage, step, name, info) for step, _, name, info in found)
+
+
+def _candidate(storage: Storage, step: int, name: str, info: StepInfo | None) -> Candidate:
+    """:func:`iter_candidates`' candidate for folder ``name``, judged now unless ``info``."""
+    info = info if info is not None else check_step(storage, name)
+    return Candidate(step, name, info.status, info.reason)
 
 
 def newest_checkpoint(
@@ -78,7 +100,7 @@ def newest_checkpoint(
                 if info.status != "committed":
                     raise CorruptCheckpointError(info.reason, f"{storage.url}/{c.folder}")
 
-        got = resume_newest(LocalCoordinator(), lambda: checkpoint_candidates(storage), attempt,
+        got = resume_newest(LocalCoordinator(), lambda: iter_candidates(storage), attempt,
                             timeout=timeout, where=storage.url, label="global step")
     finally:
         storage.close()
