@@ -22,6 +22,7 @@ aside, and manifest-less step folders that are ours and idle for ``grace`` secon
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 from ckptlib import crashpoints
 from ckptlib.backends import Entry, Storage, join
 from ckptlib.engine import target
-from ckptlib.engine.scan import StepInfo, check_step, read_manifest, scan
+from ckptlib.engine.pool import run_all
+from ckptlib.engine.scan import SCAN_THREADS, StepInfo, check_step, read_manifest, scan
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -178,7 +180,8 @@ def find_debris(
         return []
     found = [d for e in entries if e.is_dir and (d := _judge_folder(storage, e.name, active_ids, min_age, now))]
     if not storage.supports_atomic_rename:
-        found += _object_store_debris(storage, entries, set(active_ids or ()), grace, now, settled)
+        known = {i.path: i.save_id for i in steps or () if i.status == "committed" and i.save_id}
+        found += _object_store_debris(storage, entries, set(active_ids or ()), grace, now, settled, known)
     if steps is not None and active_ids is None:
         found += _judge_steps(storage, entries, steps, {d.path for d in found}, grace, now)
     return sorted(found, key=lambda d: (d.path, d.upload_id))
@@ -412,56 +415,38 @@ def _marker_created(storage: Storage, folder: str) -> float | None:
 
 def _object_store_debris(
     storage: Storage, entries: list[Entry], active: set[str], grace: float, now: float,
-    settled: dict[str, str] | None = None,
+    settled: dict[str, str] | None = None, known: dict[str, str] | None = None,
 ) -> list[Debris]:
     """:func:`find_debris` on object stores. A committed step folder costs a manifest read, a
     listing of its prefixes and a claim lookup; ``settled`` ones (found clean before, by the same
-    manager) cost nothing: no save of this job writes into a committed step again."""
+    manager) cost nothing: no save of this job writes into a committed step again. ``known``
+    (outside any job: the steps ``ls``/``prune`` judged; folder -> the save id of its committed
+    manifest) spares those manifest reads, and the folders are then looked at on up to
+    :data:`~ckptlib.engine.scan.SCAN_THREADS` threads (results in name order); a manager's
+    clean-up (``settled``) stays on its own thread."""
     found: list[Debris] = []
     committed_ids: dict[str, str] = {}  # step folder -> save id of its manifest
     if settled is not None:  # steps deleted since (retention) are forgotten
         names = {e.name for e in entries}
         for gone in [name for name in settled if name not in names]:
             del settled[gone]
+    todo = []
     for e in entries:
         if not e.is_dir or layout.parse_step(e.name) is None:
             continue
         if settled is not None and e.name in settled:
             committed_ids[e.name] = settled[e.name]
             continue
-        try:
-            committed_ids[e.name] = read_manifest(storage, e.name, pieces=False).save_id
-        except CheckpointNotFoundError:
-            record = _abort_record(storage, e.name)
-            if record is not None:
-                removable = record.save_id not in active
-                why = record.describe() if removable else "a save in flight in this job"
-                found.append(Debris(e.name, record.save_id, "abort", None, removable, why))
-                continue
-            age = _age(storage, e.name, now)
-            if _prefix_ids(storage, e.name) & active:
-                continue  # a save of this job is writing it
-            if age is not None and age > grace:
-                found.append(Debris(e.name, "", "step", age, True, f"no manifest and no write for {age:.0f}s"))
-            else:
-                when = "at an unknown time" if age is None else f"{age:.0f}s ago"
-                found.append(Debris(e.name, "", "step", age, False, f"no manifest; last write {when}: may "
-                                    f"be a save in progress (removable after {grace:.0f}s idle)"))
-            continue
-        except CorruptCheckpointError:
-            continue  # evidence; never deleted by cleanup
-        before = len(found)
-        for sid in sorted(_prefix_ids(storage, e.name)):
-            if sid != committed_ids[e.name] and sid not in active:
-                found.append(Debris(join(e.name, sid), sid, "prefix", None, True,
-                                    f"payloads of a save that did not commit {e.name}, or of the one it replaced"))
-        sid = committed_ids[e.name]
-        claim = layout.claim_path(e.name, sid)
-        if sid not in active and storage.size(claim) is not None:
-            found.append(Debris(claim, sid, "claim", None, True,
-                                f"the commit claim of the save {e.name}'s manifest names: no longer needed"))
-        elif settled is not None and sid not in active and len(found) == before:  # clean: not read again
-            settled[e.name] = sid
+        todo.append(e.name)
+    threads = 1 if settled is not None else SCAN_THREADS
+    looks = run_all([functools.partial(_step_debris, storage, name, active, grace, now, (known or {}).get(name))
+                     for name in todo], threads=threads, name="ckptlib-debris")
+    for name, (sid, debris) in zip(todo, looks, strict=True):
+        found += debris
+        if sid is not None:
+            committed_ids[name] = sid
+            if settled is not None and sid not in active and not debris:  # clean: not read again
+                settled[name] = sid
     for path, upload_id, started in storage.list_uploads(""):
         parts = path.split("/")
         sid = parts[1] if len(parts) > 2 else ""
@@ -474,14 +459,52 @@ def _object_store_debris(
     return found
 
 
+def _step_debris(storage: Storage, name: str, active: set[str], grace: float, now: float, sid: str | None
+                 ) -> tuple[str | None, list[Debris]]:
+    """One step folder on an object store (:func:`_object_store_debris`, on its thread or a
+    pool's): the save id of its committed manifest (None: no manifest, or a corrupt one) and its
+    debris. ``sid``: that save id when the caller already read the manifest."""
+    if sid is None:
+        try:
+            sid = read_manifest(storage, name, pieces=False).save_id
+        except CheckpointNotFoundError:
+            return None, _manifestless(storage, name, active, grace, now)
+        except CorruptCheckpointError:
+            return None, []  # evidence; never deleted by cleanup
+    found = [Debris(join(name, other), other, "prefix", None, True,
+                    f"payloads of a save that did not commit {name}, or of the one it replaced")
+             for other in sorted(_prefix_ids(storage, name)) if other != sid and other not in active]
+    claim = layout.claim_path(name, sid)
+    if sid not in active and storage.size(claim) is not None:
+        found.append(Debris(claim, sid, "claim", None, True,
+                            f"the commit claim of the save {name}'s manifest names: no longer needed"))
+    return sid, found
+
+
+def _manifestless(storage: Storage, name: str, active: set[str], grace: float, now: float) -> list[Debris]:
+    """A step folder without a manifest on an object store: an abort record's fenced save, a
+    save of this job in progress (nothing), or a folder removable once idle for ``grace``."""
+    record = _abort_record(storage, name)
+    if record is not None:
+        removable = record.save_id not in active
+        why = record.describe() if removable else "a save in flight in this job"
+        return [Debris(name, record.save_id, "abort", None, removable, why)]
+    age = _age(storage, name, now)
+    if _prefix_ids(storage, name) & active:
+        return []  # a save of this job is writing it
+    if age is not None and age > grace:
+        return [Debris(name, "", "step", age, True, f"no manifest and no write for {age:.0f}s")]
+    when = "at an unknown time" if age is None else f"{age:.0f}s ago"
+    return [Debris(name, "", "step", age, False, f"no manifest; last write {when}: may "
+                   f"be a save in progress (removable after {grace:.0f}s idle)")]
+
+
 def _abort_record(storage: Storage, folder: str) -> fence.AbortRecord | None:
     """The abort record where ``folder``'s manifest goes (object stores), if one is there."""
     path = join(folder, MANIFEST_NAME)
     try:
-        size = storage.size(path)
-        if size is None or size > fence.MAX_RECORD_BYTES:
-            return None
-        return fence.parse_abort(storage.read(path), path)
+        data, _size = storage.read_small(path, fence.MAX_RECORD_BYTES)
+        return None if data is None else fence.parse_abort(data, path)
     except (OSError, CheckpointError):
         return None
 

@@ -306,6 +306,25 @@ def test_a_manifest_read_is_one_get_and_no_head(moto_s3, monkeypatch):
         assert (storage.stats["get"], storage.stats["head"]) == (1, 0), dict(storage.stats)
 
 
+def test_the_debris_pass_of_ls_and_prune_reads_no_manifest_twice(moto_s3):
+    """``ckptlib ls``/``prune`` judge every step (a manifest read each), then look for debris:
+    that pass read every committed manifest again. Now it takes the save ids judged (no GET at
+    all here) and still finds a dead payload prefix in a committed step."""
+    url, opts = s3_root(moto_s3)
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    storage = open_storage(url, opts)
+    stray = f"{layout.step_dir(3)}/{'ab' * 8}"
+    storage.put_atomic(f"{stray}/r00000-0.bin", b"x" * 8)
+    judged = scan(storage)
+    storage.stats.clear()
+    found = retire.find_debris(storage, None, steps=judged)
+    assert [(d.kind, d.path) for d in found] == [("prefix", stray)], found
+    assert storage.stats["get"] == 0, dict(storage.stats)  # it was one per step (6)
+    assert [(d.kind, d.path) for d in retire.find_debris(storage, None)] == [("prefix", stray)]  # no steps: read
+
+
 def test_request_counts_include_the_folder_probes_of_a_listing(moto_s3):
     """``storage.stats`` counts every request: listing a root of 5 step folders is 1 listing
     and 5 one-key probes (the empty-folder rule), 6 LIST requests (it counted 1)."""
