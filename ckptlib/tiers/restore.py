@@ -58,6 +58,7 @@ from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StorageError,
 )
 from ckptlib.format import layout
 from ckptlib.format.manifest import MANIFEST_NAME
@@ -81,7 +82,8 @@ def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]],
     restore whose newest step loads judges at most one persistent step. ``held``: each rank's
     :func:`local_steps`. A step committed on the persistent tier is its candidate, else the local
     one. ``extra``: ``save_id`` (the local save), ``persistent`` (the persistent copy's save id,
-    or None). The persistent root is listed at the first step asked for."""
+    or None). The persistent root is listed at the first step asked for; when it cannot be
+    (the persistent tier is down), the local steps alone are the candidates, if there are any."""
     local: dict[int, Counter[str]] = {}
     for mine in held:
         for n, sid in mine.items():
@@ -89,6 +91,12 @@ def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]],
     try:
         judges = dict(step_judges(persistent))
     except CheckpointNotFoundError:
+        judges = {}
+    except StorageError as e:  # down: the local steps still restore (with none, nothing is known)
+        if not local:
+            raise
+        log.warning("ckptlib: cannot list the persistent tier %s (%s): restoring from the local tier's steps "
+                    "only (a newer step drained there by another job would not be seen)", persistent.url, e)
         judges = {}
     for n in sorted(judges.keys() | local.keys(), reverse=True):
         if step is None or n == step:
