@@ -220,6 +220,14 @@ class Storage(ABC):
     def listdir(self, path: str = "") -> list[Entry]:
         """Entries directly under ``path``; ``FileNotFoundError`` if it does not exist."""
 
+    def listdir_unchecked(self, path: str = "") -> list[Entry]:
+        """:meth:`listdir` without a backend's check that each folder still holds something
+        (S3: one request per folder, for servers that keep a folder's entry after its objects
+        are deleted), so a folder entry may be an empty one. Callers that look inside each
+        folder anyway use it and pass over the empty ones (a step folder without a manifest is
+        checked with :meth:`exists`: :mod:`ckptlib.engine.scan`, :mod:`ckptlib.engine.retire`)."""
+        return self.listdir(path)
+
     @abstractmethod
     def exists(self, path: str = "") -> bool: ...
 

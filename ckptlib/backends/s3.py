@@ -374,12 +374,19 @@ class S3Storage(Storage):
         """Entries under ``path``. A folder is listed only if some object is under it: servers
         such as SeaweedFS keep empty folder entries after their objects are deleted, and a
         deleted step must not come back as an empty "incomplete" one."""
+        return self._listdir(path, check=True)
+
+    def listdir_unchecked(self, path: str = "") -> list[Entry]:
+        """One listing (a page per 1,000 entries): no request per folder."""
+        return self._listdir(path, check=False)
+
+    def _listdir(self, path: str, check: bool) -> list[Entry]:
         prefix = self._folder_key(path)
 
         async def go() -> list[dict[str, Any]]:
             items = await self._list(prefix, "/")
             dirs = [it for it in items if it["dir"]]
-            if dirs:
+            if dirs and check:
                 sem = asyncio.Semaphore(16)
 
                 async def probe(it: dict[str, Any]) -> bool:

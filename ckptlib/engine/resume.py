@@ -257,7 +257,7 @@ def restore(
             return as_candidates(itertools.chain.from_iterable(judge() for _, judge in judges))
         # restore(step=N): step N judged alone; for the warning, the newer steps newest first,
         # up to the first committed one (the newest committed: what a restore() without step= takes)
-        newest = next((n for n, judge in judges if n > step and judge()[0].status == "committed"), None)
+        newest = next((n for n, judge in judges if n > step and any(i.status == "committed" for i in judge())), None)
         if newest is not None:  # a rollback: say now what a resume after the next crash will do
             log.warning("ckptlib: restoring step %d from %s, which holds newer committed step(s), the newest %d: "
                         "a restore() without step= resumes from step %d, not from the saves this run makes "

@@ -265,11 +265,15 @@ def checkpoint_root_error(storage: Storage, found: str, cls: type[CheckpointErro
         "CheckpointManager a folder of its own (e.g. a sibling of the run folder)")
 
 
-def _root_entries(storage: Storage) -> list[Entry]:
-    """The root's listing (:func:`scan`, :func:`newest_committed`): ``CheckpointNotFoundError``
-    when the root does not exist, ``StorageError`` when it cannot be listed."""
+def _root_entries(storage: Storage, checked: bool = True) -> list[Entry]:
+    """The root's listing (:func:`scan`, :func:`step_judges`): ``CheckpointNotFoundError``
+    when the root does not exist, ``StorageError`` when it cannot be listed. ``checked=False``
+    (:meth:`Storage.listdir_unchecked`: one request on S3, whatever the steps; for callers that
+    judge only the newest steps): a folder left empty is passed over when judged (:func:`_judge`).
+    A full scan lists checked: the empty folders that a server keeps for every step deleted
+    would each cost it a judgement."""
     try:
-        return storage.listdir("")
+        return storage.listdir("") if checked else storage.listdir_unchecked("")
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"checkpoint root {storage.url} does not exist") from None
     except OSError as e:
@@ -317,21 +321,28 @@ def _plan(entries: list[Entry]) -> _Plan:
     return sorted(groups.items(), reverse=True, key=lambda g: g[0])
 
 
-def _steps(plan: _Plan, judge: Callable[[str, int], StepInfo]) -> Iterator[StepInfo]:
-    """The steps of ``plan`` newest first, a step's folders judged (``judge(name, step)``) only
-    when the caller gets that far; within a step, committed entries first."""
+def _steps(plan: _Plan, judge: Callable[[str, int], StepInfo | None]) -> Iterator[StepInfo]:
+    """The steps of ``plan`` newest first, a step's folders judged (``judge(name, step)``; None:
+    an empty folder, passed over) only when the caller gets that far; within a step, committed
+    entries first."""
     for step, group in plan:
-        infos = [judge(x, step) if isinstance(x, str) else x for x in group]
+        infos = [i for x in group if (i := judge(x, step) if isinstance(x, str) else x) is not None]
         yield from sorted(infos, key=lambda i: i.status == "committed", reverse=True)
 
 
-def _judge(storage: Storage, name: str, step: int, deep: bool, unreadable: bool) -> StepInfo:
+def _judge(storage: Storage, name: str, step: int, deep: bool, unreadable: bool, unchecked: bool = False
+           ) -> StepInfo | None:
+    """One step folder; ``unchecked`` (listed by an unchecked listing): None when it has no
+    manifest and nothing in it (an object store's folder entry left by a deleted step)."""
     try:
-        return check_step(storage, name, step, deep=deep)
+        info = check_step(storage, name, step, deep=deep)
     except UnreadableStepError as e:
         if not unreadable:
             raise
         return StepInfo(step, "unreadable", reason=str(e), path=name)
+    if unchecked and info.status == "incomplete" and not storage.supports_atomic_rename and not storage.exists(name):
+        return None
+    return info
 
 
 def iter_steps(storage: Storage) -> Iterator[StepInfo]:
@@ -348,12 +359,14 @@ def step_judges(storage: Storage) -> list[tuple[int, Callable[[], list[StepInfo]
     (manifest and sizes; its :class:`StepInfo` entries in :func:`scan`'s order, committed first)
     when the caller makes it: a caller that needs some steps, not the newest ones first
     (``restore(step=N)``, a tier restore merging its local steps; the caller's thread) judges
-    those alone. The root is listed now (errors as :func:`scan`); an unreadable manifest raises
+    those alone. The root is listed now, unchecked (errors as :func:`scan`; one request on S3
+    whatever the steps, not one per step folder): a step whose folder turns out empty (a deleted
+    step whose folder entry the server kept) judges to ``[]``. An unreadable manifest raises
     :class:`UnreadableStepError` from that step's call."""
     def judged(step: int, group: list[str | StepInfo]) -> list[StepInfo]:
-        return list(_steps([(step, group)], lambda name, n: _judge(storage, name, n, False, False)))
+        return list(_steps([(step, group)], lambda name, n: _judge(storage, name, n, False, False, True)))
 
-    return [(step, functools.partial(judged, step, group)) for step, group in _plan(_root_entries(storage))]
+    return [(step, functools.partial(judged, step, group)) for step, group in _plan(_root_entries(storage, False))]
 
 
 SCAN_THREADS = 12
@@ -364,7 +377,7 @@ returns. A local file system (``supports_atomic_rename``) answers in microsecond
 steps are judged one at a time, so retention, which scans after every save, starts no threads."""
 
 
-def _outcome(storage: Storage, name: str, step: int, unreadable: bool) -> StepInfo | Exception:
+def _outcome(storage: Storage, name: str, step: int, unreadable: bool) -> StepInfo | Exception | None:
     """:func:`_judge` on a pool thread: its error returned, so :func:`scan` raises the first in
     step order, not the first to finish."""
     try:

@@ -135,6 +135,14 @@ class StorageSuite:
         with pytest.raises(FileNotFoundError):
             storage.read("w/none.json")
 
+    def test_listdir_unchecked_lists_what_listdir_lists(self, storage: Storage) -> None:
+        storage.put_atomic("u/a/x", b"1")
+        storage.put_atomic("u/b", b"2")
+        assert {(e.name, e.is_dir) for e in storage.listdir_unchecked("u")} == {("a", True), ("b", False)}
+        storage.delete("u/a/x")  # the empty folder may stay in an unchecked listing (and on POSIX in both)
+        assert {e.name for e in storage.listdir("u")} <= {e.name for e in storage.listdir_unchecked("u")}
+        assert {e.name for e in storage.listdir_unchecked("u")} - {"a"} == {"b"}
+
     def test_read_small(self, storage: Storage) -> None:
         storage.put_atomic("s/m.json", b'{"a": 1}')
         assert storage.read_small("s/m.json", 8) == (b'{"a": 1}', 8)  # exactly at the limit

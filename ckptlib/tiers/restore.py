@@ -100,7 +100,9 @@ def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]],
         judges = {}
     for n in sorted(judges.keys() | local.keys(), reverse=True):
         if step is None or n == step:
-            yield _candidate(n, judges[n]()[0] if n in judges else None, local.get(n))
+            info = next(iter(judges[n]()), None) if n in judges else None  # None: an empty folder
+            if info is not None or n in local:
+                yield _candidate(n, info, local.get(n))
 
 
 def _candidate(step: int, info: StepInfo | None, ids: Counter[str] | None) -> Candidate:

@@ -183,6 +183,32 @@ def test_half_deleted_step_is_never_good(seaweed):
 
 
 @pytest.mark.parametrize("server", ["seaweed", "moto_s3"])
+def test_restore_lists_the_root_once_and_passes_over_a_deleted_steps_folder(server, request):
+    """A restore or ``latest_step()`` listed the root with one more request per step folder (a
+    check that the folder still holds an object: SeaweedFS keeps a deleted step's folder entry),
+    so its cost grew with the steps kept. Now the root is listed once, and only a newest folder
+    without a manifest is checked: a deleted step (step 6) is passed over, a crashed one (step 5,
+    its payloads left) is incomplete, and the restore loads step 4 bitwise."""
+    url, opts = s3_root(request.getfixturevalue(server))
+    with ckptlib.CheckpointManager(url, storage_options=opts, async_save=False) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+        storage = mgr.storage
+        retire.delete_step(storage, layout.step_dir(6))  # deleted: on SeaweedFS its folder entry stays
+        storage.delete(f"{layout.step_dir(5)}/manifest.json")  # crashed before its commit
+        storage.stats.clear()
+        assert mgr.latest_step() == 4
+        # the root once; then steps 6 (SeaweedFS only) and 5, each checked for an object
+        assert storage.stats["list"] == (3 if server == "seaweed" else 2), dict(storage.stats)
+        target = {"w": torch.zeros(4)}
+        assert mgr.restore(target) == 4 and torch.equal(target["w"], torch.full((4,), 4.0))
+        with pytest.raises(ckptlib.CheckpointNotFoundError, match="no step 6"):
+            mgr.restore({"w": torch.zeros(4)}, step=6)
+        assert {i.step: i.status for i in mgr.steps()} == {1: "committed", 2: "committed", 3: "committed",
+                                                           4: "committed", 5: "incomplete"}
+
+
+@pytest.mark.parametrize("server", ["seaweed", "moto_s3"])
 def test_missing_bucket_is_fatal_and_not_retried(server, request):
     srv = request.getfixturevalue(server)
     storage = open_storage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", srv.storage_options())
@@ -282,8 +308,9 @@ def test_latest_step_reads_only_the_newest_manifests(moto_s3):
         mgr.storage.delete(f"{layout.step_dir(8)}/manifest.json")  # step 8: crashed before its commit
         mgr.storage.stats.clear()
         assert mgr.latest_step() == 7
-        # step 8's missing manifest and step 7's (one GET each), step 7's payload file size (a HEAD)
-        assert (mgr.storage.stats["get"], mgr.storage.stats["head"]) == (2, 1), dict(mgr.storage.stats)
+        # step 8's missing manifest and step 7's (one GET each), step 8 checked for an object (a HEAD
+        # and a one-key LIST), step 7's payload file size (a HEAD); the root listed once
+        assert dict(mgr.storage.stats) == {"get": 2, "head": 2, "list": 2}, dict(mgr.storage.stats)
         assert [i.step for i in mgr.steps() if i.status == "committed"] == list(range(1, 8))
 
 
