@@ -1,0 +1,386 @@
+"""Every ```python block in README.md, docs/*.md and docs/integrations/*.md runs as written.
+
+One fresh Python process per doc file (``tests/docs_runner.py``: each block in its own globals
+and its own empty folder under ``tmp_path``, ``PYTHONPATH`` the repository, ``TMPDIR`` inside
+``tmp_path``); a block marked ``ranks=N`` runs on N gloo ranks through tests/launcher.py. A
+block that raises fails the test with its traceback. S3 URLs reach a moto server (the session's
+own moto server, emptied per test) through ``AWS_ENDPOINT_URL`` and its test keys, so ``s3://bucket/...`` runs as
+printed; an absolute example path (``/ckpt/run1``, ``/nvme/...``, ``/tmp/...``) is read
+relative to the block's folder.
+
+A block may be preceded by a marker (blank lines and other HTML comments may sit between):
+
+- ``<!-- example: setup=NAME -->``: :data:`SETUPS` [NAME] gives what the page defines
+  elsewhere (a prelude run before the block: a tiny model, a checkpoint to read), the
+  ``ranks`` it runs on, placeholders to fill (``replace``: each must occur in the block), and
+  the result the page states (``after``: asserts run after the block; ``expect``: text its
+  output must hold).
+- ``<!-- example: fragment, REASON -->``: not run (it needs a cluster, DeepSpeed or Megatron
+  objects, ...); printed with its reason in the test's output and checked to be valid Python.
+
+Called by pytest only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import launcher
+import pytest
+from backends.servers import MotoServer
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = Path(__file__).resolve().parent / "docs_runner.py"
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "docs" / "integrations").glob("*.md"))]
+MUST_RUN = {"README.md", "training.md", "saving.md", "read.md", "async.md", "tiers.md", "storage.md"}
+BUCKETS = ("bucket", "my-bucket")
+TIMEOUT = 240  # seconds for one doc file's blocks, or one multi-rank block
+
+MARKER = re.compile(r"<!--\s*example:\s*(.*?)\s*-->")
+ABS_PATH = re.compile(r"""(["'])/(?=(?:ckpt|nvme|tmp|shared|models|data|dev/shm)/)""")
+FILE_URL = re.compile(r"file:///(?=data/)")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a marked block needs and what it must produce (see the module docstring)."""
+
+    prelude: str = ""
+    after: str = ""
+    expect: tuple[str, ...] = ()
+    replace: tuple[tuple[str, str], ...] = ()
+    ranks: int = 1
+
+
+# A small checkpoint with the names read.md, README and format.md read.
+RUN1 = """
+import torch, ckptlib
+torch.manual_seed(0)
+ckpt_state = {"model": {"0.weight": torch.randn(32, 16), "0.bias": torch.randn(32).bfloat16(),
+                        "embed.weight": torch.randn(1024, 64), "norm.weight": torch.ones(64),
+                        "layers": [{"attn.qkv.weight": torch.randn(192, 64)}]}, "step": 1200}
+with ckptlib.CheckpointManager("ckpt/run1", async_save=False) as _m:
+    _m.save(1200, ckpt_state)
+"""
+
+TINY_LOOP = """
+import torch, ckptlib
+model = torch.nn.Linear(4, 2)
+opt = optimizer = torch.optim.AdamW(model.parameters())
+batch = torch.randn(8, 4)
+state = {"model": model, "optim": opt, "step": 0}
+start, steps, total_steps = 0, 21, 40
+def train_step(*_):
+    model(batch).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+S3_OPTIONS = (
+    ('"endpoint_url": "https://s3.example.com"', '"endpoint_url": os.environ["AWS_ENDPOINT_URL"]'),
+    ('"key": "...", "secret": "..."', '"key": "testing", "secret": "testing"'),
+)
+
+SETUPS: dict[str, Setup] = {
+    "short-loop": Setup(replace=(("10_001", "301"),), after="""
+assert [i.step for i in ckptlib.CheckpointManager("./nvme/run1/ckpt").steps()] == [100, 200, 300]
+"""),
+    "run1": Setup(prelude=RUN1 + """
+import shutil, s3fs
+s3fs.S3FileSystem(anon=False).put("ckpt/run1", "bucket/run1", recursive=True)
+"""),
+    "run1-view": Setup(prelude=RUN1, after="""
+assert torch.equal(w, ckpt_state["model"]["0.weight"][:10])
+assert torch.equal(model_state["embed.weight"], ckpt_state["model"]["embed.weight"])
+assert arr.shape == (32, 16)
+"""),
+    "run1-slices": Setup(prelude=RUN1, after="""
+_m = ckpt_state["model"]
+assert torch.equal(w, _m["layers"][0]["attn.qkv.weight"][:128]) and torch.equal(row, _m["embed.weight"][42])
+assert torch.equal(tail, _m["embed.weight"][-10:]) and torch.equal(full, _m["norm.weight"])
+"""),
+    "run1-array": Setup(prelude=RUN1, after="""
+assert (part == ckpt_state["model"]["embed.weight"][1000:1010, :64].numpy()).all()
+"""),
+    "save-refusals": Setup(expect=(
+        "holds files that are not a ckptlib checkpoint (notes.txt); nothing in it was moved",)),
+    "strict-false": Setup(expect=(
+        "keys differ; in the target but not in the checkpoint: /model/new_head", "['/model/new_head'] []")),
+    "commit-on-every-rank": Setup(ranks=2, prelude="""
+import torch.distributed
+torch.distributed.init_process_group("gloo")
+""", expect=("[(100, 'committed')]",)),
+    "accelerate-loop": Setup(after="""
+assert [i.step for i in ckptlib.CheckpointManager("./tmp/ckptlib-accelerate-demo").steps()] == [2, 3]
+"""),
+    "lightning-fit": Setup(after="""
+assert trainer.current_epoch == 3 and newest_checkpoint(ckpt_dir).endswith("epoch=2-step=18.ckpt")
+"""),
+    "step-check": Setup(prelude=RUN1, expect=("committed",)),
+    "state-literal": Setup(prelude="import torch, ckptlib\n"),
+    "hf-folders": Setup(prelude="""
+import os, torch, ckptlib, s3fs
+from safetensors.torch import save_file
+class Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(32, 8)
+        self.norm = torch.nn.LayerNorm(8)
+class CausalLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = Inner()
+        self.lm_head = torch.nn.Linear(8, 32, bias=False)
+source = CausalLM()
+sd = {k: v.detach().clone() for k, v in source.state_dict().items()}
+os.makedirs("models/llama-8b")
+save_file({k: sd[k] for k in ("model.embed_tokens.weight",)}, "models/llama-8b/model-00001-of-00002.safetensors")
+rest = {k: v for k, v in sd.items() if k != "model.embed_tokens.weight"}
+save_file(rest, "models/llama-8b/model-00002-of-00002.safetensors")
+import json
+json.dump({"metadata": {}, "weight_map": {k: ("model-00001-of-00002.safetensors" if k in ("model.embed_tokens.weight",)
+           else "model-00002-of-00002.safetensors") for k in sd}}, open("models/llama-8b/model.safetensors.index.json", "w"))
+s3fs.S3FileSystem(anon=False).put("models/llama-8b", "bucket/llama-8b", recursive=True)
+folder = "models/llama-8b"
+model = CausalLM()
+opt = torch.optim.AdamW(model.parameters())
+""", after="""
+assert torch.equal(model.model.embed_tokens.weight, source.model.embed_tokens.weight)
+assert sorted(fresh["model"]) == sorted(sd) and torch.equal(rows, sd["model.embed_tokens.weight"][:16])
+"""),
+    "zarr-export": Setup(prelude=RUN1 + """
+from ckptlib.cli.main import main as ckptlib_cli
+assert ckptlib_cli(["export", "ckpt/run1", "--to", "zarr3", "data/run1.zarr"]) == 0
+""", after="""
+import numpy as np
+assert np.array_equal(w, ckpt_state["model"]["0.weight"].numpy())
+assert np.array_equal(values.astype("float32"), ckpt_state["model"]["0.bias"].float().numpy())
+"""),
+    "safetensors-export": Setup(prelude="""
+import torch, ckptlib
+from ckptlib.cli.main import main as ckptlib_cli
+trained = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+with ckptlib.CheckpointManager("ckpt/final", async_save=False) as _m:
+    _m.save(1, {"model": trained})
+assert ckptlib_cli(["export", "ckpt/final", "--to", "safetensors", "models/final", "--select", "model"]) == 0
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+""", after="""
+assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trained.state_dict().values()))
+"""),
+    "keep-best": Setup(expect=(
+        "[(2, {'val_loss': 0.3}), (4, {'val_loss': 0.1}), (5, {'val_loss': 0.8}), (6, {'val_loss': 0.7})]",
+    )),
+    "loop": Setup(prelude=TINY_LOOP, after="""
+assert [i.step for i in ckptlib.CheckpointManager("./nvme/run1").steps()] == [0, 500, 1000]
+""", replace=(("range(start, steps)", "range(start, 1001)"),)),
+    "preemption": Setup(prelude=TINY_LOOP + """
+import os, signal
+mgr = ckptlib.CheckpointManager("ckpt", async_save=True)
+_train = train_step
+def train_step():
+    _train()
+    if step == 7:
+        os.kill(os.getpid(), signal.SIGTERM)   # the scheduler's notice, mid-step
+""", after="""
+raise AssertionError("maybe_save_on_preemption did not exit after SIGTERM")
+""", expect=("[exit 0]",)),
+    "preempted-all-ranks": Setup(ranks=2, prelude=TINY_LOOP + """
+import os, signal, torch.distributed
+torch.distributed.init_process_group("gloo")
+mgr = ckptlib.CheckpointManager("ckpt")
+mgr.save_on_signal()
+step = 5
+if torch.distributed.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGTERM)   # only rank 1 got the notice
+""", after="""
+raise AssertionError("no rank saw the signal")
+""", expect=("[exit 0]",)),
+    "scale-loop": Setup(prelude=TINY_LOOP + "total_steps = 150\n", after="""
+assert mgr.steps() and all(i.status == "committed" for i in mgr.steps())
+"""),
+    "s3-options": Setup(replace=S3_OPTIONS, after="""
+mgr.save(1, {"w": [1.0]}).wait()
+assert [(i.step, i.status) for i in mgr.steps()] == [(1, "committed")]
+mgr.close()
+"""),
+    "tiers-loop": Setup(prelude=TINY_LOOP, after="""
+got = [(i.step, i.tiers) for i in ckptlib.CheckpointManager("s3://bucket/run1").steps()]
+assert [s for s, _ in got] == [9, 19, 21], got   # every 10th save, the forced one; keep_last=3
+"""),
+    "memory-tier-loop": Setup(prelude=TINY_LOOP, after="""
+mgr.close()
+"""),
+    "dcp": Setup(prelude=TINY_LOOP + "step, root = 100, 'ckpt'\n", after="""
+assert start == 100
+"""),
+    "dcp-async": Setup(ranks=2, prelude=TINY_LOOP + """
+import torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from ckptlib.integrations.dcp import CkptlibWriter
+dist.init_process_group("gloo")
+root, start, steps = "ckpt", 1, 4
+""", after="""
+pending.result()
+assert [(i.step, i.status) for i in ckptlib.CheckpointManager(root).steps()] == [(s, "committed") for s in (1, 2, 3)]
+"""),
+    "lightning-io": Setup(prelude="from ckptlib.integrations.lightning import CkptlibCheckpointIO\n"),
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    """One ```python block of a doc page and the marker before it (``""`` if none)."""
+
+    doc: str
+    line: int  # of the opening fence, 1-based
+    code: str
+    marker: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+    @property
+    def fragment(self) -> str | None:
+        """The reason a fragment is not run; None for a block that runs."""
+        head, _, reason = self.marker.partition(",")
+        return reason.strip() or "no reason given" if head.strip() == "fragment" else None
+
+    @property
+    def setup(self) -> Setup:
+        if not self.marker:
+            return Setup()
+        m = re.fullmatch(r"setup=([\w-]+)", self.marker)
+        assert m and m.group(1) in SETUPS, f"{self.id}: unknown marker <!-- example: {self.marker} -->"
+        return SETUPS[m.group(1)]
+
+
+def doc_blocks(path: Path) -> list[Block]:
+    """Every ```python block of one page, with the ``example:`` marker that precedes it."""
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            marker, k = "", i - 1
+            while k >= 0 and (not lines[k].strip() or lines[k].strip().startswith("<!--")):
+                m = MARKER.search(lines[k])
+                if m:
+                    marker = m.group(1)
+                    break
+                k -= 1
+            code = textwrap.dedent("\n".join(ln.removeprefix(indent) for ln in lines[i + 1 : end]))
+            blocks.append(Block(path.relative_to(REPO).as_posix(), i + 1, code + "\n", marker))
+            i = end
+        i += 1
+    return blocks
+
+
+def runnable(block: Block, folder: Path) -> str:
+    """The source the runner executes for ``block``: prelude, block (placeholders filled,
+    absolute example paths under ``folder``), then the stated result's checks."""
+    setup, code = block.setup, block.code
+    for old, new in setup.replace:
+        assert old in code, f"{block.id}: the test fills {old!r}, which the block no longer holds"
+        code = code.replace(old, new)
+    code = FILE_URL.sub(f"file://{folder}/", ABS_PATH.sub(r"\1./", code))
+    return f"import os\n{setup.prelude}\n{code}\n{setup.after}"
+
+
+ALL = [b for doc in DOCS for b in doc_blocks(doc)]
+RUN = [b for b in ALL if b.fragment is None]
+
+
+def test_every_page_block_is_found_and_every_setup_used() -> None:
+    assert len(ALL) >= 30, [b.id for b in ALL]
+    for b in ALL:
+        ast.parse(b.code, b.id)  # fragments too: valid Python
+        assert b.fragment is None or Path(b.doc).name not in MUST_RUN, f"{b.id} must run"
+    used = {b.marker.removeprefix("setup=") for b in RUN if b.marker}
+    assert used == set(SETUPS), f"setups no block names: {set(SETUPS) - used}"
+    print("\nfragments not run:\n" + "\n".join(f"  {b.id}: {b.fragment}" for b in ALL if b.fragment))
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    """This module's own moto server (emptied before each test: the pages share bucket names)."""
+    server = MotoServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(moto: MotoServer) -> dict[str, str]:
+    """Environment under which ``s3://bucket/...`` reaches ``moto``, its buckets empty."""
+    urllib.request.urlopen(urllib.request.Request(f"{moto.endpoint}/moto-api/reset", method="POST"), timeout=30)
+    for name in BUCKETS:
+        moto.create_bucket(name)
+    return {"AWS_ENDPOINT_URL": moto.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _env(tmp_path: Path, s3_env: dict[str, str]) -> dict[str, str]:
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, **s3_env, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp")}
+    env.pop("CKPTLIB_NODE", None)
+    return env
+
+
+def _judge(blocks: list[Block], results: list[dict], log: str) -> None:
+    """Every block ran without raising and printed what its setup expects."""
+    assert [r["id"] for r in results] == [b.id for b in blocks], log[-4000:]
+    failed = [f"{r['id']}:\n{r['error']}" for r in results if not r["ok"]]
+    assert not failed, "\n".join(failed) + "\n--- output:\n" + log[-4000:]
+    parts = re.split(r"^--- (\S+:\d+)\n", log, flags=re.M)  # [before, id, its output, id, ...]
+    outputs = dict(zip(parts[1::2], parts[2::2], strict=True))
+    for b in blocks:
+        for text in b.setup.expect:
+            assert text in outputs.get(b.id, ""), f"{b.id}: expected {text!r} in its output:\n{log[-4000:]}"
+
+
+def _payload(blocks: list[Block], tmp_path: Path) -> Path:
+    items = []
+    for n, b in enumerate(blocks):
+        folder = tmp_path / f"b{n}"
+        items.append({"id": b.id, "code": runnable(b, folder), "dir": str(folder)})
+    path = tmp_path / "blocks.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+@pytest.mark.parametrize("doc", sorted({b.doc for b in RUN if b.setup.ranks == 1}))
+def test_doc_blocks_run(doc: str, tmp_path: Path, s3_env: dict[str, str]) -> None:
+    blocks = [b for b in RUN if b.doc == doc and b.setup.ranks == 1]
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(_payload(blocks, tmp_path)), str(out)], cwd=tmp_path,
+        env=_env(tmp_path, s3_env), capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    _judge(blocks, json.loads(out.read_text()), proc.stdout)
+
+
+@pytest.mark.parametrize("block", [b for b in RUN if b.setup.ranks > 1], ids=lambda b: b.id)
+def test_multi_rank_blocks_run(block: Block, tmp_path: Path, s3_env: dict[str, str]) -> None:
+    out = tmp_path / "results.json"
+    payload = _payload([block], tmp_path)
+    procs = launcher.start(lambda rank, port: [str(RUNNER), str(payload), str(out)],
+                           block.setup.ranks, env=_env(tmp_path, s3_env))
+    outcomes = launcher.finish(block.id, procs, lambda rank: Path(f"{out}.{rank}"), TIMEOUT)
+    for o in outcomes:
+        assert o.returncode == 0 and o.result is not None, o.log[-4000:]
+        _judge([block], o.result, o.log)
