@@ -13,8 +13,9 @@ A block may be preceded by a marker (blank lines and other HTML comments may sit
 - ``<!-- example: setup=NAME -->``: :data:`SETUPS` [NAME] gives what the page defines
   elsewhere (a prelude run before the block: a tiny model, a checkpoint to read), the
   ``ranks`` it runs on, placeholders to fill (``replace``: each must occur in the block), and
-  the result the page states (``after``: asserts run after the block; ``expect``: text its
-  output must hold).
+  the result the page states (``after``: asserts run after the block; ``on_exit``: asserts
+  run when it exits by ``SystemExit``, code 0 being a pass; ``expect``: text its output must
+  hold).
 - ``<!-- example: fragment, REASON -->``: not run (it needs a cluster, DeepSpeed or Megatron
   objects, ...); printed with its reason in the test's output and checked to be valid Python.
 
@@ -61,6 +62,7 @@ class Setup:
     expect: tuple[str, ...] = ()
     replace: tuple[tuple[str, str], ...] = ()
     ranks: int = 1
+    on_exit: str = ""  # asserts run when the block raises SystemExit (which then goes on)
 
 
 # A small checkpoint with the names read.md, README and format.md read.
@@ -194,6 +196,8 @@ def train_step():
         os.kill(os.getpid(), signal.SIGTERM)   # the scheduler's notice, mid-step
 """, after="""
 raise AssertionError("maybe_save_on_preemption did not exit after SIGTERM")
+""", on_exit="""
+assert [(i.step, i.status) for i in ckptlib.CheckpointManager("ckpt").steps()] == [(7, "committed")]
 """, expect=("[exit 0]",)),
     "preempted-all-ranks": Setup(ranks=2, prelude=TINY_LOOP + """
 import os, signal, torch.distributed
@@ -205,6 +209,8 @@ if torch.distributed.get_rank() == 1:
     os.kill(os.getpid(), signal.SIGTERM)   # only rank 1 got the notice
 """, after="""
 raise AssertionError("no rank saw the signal")
+""", on_exit="""
+assert [(i.step, i.status) for i in ckptlib.CheckpointManager("ckpt").steps()] == [(5, "committed")]
 """, expect=("[exit 0]",)),
     "scale-loop": Setup(prelude=TINY_LOOP + "total_steps = 150\n", after="""
 assert mgr.steps() and all(i.status == "committed" for i in mgr.steps())
@@ -220,6 +226,8 @@ assert [s for s, _ in got] == [9, 19, 21], got   # every 10th save, the forced o
 """),
     "memory-tier-loop": Setup(prelude=TINY_LOOP, after="""
 mgr.close()
+_local = {"local": "committed", "persistent": None}   # persist_every=50: none of 21 saves drained
+assert [(i.step, i.tiers) for i in mgr.steps()] == [(19, _local), (20, _local)]   # local_keep_last=2
 """),
     "dcp": Setup(prelude=TINY_LOOP + "step, root = 100, 'ckpt'\n", after="""
 assert start == 100
@@ -296,6 +304,9 @@ def runnable(block: Block, folder: Path) -> str:
         assert old in code, f"{block.id}: the test fills {old!r}, which the block no longer holds"
         code = code.replace(old, new)
     code = FILE_URL.sub(f"file://{folder}/", ABS_PATH.sub(r"\1./", code))
+    if setup.on_exit:
+        on_exit = textwrap.indent(setup.on_exit.strip(), "    ")
+        code = f"try:\n{textwrap.indent(code, '    ')}\nexcept SystemExit:\n{on_exit}\n    raise\n"
     return f"import os\n{setup.prelude}\n{code}\n{setup.after}"
 
 
