@@ -63,6 +63,7 @@ class Setup:
     expect: tuple[str, ...] = ()
     replace: tuple[tuple[str, str], ...] = ()
     ranks: int = 1
+    runs: int = 1  # >1: run again in the same folder (a restart), the checks after the last run
     on_exit: str = ""  # asserts run when the block raises SystemExit (which then goes on)
 
 
@@ -101,7 +102,8 @@ S3_OPTIONS = (
 )
 
 SETUPS: dict[str, Setup] = {
-    "short-loop": Setup(replace=(("10_001", "301"),), after="""
+    "short-loop": Setup(replace=(("10_001", "301"),), runs=2, after="""
+assert start == 300
 assert [i.step for i in ckptlib.CheckpointManager("./nvme/run1/ckpt").steps()] == [100, 200, 300]
 """),
     "run1": Setup(prelude=RUN1 + """
@@ -129,10 +131,12 @@ assert (part == ckpt_state["model"]["embed.weight"][1000:1010, :64].numpy()).all
 import torch.distributed
 torch.distributed.init_process_group("gloo")
 """, expect=("[(100, 'committed')]",)),
-    "accelerate-loop": Setup(after="""
+    "accelerate-loop": Setup(runs=2, after="""
+assert start == 3   # the restart resumed after the last epoch: nothing left to train
 assert [i.step for i in ckptlib.CheckpointManager("./tmp/ckptlib-accelerate-demo").steps()] == [2, 3]
 """),
-    "lightning-fit": Setup(after="""
+    "lightning-fit": Setup(runs=2, after="""
+assert trainer.ckpt_path is not None and trainer.ckpt_path.endswith("epoch=2-step=18.ckpt")
 assert trainer.current_epoch == 3 and newest_checkpoint(ckpt_dir).endswith("epoch=2-step=18.ckpt")
 """),
     "step-check": Setup(prelude=RUN1, expect=("committed",)),
@@ -308,18 +312,18 @@ def doc_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-def runnable(block: Block, folder: Path) -> str:
+def runnable(block: Block, folder: Path, checks: bool = True) -> str:
     """The source the runner executes for ``block``: prelude, block (placeholders filled,
-    absolute example paths under ``folder``), then the stated result's checks."""
+    absolute example paths under ``folder``), then (``checks``) the stated result's checks."""
     setup, code = block.setup, block.code
     for old, new in setup.replace:
         assert old in code, f"{block.id}: the test fills {old!r}, which the block no longer holds"
         code = code.replace(old, new)
     code = FILE_URL.sub(f"file://{folder}/", ABS_PATH.sub(r"\1./", code))
-    if setup.on_exit:
+    if setup.on_exit and checks:
         on_exit = textwrap.indent(setup.on_exit.strip(), "    ")
         code = f"try:\n{textwrap.indent(code, '    ')}\nexcept SystemExit:\n{on_exit}\n    raise\n"
-    return f"import os\n{setup.prelude}\n{code}\n{setup.after}"
+    return f"import os\n{setup.prelude}\n{code}\n{setup.after if checks else ''}"
 
 
 ALL = [b for doc in DOCS for b in doc_blocks(doc)]
@@ -369,11 +373,11 @@ def _env(tmp_path: Path, s3_env: dict[str, str]) -> dict[str, str]:
 
 def _judge(blocks: list[Block], results: list[dict], log: str) -> None:
     """Every block ran without raising and printed what its setup expects."""
-    assert [r["id"] for r in results] == [b.id for b in blocks], log[-4000:]
+    assert [r["id"] for r in results] == [b.id for b in blocks for _ in range(b.setup.runs)], log[-4000:]
     failed = [f"{r['id']}:\n{r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed) + "\n--- output:\n" + log[-4000:]
     parts = re.split(r"^--- (\S+:\d+)\n", log, flags=re.M)  # [before, id, its output, id, ...]
-    outputs = dict(zip(parts[1::2], parts[2::2], strict=True))
+    outputs = dict(zip(parts[1::2], parts[2::2], strict=True))  # a block run twice: its last run
     for b in blocks:
         for text in b.setup.expect:
             assert text in outputs.get(b.id, ""), f"{b.id}: expected {text!r} in its output:\n{log[-4000:]}"
@@ -383,7 +387,8 @@ def _payload(blocks: list[Block], tmp_path: Path) -> Path:
     items = []
     for n, b in enumerate(blocks):
         folder = tmp_path / f"b{n}"
-        items.append({"id": b.id, "code": runnable(b, folder), "dir": str(folder)})
+        for run in range(1, b.setup.runs + 1):
+            items.append({"id": b.id, "code": runnable(b, folder, run == b.setup.runs), "dir": str(folder)})
     path = tmp_path / "blocks.json"
     path.write_text(json.dumps(items))
     return path
