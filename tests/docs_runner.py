@@ -1,10 +1,19 @@
-"""Runs doc examples for ``tests/test_docs_examples.py``, in a fresh Python process.
+"""Runs doc examples for ``tests/test_docs_examples.py``.
 
-Called as ``python docs_runner.py BLOCKS.json RESULTS.json`` by the test (one process per doc
-file, or one per rank for a block marked ``ranks=N``, started through tests/launcher.py).
-Each block runs in its own globals and its own empty working folder, in document order; a
-block that raises (or exits with a code other than 0) is recorded with its traceback and the next block still runs. The results
-file is a JSON list of ``{"id", "ok", "error"}``, written once every block has run.
+Called by the test as ``python docs_runner.py JOBS.json``: a list of pages, each
+``{"blocks": [{"id", "code", "dir"}], "results": PATH, "s3": bool, "timeout": seconds}``.
+This process imports torch and ckptlib once, then forks one child per page, in order, so
+every page runs in a fresh process without paying for those imports again; the child runs
+the page's blocks in order, each in its own globals and its own folder, and writes ``results``
+(a JSON list of ``{"id", "ok", "error"}``; a block that raises, or exits with a code other
+than 0, is recorded with its traceback and the next block still runs), then exits as a script
+does (so a thread a block left running shows as a page that never ends). A child still alive
+``timeout`` seconds after its start is killed by PID and its page recorded as timed out.
+Before a page marked ``s3``, the moto server at ``AWS_ENDPOINT_URL`` is emptied and given the
+buckets in ``CKPTLIB_DOCS_BUCKETS``. The parent writes ``JOBS.json.exits``: each page's exit.
+
+A multi-rank block runs as ``python docs_runner.py BLOCKS.json RESULTS`` on every rank
+(started through tests/launcher.py), writing ``RESULTS.<rank>``.
 """
 
 from __future__ import annotations
@@ -12,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import time
 import traceback
+import urllib.request
 from pathlib import Path
 
 
@@ -38,10 +50,8 @@ def run_block(block: dict) -> dict:
     return {"id": block["id"], "ok": True, "error": ""}
 
 
-def main(argv: list[str]) -> int:
-    blocks = json.loads(Path(argv[0]).read_text())
-    rank = os.environ.get("RANK")
-    out = Path(argv[1] if rank is None else f"{argv[1]}.{rank}")
+def run_blocks(blocks: list[dict], out: Path) -> None:
+    """Run ``blocks`` in order; write their results to ``out``."""
     results = [run_block(b) for b in blocks]
     with contextlib.suppress(Exception):  # a block that left a process group behind
         import torch.distributed as dist
@@ -49,6 +59,64 @@ def main(argv: list[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     out.write_text(json.dumps(results))
+
+
+def empty_s3() -> None:
+    """Empty the moto server at ``AWS_ENDPOINT_URL``; create ``CKPTLIB_DOCS_BUCKETS``."""
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30):
+        pass
+    for name in os.environ["CKPTLIB_DOCS_BUCKETS"].split(","):
+        with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{name}", method="PUT"), timeout=30):
+            pass
+
+
+def wait_child(pid: int, timeout: float) -> int | str:
+    """The child's exit code (negative: killed by that signal), or ``"timeout"`` once it was
+    still running ``timeout`` seconds after this call (it is then killed)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "timeout"
+
+
+def run_pages(jobs_path: Path) -> None:
+    """Fork one child per page of ``jobs_path``, one at a time; record each child's exit."""
+    import torch  # noqa: F401  (imported once, before the forks)
+
+    import ckptlib  # noqa: F401
+
+    exits = {}
+    for job in json.loads(jobs_path.read_text()):
+        if job["s3"]:
+            empty_s3()
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:  # the page's own process: ends as a script ends
+            code = 0
+            try:
+                run_blocks(job["blocks"], Path(job["results"]))
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.exit(code)
+        began = time.monotonic()
+        exits[job["results"]] = wait_child(pid, job["timeout"])
+        print(f"[page {job['results']}: {time.monotonic() - began:.1f}s]", flush=True)
+    Path(f"{jobs_path}.exits").write_text(json.dumps(exits))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 1:
+        run_pages(Path(argv[0]))
+        return 0
+    rank = os.environ["RANK"]
+    run_blocks(json.loads(Path(argv[0]).read_text()), Path(f"{argv[1]}.{rank}"))
     return 0
 
 

@@ -1,10 +1,11 @@
 """Every ```python block in README.md, docs/*.md and docs/integrations/*.md runs as written.
 
-One fresh Python process per doc file (``tests/docs_runner.py``: each block in its own globals
-and its own empty folder under ``tmp_path``, ``PYTHONPATH`` the repository, ``TMPDIR`` inside
-``tmp_path``); a block marked ``ranks=N`` runs on N gloo ranks through tests/launcher.py. A
-block that raises fails the test with its traceback. S3 URLs reach a moto server (the session's
-own moto server, emptied per test) through ``AWS_ENDPOINT_URL`` and its test keys, so ``s3://bucket/...`` runs as
+One fresh Python process per doc file (forked by ``tests/docs_runner.py`` once torch and
+ckptlib are imported; each block in its own globals and its own empty folder under the test's
+tmp folder, ``PYTHONPATH`` the repository, ``TMPDIR`` inside that folder); a block marked
+``ranks=N`` runs on N gloo ranks through tests/launcher.py. A block that raises fails the test
+with its traceback. S3 URLs reach this module's moto server (emptied before each page that
+uses S3) through ``AWS_ENDPOINT_URL`` and its test keys, so ``s3://bucket/...`` runs as
 printed; an absolute example path (``/ckpt/run1``, ``/nvme/...``, ``/tmp/...``) is read
 relative to the block's folder.
 
@@ -26,14 +27,15 @@ Called by pytest only.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
-import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -344,75 +346,124 @@ def test_fragment_is_listed_with_its_reason(block: Block) -> None:
     pytest.skip(f"{block.id} is a fragment, not run: {block.fragment}")  # -ra lists it in the summary
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    """This module's own moto server (emptied before each test: the pages share bucket names)."""
-    server = MotoServer()
-    try:
-        yield server
-    finally:
-        server.stop()
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_DEFAULT_REGION": "us-east-1", "CKPTLIB_DOCS_BUCKETS": ",".join(BUCKETS)}
 
 
-@pytest.fixture
-def s3_env(moto: MotoServer) -> dict[str, str]:
-    """Environment under which ``s3://bucket/...`` reaches ``moto``, its buckets empty."""
-    urllib.request.urlopen(urllib.request.Request(f"{moto.endpoint}/moto-api/reset", method="POST"), timeout=30)
-    for name in BUCKETS:
-        moto.create_bucket(name)
-    return {"AWS_ENDPOINT_URL": moto.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+def uses_s3(block: Block) -> bool:
+    return "s3" in runnable(block, Path("/"))
 
 
-def _env(tmp_path: Path, s3_env: dict[str, str]) -> dict[str, str]:
+def _env(tmp_path: Path, endpoint: str) -> dict[str, str]:
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    env = {**os.environ, **s3_env, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp")}
+    env = {**os.environ, **S3_ENV, "AWS_ENDPOINT_URL": endpoint, "PYTHONPATH": str(REPO),
+           "TMPDIR": str(tmp_path / "tmp")}
     env.pop("CKPTLIB_NODE", None)
     return env
 
 
-def _judge(blocks: list[Block], results: list[dict], log: str) -> None:
-    """Every block ran without raising and printed what its setup expects."""
-    assert [r["id"] for r in results] == [b.id for b in blocks for _ in range(b.setup.runs)], log[-4000:]
-    failed = [f"{r['id']}:\n{r['error']}" for r in results if not r["ok"]]
-    assert not failed, "\n".join(failed) + "\n--- output:\n" + log[-4000:]
-    parts = re.split(r"^--- (\S+:\d+)\n", log, flags=re.M)  # [before, id, its output, id, ...]
-    outputs = dict(zip(parts[1::2], parts[2::2], strict=True))  # a block run twice: its last run
-    for b in blocks:
-        for text in b.setup.expect:
-            assert text in outputs.get(b.id, ""), f"{b.id}: expected {text!r} in its output:\n{log[-4000:]}"
-
-
-def _payload(blocks: list[Block], tmp_path: Path) -> Path:
+def _items(blocks: list[Block], tmp_path: Path) -> list[dict]:
+    """The runner's list for ``blocks``: a block run ``runs`` times in one folder, checked last."""
     items = []
     for n, b in enumerate(blocks):
         folder = tmp_path / f"b{n}"
         for run in range(1, b.setup.runs + 1):
             items.append({"id": b.id, "code": runnable(b, folder, run == b.setup.runs), "dir": str(folder)})
-    path = tmp_path / "blocks.json"
-    path.write_text(json.dumps(items))
-    return path
+    return items
 
 
-@pytest.mark.parametrize("doc", sorted({b.doc for b in RUN if b.setup.ranks == 1}))
-def test_doc_blocks_run(doc: str, tmp_path: Path, s3_env: dict[str, str]) -> None:
-    blocks = [b for b in RUN if b.doc == doc and b.setup.ranks == 1]
-    out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(_payload(blocks, tmp_path)), str(out)], cwd=tmp_path,
-        env=_env(tmp_path, s3_env), capture_output=True, text=True, timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    _judge(blocks, json.loads(out.read_text()), proc.stdout)
+@dataclass
+class Ran:
+    """How one process ran a list of blocks: the runner's results (None if it wrote none)."""
+
+    returncode: int | str
+    results: list[dict] | None
+    log: str
 
 
-@pytest.mark.parametrize("block", [b for b in RUN if b.setup.ranks > 1], ids=lambda b: b.id)
-def test_multi_rank_blocks_run(block: Block, tmp_path: Path, s3_env: dict[str, str]) -> None:
-    out = tmp_path / "results.json"
-    payload = _payload([block], tmp_path)
+def _run_pages(pages: list[str], tmp_path: Path, endpoint: str) -> dict[str, list[Ran]]:
+    """One runner runs ``pages`` one after the other, each in a process of its own (forked)."""
+    jobs = []
+    for n, doc in enumerate(pages):
+        folder = tmp_path / f"page{n}"
+        blocks = [b for b in RUN if b.doc == doc and b.setup.ranks == 1]
+        jobs.append({"blocks": _items(blocks, folder), "results": str(folder / "results.json"),
+                     "s3": any(uses_s3(b) for b in blocks), "timeout": TIMEOUT})
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, str(RUNNER), str(path)], cwd=tmp_path, env=_env(tmp_path, endpoint),
+                          capture_output=True, text=True, timeout=TIMEOUT * len(pages) + 60)
+    exits_path = Path(f"{path}.exits")
+    exits = json.loads(exits_path.read_text()) if exits_path.exists() else {}
+    log = f"{proc.stdout}\n[runner exit {proc.returncode}]\n{proc.stderr[-4000:]}"
+    ran = {}
+    for doc, job in zip(pages, jobs, strict=True):
+        out = Path(job["results"])
+        results = json.loads(out.read_text()) if out.exists() else None
+        ran[doc] = [Ran(exits.get(job["results"], "not run"), results, log)]
+    return ran
+
+
+def _run_ranks(block: Block, tmp_path: Path) -> list[Ran]:
+    """``block.setup.ranks`` gloo ranks run ``block`` (tests/launcher.py); one Ran per rank."""
+    assert not uses_s3(block), f"{block.id}: S3 is for single-rank pages (one runner empties it)"
+    out, payload = tmp_path / "results.json", tmp_path / "blocks.json"
+    payload.write_text(json.dumps(_items([block], tmp_path)))
     procs = launcher.start(lambda rank, port: [str(RUNNER), str(payload), str(out)],
-                           block.setup.ranks, env=_env(tmp_path, s3_env))
+                           block.setup.ranks, env=_env(tmp_path, "http://127.0.0.1:9"))
     outcomes = launcher.finish(block.id, procs, lambda rank: Path(f"{out}.{rank}"), TIMEOUT)
-    for o in outcomes:
-        assert o.returncode == 0 and o.result is not None, o.log[-4000:]
-        _judge([block], o.result, o.log)
+    return [Ran(o.returncode, o.result, o.log) for o in outcomes]
+
+
+PAGES = sorted({b.doc for b in RUN if b.setup.ranks == 1})
+RANKED = [b for b in RUN if b.setup.ranks > 1]
+
+
+@pytest.fixture(scope="module")
+def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    """The selected pages and multi-rank blocks, from the first test that asks: the pages that
+    use S3 in one runner (one moto server, emptied before each), the others in a second, the
+    multi-rank blocks after them; two jobs at a time (this machine's cores)."""
+    wanted = {item.callspec.id for item in request.session.items
+              if getattr(item, "callspec", None) and item.module is request.module}
+    pages = [doc for doc in PAGES if doc in wanted]
+    s3 = [doc for doc in pages if any(uses_s3(b) for b in RUN if b.doc == doc and b.setup.ranks == 1)]
+    lanes = [lane for lane in (s3, [doc for doc in pages if doc not in s3]) if lane]
+    server = MotoServer()
+    with contextlib.ExitStack() as stack:
+        stack.callback(server.stop)  # after the pool below has waited for every job
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=2))
+        futures: dict[str, Future] = {}
+        for n, lane in enumerate(lanes):
+            ran = pool.submit(_run_pages, lane, tmp_path_factory.mktemp(f"lane{n}"), server.endpoint)
+            futures.update(dict.fromkeys(lane, ran))
+        for b in RANKED:
+            if b.id in wanted:
+                futures[b.id] = pool.submit(_run_ranks, b, tmp_path_factory.mktemp("ranks"))
+        yield futures  # leaving the pool waits for every job (each under its deadline)
+
+
+def _judge(blocks: list[Block], ran: list[Ran]) -> None:
+    """Every process exited 0 and says every block ran without raising and printed what its
+    setup expects."""
+    for r in ran:
+        assert r.returncode == 0 and r.results is not None, r.log[-8000:]
+        assert [x["id"] for x in r.results] == [b.id for b in blocks for _ in range(b.setup.runs)], r.log[-4000:]
+        failed = [f"{x['id']}:\n{x['error']}" for x in r.results if not x["ok"]]
+        assert not failed, "\n".join(failed) + "\n--- output:\n" + r.log[-4000:]
+        parts = re.split(r"^--- (\S+:\d+)\n", r.log, flags=re.M)  # [before, id, its output, id, ...]
+        outputs = dict(zip(parts[1::2], parts[2::2], strict=True))  # a block run twice: its last run
+        for b in blocks:
+            for text in b.setup.expect:
+                assert text in outputs.get(b.id, ""), f"{b.id}: expected {text!r} in its output:\n{r.log[-4000:]}"
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_doc_blocks_run(doc: str, jobs: dict[str, Future]) -> None:
+    blocks = [b for b in RUN if b.doc == doc and b.setup.ranks == 1]
+    _judge(blocks, jobs[doc].result(timeout=TIMEOUT * (len(jobs) + 1))[doc])
+
+
+@pytest.mark.parametrize("block", RANKED, ids=lambda b: b.id)
+def test_multi_rank_blocks_run(block: Block, jobs: dict[str, Future]) -> None:
+    _judge([block], jobs[block.id].result(timeout=TIMEOUT * (len(jobs) + 1)))
