@@ -98,6 +98,28 @@ step, root = 100, "ckpt"
 state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 """
 
+# docs/format.md section 6: the manifest the page shows is the one this state saves as (but for
+# what differs per save: ids, times, checksums and sizes of random data).
+FORMAT_EXAMPLE = """
+import json, re
+with ckptlib.CheckpointManager("root", compression="zstd", async_save=False) as _m:
+    _m.save(1200, state, metadata={"run": "gpt-small"})
+_page = open(os.path.join(os.environ["PYTHONPATH"], "docs", "format.md")).read()
+_shown = re.search(r"this manifest.*?```jsonc\\n(.*?)```", _page, re.S).group(1)
+_doc = json.loads(re.sub(r"\\s*//[^\\n]*", "", _shown))
+_got = json.load(open("root/step-000000001200/manifest.json"))
+assert sorted(_got) == sorted(_doc) and _got["format_version"] == _doc["format_version"]
+_d, _g = _doc["body"], _got["body"]
+assert list(_g) == list(_d), (list(_g), list(_d))
+for _k in ("step", "world_size", "commit", "checksum_algorithm", "tree", "packed_tensors", "metadata", "extra", "metrics"):
+    assert _g[_k] == _d[_k], (_k, _g[_k], _d[_k])
+assert [p[3:] for p in _g["packs"]] == [p[3:] for p in _d["packs"]]   # checksum, codec, raw length
+for _name, _t in _d["tensors"].items():
+    assert (_g["tensors"][_name]["dtype"], _g["tensors"][_name]["shape"]) == (_t["dtype"], _t["shape"])
+    assert [c[4:] for c in _g["tensors"][_name]["chunks"]] == [c[4:] for c in _t["chunks"]], _name
+assert sorted(_g["tensors"]) == sorted(_d["tensors"])
+"""
+
 S3_OPTIONS = (
     ('"endpoint_url": "https://s3.example.com"', '"endpoint_url": os.environ["AWS_ENDPOINT_URL"]'),
     ('"key": "...", "secret": "..."', '"key": "testing", "secret": "testing"'),
@@ -142,7 +164,8 @@ assert trainer.ckpt_path is not None and trainer.ckpt_path.endswith("epoch=2-ste
 assert trainer.current_epoch == 3 and newest_checkpoint(ckpt_dir).endswith("epoch=2-step=18.ckpt")
 """),
     "step-check": Setup(prelude=RUN1, expect=("committed",)),
-    "state-literal": Setup(prelude="import torch, ckptlib\n"),
+    "state-literal": Setup(prelude="import torch, ckptlib\n", replace=(('{"model"', 'state = {"model"'),),
+                           after=FORMAT_EXAMPLE),
     "hf-folders": Setup(prelude="""
 import os, torch, ckptlib, s3fs
 from safetensors.torch import save_file
