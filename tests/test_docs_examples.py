@@ -283,6 +283,22 @@ root, start, steps = "ckpt", 1, 4
 pending.result()
 assert [(i.step, i.status) for i in ckptlib.CheckpointManager(root).steps()] == [(s, "committed") for s in (1, 2, 3)]
 """),
+    "deepspeed": Setup(ranks=2, prelude="""
+import datetime, torch
+os.environ.update(LOCAL_RANK=os.environ["RANK"], LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], DS_ACCELERATOR="cpu")
+torch.set_num_threads(1)
+import deepspeed, deepspeed.ops
+deepspeed.ops.__compatible_ops__ = {}  # CPU, no op builds (as tests/workers/ds_worker.py)
+deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+model = torch.nn.Linear(8, 4)
+batch = torch.randn(2, 8)
+optimizer = torch.optim.Adam(model.parameters())
+ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+""", after="""
+assert res.tag is None and data_pos == 3
+assert ckds.resume(engine, "ckpt").client_state["data_pos"] == 3
+"""),
     "lightning-io": Setup(prelude="from ckptlib.integrations.lightning import CkptlibCheckpointIO\n"),
 }
 
