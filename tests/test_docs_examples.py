@@ -299,6 +299,18 @@ ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage":
 assert res.tag is None and data_pos == 3
 assert ckds.resume(engine, "ckpt").client_state["data_pos"] == 3
 """),
+    "megatron": Setup(ranks=2, prelude="""
+import warnings; warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+from megatron.core.dist_checkpointing import ShardedTensor
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+full = torch.arange(8.0).reshape(4, 2)
+sharded_sd = {"w": ShardedTensor.from_rank_offsets("w", full[2 * rank: 2 * rank + 2].clone(), (0, rank, world), replica_id=0)}
+save_dir, iteration = "ckpt", 100
+""", after="""
+assert iteration == 200 and torch.equal(state["w"], full[2 * rank: 2 * rank + 2])
+"""),
     "lightning-io": Setup(prelude="from ckptlib.integrations.lightning import CkptlibCheckpointIO\n"),
 }
 
