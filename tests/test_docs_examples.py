@@ -392,9 +392,12 @@ def test_every_page_block_is_found_and_every_setup_used() -> None:
     assert used == set(SETUPS), f"setups no block names: {set(SETUPS) - used}"
 
 
-@pytest.mark.parametrize("block", [b for b in ALL if b.fragment], ids=lambda b: b.id)
-def test_fragment_is_listed_with_its_reason(block: Block) -> None:
-    pytest.skip(f"{block.id} is a fragment, not run: {block.fragment}")  # -ra lists it in the summary
+FRAGMENTS = [b for b in ALL if b.fragment]
+if FRAGMENTS:  # none today: every block runs
+
+    @pytest.mark.parametrize("block", FRAGMENTS, ids=lambda b: b.id)
+    def test_fragment_is_listed_with_its_reason(block: Block) -> None:
+        pytest.skip(f"{block.id} is a fragment, not run: {block.fragment}")  # -ra lists it in the summary
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
