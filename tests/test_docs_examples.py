@@ -3,8 +3,9 @@
 One fresh Python process per doc file (forked by ``tests/docs_runner.py`` once torch and
 ckptlib are imported; each block in its own globals and its own empty folder under the test's
 tmp folder, ``PYTHONPATH`` the repository, ``TMPDIR`` inside that folder); a block marked
-``ranks=N`` runs on N gloo ranks through tests/launcher.py. A block that raises fails the test
-with its traceback. S3 URLs reach this module's moto server (emptied before each page that
+``ranks=N`` runs on N gloo ranks through tests/launcher.py. The pages that use S3 run in one
+runner, the others in a second, the multi-rank blocks after them; two jobs at a time. A block
+that raises fails the test with its traceback. S3 URLs reach this module's moto server (emptied before each page that
 uses S3) through ``AWS_ENDPOINT_URL`` and its test keys, so ``s3://bucket/...`` runs as
 printed; an absolute example path (``/ckpt/run1``, ``/nvme/...``, ``/tmp/...``) is read
 relative to the block's folder.
@@ -16,10 +17,10 @@ A block may be preceded by a marker (blank lines and other HTML comments may sit
   ``ranks`` it runs on, placeholders to fill (``replace``: each must occur in the block), and
   the result the page states (``after``: asserts run after the block; ``on_exit``: asserts
   run when it exits by ``SystemExit``, code 0 being a pass; ``expect``: text its output must
-  hold).
-- ``<!-- example: fragment, REASON -->``: not run (it needs a cluster, DeepSpeed or Megatron
-  objects, ...); checked to be valid Python and reported as a skipped test with its reason
-  (pytest's ``-ra`` summary lists it).
+  hold; ``runs=2``: run again in the same folder, as a restarted job, checked after the last).
+- ``<!-- example: fragment, REASON -->``: not run (for a block that truly cannot: none today);
+  checked to be valid Python and reported as a skipped test with its reason (pytest's ``-ra``
+  summary lists it). README.md and the pages in :data:`MUST_RUN` may hold no fragment.
 
 Called by pytest only.
 """
