@@ -25,7 +25,6 @@ import signal
 import sys
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 
 
@@ -62,13 +61,24 @@ def run_blocks(blocks: list[dict], out: Path) -> None:
 
 
 def empty_s3() -> None:
-    """Empty the moto server at ``AWS_ENDPOINT_URL``; create ``CKPTLIB_DOCS_BUCKETS``."""
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
-    with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30):
-        pass
+    """Empty (or create) the buckets ``CKPTLIB_DOCS_BUCKETS`` on the moto server at
+    ``AWS_ENDPOINT_URL``, and nothing else: every moto server in the pytest process shares one
+    store, so a reset (``/moto-api/reset``) also deleted the session's own test bucket, and the
+    S3 tests that ran after this one failed with "bucket does not exist"."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    have = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
     for name in os.environ["CKPTLIB_DOCS_BUCKETS"].split(","):
-        with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{name}", method="PUT"), timeout=30):
-            pass
+        if name not in have:
+            s3.create_bucket(Bucket=name)
+            continue
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=name):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=name, Delete={"Objects": keys})
+        for up in s3.list_multipart_uploads(Bucket=name).get("Uploads", []):
+            s3.abort_multipart_upload(Bucket=name, Key=up["Key"], UploadId=up["UploadId"])
 
 
 def wait_child(pid: int, timeout: float) -> int | str:
