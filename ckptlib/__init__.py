@@ -24,6 +24,7 @@ from ckptlib.errors import (
     ManifestVersionError,
     MissingDependencyError,
     NonFiniteError,
+    NotInCheckpointError,
     ReplicaMismatchError,
     StateMismatchError,
     StepExistsError,
@@ -79,7 +80,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointView",
     "CommitError", "CommitTimeoutError", "CommitUnknownError", "CorruptCheckpointError", "FatalStorageError",
-    "LoadResult", "ManifestVersionError", "MissingDependencyError", "NonFiniteError", "PerRank", "ReplicaMismatchError", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
+    "LoadResult", "ManifestVersionError", "MissingDependencyError", "NonFiniteError", "NotInCheckpointError", "PerRank", "ReplicaMismatchError", "RNGState", "SaveHandle", "Shard", "StateMismatchError",
     "StepExistsError", "StepInfo", "StorageError", "StorageTimeoutError", "TargetNotEmptyError",
     "TensorInfo",
     "UnsupportedValueError", "__version__", "load", "load_metadata", "open", "save",

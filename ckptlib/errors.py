@@ -85,6 +85,15 @@ class StateMismatchError(CheckpointError, ValueError):
     """The target ``state`` of a load does not match the checkpoint (keys, shapes, dtypes)."""
 
 
+class NotInCheckpointError(CheckpointError, KeyError):
+    """A tensor name or a path that the checkpoint does not hold (``CheckpointView.info``,
+    ``read``, ``load(select=...)``); also a ``KeyError``, so ``except KeyError`` keeps working.
+    Its text is the message as written (a plain ``KeyError`` would print it quoted)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class StorageError(CheckpointError, OSError):
     """The storage backend failed (I/O error, permission, unreachable server)."""
 

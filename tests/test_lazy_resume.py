@@ -178,3 +178,17 @@ def test_an_unreadable_step_stops_a_restore_that_reaches_it(root: Path) -> None:
     # one older than the step that loads is never reached (ckptlib ls lists it)
     denied = DeniedStorage(open_storage(str(root)), {layout.step_dir(3)})
     assert resume.restore(denied, state(0), LocalCoordinator(), timeout=60) == STEPS - 1
+
+
+def test_restore_of_an_older_step_is_not_stopped_by_an_unreadable_newer_one(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``restore(step=N)`` judges the newer steps only for its rollback warning: one whose
+    manifest cannot be read (permission denied) failed the restore of a step it does not read.
+    Now it is logged and passed over; the next newer committed step is still warned about."""
+    denied = DeniedStorage(open_storage(str(root)), {layout.step_dir(STEPS)})
+    target = state(0)
+    with caplog.at_level(logging.WARNING, logger="ckptlib"):
+        assert resume.restore(denied, target, LocalCoordinator(), step=3, timeout=60) == 3
+    assert "a newer step than the one restored cannot be read" in caplog.text
+    assert f"holds newer committed step(s), the newest {STEPS - 1}" in caplog.text
+    assert torch.equal(target["w"], state(3)["w"])

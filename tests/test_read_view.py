@@ -351,3 +351,16 @@ def test_reading_packed_tensors_one_by_one_reads_each_pack_once(tmp_path: Path) 
         for name, t in state.items():
             assert torch.equal(ckpt.read(f"/{name}"), t)
         assert ckpt._reader.bytes_read == sum(p.length for p in packs)
+
+
+def test_a_name_or_path_not_in_the_checkpoint_is_a_typed_error_and_a_key_error(tmp_path: Path) -> None:
+    """``read``/``info`` of an unknown name and ``load(select=)`` of an unknown path raised a bare
+    ``KeyError`` (printed quoted); now ``NotInCheckpointError``, a ``CheckpointError`` and a
+    ``KeyError``, whose text is the message."""
+    ckptlib.save({"model": {"w": torch.ones(3)}}, tmp_path / "ck")
+    with ckptlib.open(tmp_path / "ck") as ck:
+        for call in (lambda: ck.read("/model/x"), lambda: ck.info("/x"), lambda: ck.load(select="model/nope")):
+            with pytest.raises(ckptlib.NotInCheckpointError) as got:
+                call()
+            assert isinstance(got.value, KeyError) and isinstance(got.value, ckptlib.CheckpointError)
+            assert str(got.value).startswith(("no tensor '/", "/model/nope: not in the checkpoint")), str(got.value)

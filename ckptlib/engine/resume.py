@@ -29,6 +29,7 @@ from ckptlib.engine import load as load_flow
 from ckptlib.engine.options import flag
 from ckptlib.engine.scan import (
     StepInfo,
+    UnreadableStepError,
     checkpoint_root_error,
     enclosing_checkpoint,
     iter_steps,
@@ -219,6 +220,17 @@ def _judges(storage: Storage) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
         return []
 
 
+def _committed(judge: Callable[[], list[StepInfo]], url: str) -> bool:
+    """Whether a step newer than ``restore(step=N)``'s is committed, for its rollback warning
+    only (coordinator): a manifest this user may not read there is logged, not raised, since
+    the restore does not read that step."""
+    try:
+        return any(i.status == "committed" for i in judge())
+    except UnreadableStepError as e:
+        log.warning("ckptlib: %s: a newer step than the one restored cannot be read (%s); not counted", url, e)
+        return False
+
+
 def check_target(state: Any, strict: Any, verify: Any) -> None:
     """Refuse, before any rank meets, a ``CheckpointManager.restore(state, strict=..., verify=...)``
     that cannot load in place: ``state`` None (a restore into nothing would report a step
@@ -257,7 +269,7 @@ def restore(
             return as_candidates(itertools.chain.from_iterable(judge() for _, judge in judges))
         # restore(step=N): step N judged alone; for the warning, the newer steps newest first,
         # up to the first committed one (the newest committed: what a restore() without step= takes)
-        newest = next((n for n, judge in judges if n > step and any(i.status == "committed" for i in judge())), None)
+        newest = next((n for n, judge in judges if n > step and _committed(judge, storage.url)), None)
         if newest is not None:  # a rollback: say now what a resume after the next crash will do
             log.warning("ckptlib: restoring step %d from %s, which holds newer committed step(s), the newest %d: "
                         "a restore() without step= resumes from step %d, not from the saves this run makes "

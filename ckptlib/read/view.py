@@ -28,7 +28,12 @@ from ckptlib.engine.load import Merge, alloc_tensor, resolve_lazy, run_plan
 from ckptlib.engine.options import flag
 from ckptlib.engine.reader import Reader, Request
 from ckptlib.engine.scan import StepInfo, check_files, check_step, iter_steps, read_manifest
-from ckptlib.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckptlib.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotInCheckpointError,
+)
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES, ITEMSIZE
@@ -107,13 +112,14 @@ class CheckpointView:
 
     def info(self, name: str) -> TensorInfo:
         """Name, dtype, shape and size of the tensor ``name`` (``"/model/0.weight"``); a
-        ``KeyError`` that names the nearest match when there is none. Any thread; no I/O."""
+        :class:`~ckptlib.errors.NotInCheckpointError` (a ``KeyError``) that names the nearest
+        match when there is none. Any thread; no I/O."""
         e = self.manifest.tensors.get(name)
         if e is None:
             near = "/" + name if not name.startswith("/") and "/" + name in self.manifest.tensors else None
             hint = f"did you mean {near!r}? tensor names start with '/'" if near else (
                 "see .tensors() or `ckptlib inspect`")
-            raise KeyError(f"no tensor {name!r} in {self.where} ({hint})")
+            raise NotInCheckpointError(f"no tensor {name!r} in {self.where} ({hint})")
         return TensorInfo(name, e.dtype, e.shape, e.nbytes)
 
     def read(self, name: str, index: Index = None) -> torch.Tensor:
@@ -171,7 +177,7 @@ class CheckpointView:
             elif isinstance(saved, list | tuple) and number is not None and 0 <= number < len(saved):
                 saved = saved[int(key)]
             else:
-                raise KeyError(f"{path}: not in the checkpoint {self.where}")
+                raise NotInCheckpointError(f"{path}: not in the checkpoint {self.where}")
         plan = Merge(self.manifest, per_rank=per_rank, where=self.where)
         result = plan.fresh(saved, path)
         run_plan(plan, self.storage, self.folder, self.manifest, verify=self._reader.verify)
