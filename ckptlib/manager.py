@@ -733,7 +733,7 @@ class CheckpointManager:
         self._check_process("latest_step()")
         if self._tier is None:  # newest first, stopping at the first committed step
             return newest_committed(self.storage)
-        return next((i.step for i in reversed(self.steps()) if i.status == "committed"), None)
+        return tier_restore.newest_step(self._tier, self.storage)
 
     # ------------------------------------------------------------------ restoring
     @overload

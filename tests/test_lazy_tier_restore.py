@@ -95,3 +95,16 @@ def test_candidates_merge_the_tiers_as_before(top: Path) -> None:
     counted = CountingStorage(open_storage(str(p)))
     assert list(tier_restore.candidates(tier, counted, [held], step=STEPS)) == [by_step[STEPS]]
     assert counted.folders() == [STEPS]
+
+
+def test_latest_step_with_tiers_judges_only_the_newest_persistent_step(top: Path) -> None:
+    """``latest_step()`` with a local tier scanned every persistent step (``steps()``); now the
+    newest committed one is found newest first, and the node's local steps count too."""
+    tier = LocalTier(open_storage(str(top / "n0")), 0)
+    persistent = CountingStorage(open_storage(str(top / "p")))
+    assert tier_restore.newest_step(tier, persistent) == STEPS
+    assert persistent.folders() == [STEPS]
+    shutil.rmtree(top / "p" / layout.step_dir(STEPS))  # not drained yet: the local copy counts
+    persistent = CountingStorage(open_storage(str(top / "p")))
+    assert tier_restore.newest_step(tier, persistent) == STEPS
+    assert persistent.folders() == [STEPS - 1]

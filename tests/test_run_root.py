@@ -132,10 +132,13 @@ def test_a_tiered_manager_saves_and_restores_locally_while_its_persistent_tier_i
     with caplog.at_level(logging.WARNING, logger="ckptlib"):
         assert mgr.restore(got) == 3 and torch.equal(got["w"], w)  # the local tier's copy
     assert "cannot list the persistent tier s3://" in caplog.text
+    assert mgr.latest_step() == 3
     mgr.close()
     fresh = ckptlib.CheckpointManager(f"s3://{S3_BUCKET}/down", local=str(tmp_path / "other"), storage_options=opts)
     with pytest.raises(ckptlib.StorageError, match="cannot list s3://"):  # no local step: nothing is known
         fresh.restore({"w": torch.zeros(6)})
+    with pytest.raises(ckptlib.StorageError, match="cannot list s3://"):
+        fresh.latest_step()
     fresh.close()
     manifests = list((tmp_path / "local").rglob("manifest.json"))
     assert [m.parent.name for m in manifests] == [STEP.replace("5", "3")], manifests

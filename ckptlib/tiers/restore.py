@@ -53,7 +53,7 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.session import Session
 from ckptlib.engine import load as load_flow
 from ckptlib.engine.resume import Candidate, missing_step, resume_newest
-from ckptlib.engine.scan import StepInfo, read_capped, step_judges
+from ckptlib.engine.scan import StepInfo, newest_committed, read_capped, step_judges
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -217,6 +217,23 @@ def _restore(tier: LocalTier, persistent: Storage, state: Any, s: Session, *, st
         raise missing_step(step, f"{tier.storage.url} or {persistent.url}",
                            f"ckptlib ls {persistent.url} --local <the local= template>")
     return got.candidate.step if got else None
+
+
+def newest_step(tier: LocalTier, persistent: Storage) -> int | None:
+    """``CheckpointManager.latest_step`` with a local tier (caller's thread): the newer of the
+    persistent root's newest committed step (judged newest first, :func:`newest_committed`) and
+    this node's newest local one. A persistent tier that cannot be listed is warned about and
+    left out while the node holds a step (as :func:`candidates` does for a restore)."""
+    local = max(local_steps(tier.storage), default=None)
+    try:
+        persisted = newest_committed(persistent)
+    except StorageError as e:
+        if local is None:
+            raise
+        log.warning("ckptlib: cannot list the persistent tier %s (%s): the newest step is the local tier's",
+                    persistent.url, e)
+        persisted = None
+    return max((n for n in (local, persisted) if n is not None), default=None)
 
 
 def step_infos(tier: LocalTier, persistent: list[StepInfo], drains: dict[int, Any]) -> list[StepInfo]:
