@@ -101,6 +101,8 @@ def _common(body: dict[str, Any], v: Checker) -> tuple[Any, ...]:
     step = body.get("step")
     if step is not None:
         v.int_(step, "step")
+    if "tree" not in body:  # null is a saved None; no key is a manifest cut or edited (it loaded as None)
+        raise v.fail("no 'tree' (the saved structure, docs/format.md 3.6)")
     save_id = v.str_(body.get("save_id"), "save_id", 64)
     if not re.fullmatch(r"[0-9a-f]{8,64}", save_id):
         raise v.fail("save_id must be lowercase hex")

@@ -1859,6 +1859,9 @@ UNIT_ENTRIES: list[Entry] = [
     unit("file-size-negative", edit_body(lambda b: b["files"][0].__setitem__(1, -1)), "size"),
     unit("file-size-string", edit_body(lambda b: b["files"][0].__setitem__(1, "9")), "size"),
     unit("file-path-int", edit_body(lambda b: b["files"][0].__setitem__(0, 5)), "path"),
+    # the saved structure dropped: it loaded as None (found by fuzz-manifest-structure, "drop tree")
+    unit("tree-missing", edit_body(lambda b: b.pop("tree")), "no 'tree'"),
+    unit("tree-missing-zstd", edit_body(lambda b: b.pop("tree")), "no 'tree'", compression="zstd"),
     # ---- payload files
     unit("bit-flip-chunk", flip_payload("/big"), "checksum mismatch"),
     unit("bit-flip-chunk-2", flip_payload("/big2"), "checksum mismatch"),
