@@ -45,8 +45,8 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ckptlib.backends import Storage, join
 from ckptlib.coord.coordinator import Coordinator
@@ -73,6 +73,7 @@ from ckptlib.tiers.sources import SourceView, all_files, holdings
 from ckptlib.tiers.write_back import write_back
 
 log = logging.getLogger("ckptlib")
+T = TypeVar("T")
 
 
 def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]], step: int | None = None
@@ -89,14 +90,8 @@ def candidates(tier: LocalTier, persistent: Storage, held: list[dict[int, str]],
         for n, sid in mine.items():
             local.setdefault(int(n), Counter())[sid] += 1
     try:
-        judges = dict(step_judges(persistent))
+        judges = dict(_unless_down(lambda: step_judges(persistent), persistent, bool(local)) or ())
     except CheckpointNotFoundError:
-        judges = {}
-    except StorageError as e:  # down: the local steps still restore (with none, nothing is known)
-        if not local:
-            raise
-        log.warning("ckptlib: cannot list the persistent tier %s (%s): restoring from the local tier's steps "
-                    "only (a newer step drained there by another job would not be seen)", persistent.url, e)
         judges = {}
     for n in sorted(judges.keys() | local.keys(), reverse=True):
         if step is None or n == step:
@@ -225,15 +220,23 @@ def newest_step(tier: LocalTier, persistent: Storage) -> int | None:
     this node's newest local one. A persistent tier that cannot be listed is warned about and
     left out while the node holds a step (as :func:`candidates` does for a restore)."""
     local = max(local_steps(tier.storage), default=None)
-    try:
-        persisted = newest_committed(persistent)
-    except StorageError as e:
-        if local is None:
-            raise
-        log.warning("ckptlib: cannot list the persistent tier %s (%s): the newest step is the local tier's",
-                    persistent.url, e)
-        persisted = None
+    persisted = _unless_down(lambda: newest_committed(persistent), persistent, local is not None)
     return max((n for n in (local, persisted) if n is not None), default=None)
+
+
+def _unless_down(call: Callable[[], T], persistent: Storage, local: bool) -> T | None:
+    """``call()`` (a listing of the persistent tier), or None when that tier cannot be listed
+    and the node holds steps (``local``), with a warning: the local steps still restore. With
+    none, the ``StorageError`` is raised: nothing is known then. :func:`candidates`,
+    :func:`newest_step`."""
+    try:
+        return call()
+    except StorageError as e:
+        if not local:
+            raise
+        log.warning("ckptlib: cannot list the persistent tier %s (%s): going by the local tier's steps only "
+                    "(a newer step drained there by another job would not be seen)", persistent.url, e)
+        return None
 
 
 def step_infos(tier: LocalTier, persistent: list[StepInfo], drains: dict[int, Any]) -> list[StepInfo]:
