@@ -216,6 +216,16 @@ class Storage(ABC):
     def size(self, path: str) -> int | None:
         """Size of a regular file, or ``None`` if there is none at ``path``."""
 
+    def file_sizes(self, path: str) -> dict[str, int] | None:
+        """The sizes of the files directly under folder ``path``, by name, from one listing (a
+        missing folder: ``{}``), or None where asking :meth:`size` file by file costs no more (the
+        default: a local file system answers a ``stat`` without a round trip). Object stores answer
+        it with a listing of a page per 1,000 objects, so judging a step of 4,096 payload files
+        costs 5 requests, not 4,096 HEADs. A listing may lag behind a write on some stores: the
+        caller asks :meth:`size` of any file that the listing leaves out or sizes otherwise
+        (:func:`ckptlib.engine.scan.check_files`, the caller's thread)."""
+        return None
+
     @abstractmethod
     def listdir(self, path: str = "") -> list[Entry]:
         """Entries directly under ``path``; ``FileNotFoundError`` if it does not exist."""

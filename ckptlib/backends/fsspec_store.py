@@ -124,6 +124,16 @@ class FsspecStorage(Storage):
             return None
         return int(info["size"])
 
+    def file_sizes(self, path: str) -> dict[str, int] | None:
+        """One ``ls`` of folder ``path`` with details: the size of every file directly under it."""
+        full = self._full(path)
+        try:
+            infos = self.fs.ls(full, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info["size"]) for info in infos
+                if info.get("type") == "file" and info["name"].rstrip("/") != full.rstrip("/")}
+
     def listdir(self, path: str = "") -> list[Entry]:
         full = self._full(path)
         try:

@@ -357,6 +357,7 @@ class S3Storage(Storage):
                 kw["Delimiter"] = delimiter
             if token:
                 kw["ContinuationToken"] = token
+                self.stats["list"] += 1  # every page is a request: counted like the first
             if limit:
                 kw["MaxKeys"] = limit
             resp = await self.client.list_objects_v2(**kw)
@@ -369,6 +370,13 @@ class S3Storage(Storage):
     def _list_sync(self, path: str, delimiter: str | None, limit: int | None = None) -> list[dict[str, Any]]:
         prefix = self._folder_key(path)
         return self._run(self._call(lambda: self._list(prefix, delimiter, limit), path or "/"), f"list {path or '/'}")
+
+    def file_sizes(self, path: str) -> dict[str, int] | None:
+        """One ListObjectsV2 of folder ``path`` (a page per 1,000 objects): every object's size
+        directly under it; sub-folders are left out."""
+        cut = len(self._folder_key(path))
+        return {it["Key"][cut:]: int(it["Size"]) for it in self._list_sync(path, "/")
+                if not it["dir"] and it["Key"][cut:]}
 
     def listdir(self, path: str = "") -> list[Entry]:
         """Entries under ``path``. A folder is listed only if some object is under it: servers

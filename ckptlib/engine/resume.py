@@ -279,9 +279,9 @@ def restore(
 
     def attempt(c: Candidate) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
-        load_flow.load_checkpoint(
-            storage, c.folder, state, verify=verify,
-            rank=coord.rank, world_size=coord.world_size, per_rank=per_rank, strict=strict, keys=found,
+        load_flow.load_checkpoint(  # judged: the coordinator checked every file's size (listing)
+            storage, c.folder, state, verify=verify, rank=coord.rank, world_size=coord.world_size,
+            per_rank=per_rank, strict=strict, keys=found, judged=True,
         )
         return found
 

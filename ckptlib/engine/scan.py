@@ -117,11 +117,26 @@ def _read_limited(storage: Storage, path: str, where: str) -> bytes:
     return data
 
 
+LISTED_FROM = 4
+"""Files in a step from which :func:`check_files` takes their sizes from one listing of the
+folder (:meth:`Storage.file_sizes`, where the backend has it: object stores) instead of a request
+per file."""
+
+
 def check_files(storage: Storage, folder: str, m: Manifest) -> None:
+    """Every payload file (and v2 index file of its own) of ``folder`` is there with the size
+    ``m`` records: :class:`CorruptCheckpointError` or, a step deleted since, the error of
+    :func:`missing_file`. From :data:`LISTED_FROM` files on, an object store answers with one
+    listing (a page per 1,000 files); a file it leaves out or sizes otherwise is asked again alone,
+    so a listing that lags behind a write cannot make a good step look damaged. Caller's thread: the step's
+    judge (:func:`check_step`), a load that was not judged just before, the integrations."""
     # payload files, then v2 index files of their own (an index at a payload file's tail is checked with it)
     entries: list[FileEntry | IndexRef] = [*m.files, *(ix for ix in m.indexes if not ix.tail)]
+    listed = _listed_sizes(storage, folder, [f.path for f in entries])
     for f in entries:
-        size = storage.size(join(folder, f.path))
+        size = listed.get(f.path)
+        if size != f.size:  # not listed (or no listing), or listed otherwise: this file alone
+            size = storage.size(join(folder, f.path))
         where = f"{storage.url.rstrip('/')}/{join(folder, f.path)}"
         if size is None:
             if storage.exists(join(folder, f.path)):
@@ -129,6 +144,25 @@ def check_files(storage: Storage, folder: str, m: Manifest) -> None:
             raise missing_file(storage, folder, m, f.path)
         if size != f.size:
             raise CorruptCheckpointError(f"payload file size is {size} bytes, manifest records {f.size}", where)
+
+
+def _listed_sizes(storage: Storage, folder: str, paths: list[str]) -> dict[str, int]:
+    """The sizes of ``paths`` (relative to ``folder``) that one listing per sub-folder holding
+    :data:`LISTED_FROM` or more of them gives (a save's files lie in ``<save id>/``), by path;
+    none where the backend has no listing with sizes (:meth:`Storage.file_sizes` None)."""
+    by_dir: dict[str, list[str]] = {}
+    for p in paths:
+        by_dir.setdefault(p.rpartition("/")[0], []).append(p)
+    out: dict[str, int] = {}
+    for sub, members in by_dir.items():
+        if len(members) < LISTED_FROM:
+            continue
+        sizes = storage.file_sizes(join(folder, sub) if sub else folder)
+        if sizes is None:
+            return {}
+        prefix = f"{sub}/" if sub else ""
+        out.update((p, sizes[p[len(prefix):]]) for p in members if p[len(prefix):] in sizes)
+    return out
 
 
 def missing_file(storage: Storage, folder: str, m: Manifest, path: str, what: str = "payload file"

@@ -343,7 +343,9 @@ class FaultyStorage(_VerifyOnExit, Storage):
     def __getattr__(self, name: str) -> Any:  # backend-specific attributes (stats, fs, ...)
         return getattr(self.inner, name)
 
-    # Storage's optional extras have defaults, so they must be forwarded by name.
+    # Storage's optional extras have defaults, so they must be forwarded by name. Not
+    # ``file_sizes``: its default (None) makes a step's check ask ``size`` file by file, where
+    # the faults on ``size`` apply.
     def tree_modified(self, path: str) -> float | None:
         return self.inner.tree_modified(path)
 

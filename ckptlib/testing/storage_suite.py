@@ -143,6 +143,20 @@ class StorageSuite:
         assert {e.name for e in storage.listdir("u")} <= {e.name for e in storage.listdir_unchecked("u")}
         assert {e.name for e in storage.listdir_unchecked("u")} - {"a"} == {"b"}
 
+    def test_file_sizes(self, storage: Storage) -> None:
+        """None (the caller asks ``size`` file by file), or every file directly under the folder
+        with its size: no sub-folder, nothing from a folder beside it; a missing folder is empty."""
+        storage.put_atomic("f/a.bin", b"12345")
+        storage.put_atomic("f/empty", b"")
+        storage.put_atomic("f/sub/c.bin", b"1")
+        storage.put_atomic("f2/d.bin", b"12")
+        sizes = storage.file_sizes("f")
+        if sizes is None:
+            return
+        assert sizes == {"a.bin": 5, "empty": 0}
+        assert storage.file_sizes("f/sub") == {"c.bin": 1}
+        assert storage.file_sizes("missing") == {}
+
     def test_read_small(self, storage: Storage) -> None:
         storage.put_atomic("s/m.json", b'{"a": 1}')
         assert storage.read_small("s/m.json", 8) == (b'{"a": 1}', 8)  # exactly at the limit

@@ -394,3 +394,63 @@ def test_a_save_clean_up_reads_only_new_steps_not_every_step_of_the_run(moto_s3)
     with ckptlib.CheckpointManager(url, storage_options=opts) as mgr:
         target = {"w": torch.zeros(4)}
         assert mgr.restore(target) == 29 and torch.equal(target["w"], torch.full((4,), 29.0))
+
+
+def _wide_step(world: int) -> dict[str, bytes]:
+    """Step 1 of ``world`` ranks, saved by ckptlib's save flow on simulated ranks (one payload
+    file per rank, in the save's own sub-folder): path -> bytes."""
+    from functools import partial
+
+    from ckptlib.engine.save import SaveOptions, persist, prepare
+    from ckptlib.testing.sim_flows import state
+    from ckptlib.testing.simulation import SimCoordinator, SimStorage, World
+
+    w = World(world, seed=1, dead_after=60.0, latency=0.0001)
+    sim = SimStorage(w)
+    coords = [SimCoordinator(w, r) for r in range(world)]
+    flats = [prepare(state(r, world), r) for r in range(world)]
+    threads = [w.spawn(r, partial(lambda r: persist(sim, layout.step_dir(1), flats[r], step=1,
+                                                    options=SaveOptions(num_files=1), coordinator=coords[r]), r))
+               for r in range(world)]
+    w.run(until=600)
+    assert all(t.error is None for t in threads), [t.error for t in threads]
+    return dict(sim.files)
+
+
+def test_a_step_of_many_files_is_judged_with_one_listing_not_a_head_per_file(moto_s3, monkeypatch):
+    """A step of N ranks holds N payload files: its check (a restore's judge, retention, ``ls``)
+    sent a HEAD per file (4,096 at 4,096 ranks, one after the other). Now one listing of the
+    save's folder (a page per 1,000 objects); a file the listing leaves out or sizes otherwise is
+    asked alone, so a lagging listing cannot fail a good step; a missing or cut file is still
+    found, with the same verdicts."""
+    from ckptlib.engine import scan as scan_mod
+
+    url, opts = s3_root(moto_s3)
+    storage = open_storage(url, opts)
+    files = _wide_step(8)
+    for path, data in files.items():
+        storage.put_atomic(path, data)
+    folder = layout.step_dir(1)
+    payloads = sorted(p for p in files if p.endswith(".bin"))
+    assert len(payloads) == 8
+    storage.stats.clear()
+    info = scan_mod.check_step(storage, folder, 1)
+    assert info.status == "committed", info.reason
+    assert dict(storage.stats) == {"get": 1, "list": 1}, dict(storage.stats)  # was 1 GET and 8 HEADs
+    # a listing that lags (one file left out, one sized otherwise): those two are asked alone
+    real = storage.file_sizes
+    lagging = lambda path: {k: (1 if k.startswith("r00002") else v)  # noqa: E731
+                            for k, v in real(path).items() if not k.startswith("r00005")}
+    monkeypatch.setattr(storage, "file_sizes", lagging)
+    storage.stats.clear()
+    assert scan_mod.check_step(storage, folder, 1).status == "committed"
+    assert storage.stats["head"] == 2, dict(storage.stats)
+    monkeypatch.undo()
+    # a file cut short, then one missing: the verdicts of a check file by file
+    cut = next(p for p in payloads if "r00003" in p)
+    storage.put_atomic(cut, files[cut][:-1])
+    bad = scan_mod.check_step(storage, folder, 1)
+    assert bad.status == "corrupt" and f"size is {len(files[cut]) - 1} bytes" in bad.reason, bad.reason
+    storage.delete(cut)
+    gone = scan_mod.check_step(storage, folder, 1)
+    assert gone.status == "corrupt" and "payload file is missing" in gone.reason, gone.reason

@@ -526,6 +526,57 @@ def sc_lazy_fallback(rank: int, world: int, root: str, args: dict) -> dict:
     return {"restored": got, "bitwise": same, "judged": judged}
 
 
+def sc_restore_sizes(rank: int, world: int, root: str, args: dict) -> dict:
+    """Saves steps 1 and 2 (values differ per step), then every rank restores with a fresh
+    manager, counting the payload size requests (``Storage.size``) this rank's restore makes
+    (tests/distributed/test_lazy_resume.py). ``args["cut"]``: right after the coordinator has
+    judged step 2 (sizes good), rank 1's payload file of it loses its last byte, so only rank 1's
+    reader can find it. Reports the step restored, whether every tensor is bitwise that step's,
+    the payload files of a step and the size requests."""
+    from ckptlib.backends.posix import PosixStorage
+    from ckptlib.engine import scan
+    from ckptlib.format import layout
+
+    def state(step: int) -> dict:
+        return {"w": shard("emb", 0, world, rank), "step": torch.full((3,), float(step))}
+
+    path = os.path.join(root, "ck")
+    with ckptlib.CheckpointManager(path) as mgr:
+        for step in (1, 2):
+            s = state(step)
+            s["w"].local.mul_(step)
+            mgr.save(step, s).wait(timeout=60)
+    folder = os.path.join(path, layout.step_dir(2))
+    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs
+                   if f.endswith(".bin"))
+    dist.barrier()
+    sizes: list[str] = []  # relative to the step folder
+    inner_size, inner_check = PosixStorage.size, scan.check_step
+
+    def counting(self, p):  # type: ignore[no-untyped-def]
+        if p.endswith(".bin"):
+            sizes.append(p.split("/", 1)[1])
+        return inner_size(self, p)
+
+    def judge_then_cut(storage, name, step=None, **kw):  # type: ignore[no-untyped-def]
+        info = inner_check(storage, name, step, **kw)
+        if step == 2 and args.get("cut"):
+            victim = os.path.join(folder, next(f for f in files if "r00001" in f))
+            os.truncate(victim, os.path.getsize(victim) - 1)
+        return info
+
+    PosixStorage.size = counting  # type: ignore[method-assign]
+    scan.check_step = judge_then_cut  # type: ignore[assignment]
+    target = state(0)
+    target["w"].local.zero_()
+    with ckptlib.CheckpointManager(path) as mgr:
+        got = mgr.restore(target)
+    want = state(got or 0)
+    want["w"].local.mul_(got or 0)
+    same = torch.equal(target["step"], want["step"]) and torch.equal(target["w"].local, want["w"].local)
+    return {"restored": got, "bitwise": same, "files": files, "sizes": sizes}
+
+
 def main() -> int:
     """The shared command line over this module's scenarios; publish/overwrite/restore/savewait
     workers add theirs to this module and call it."""
