@@ -308,3 +308,63 @@ def test_restore_pinned_step_absent_incomplete_or_not_a_step_says_what_to_do(tmp
         mgr.restore(state, step=-1)
     assert torch.equal(state["w"], torch.zeros(8))  # nothing was loaded
     assert mgr.restore(state, step=2) == 2 and torch.equal(state["w"], torch.full((8,), 2.0))
+
+
+def test_retention_with_keep_every_judges_the_newest_steps_only(tmp_path, monkeypatch):
+    """With ``keep_every`` a run keeps a step every N for good, and retention judged every one of
+    them after each save (a manifest read and a size check per payload file each). Now it judges
+    newest first and passes over the ``keep_every`` multiples once ``keep_last`` committed steps
+    are found: they are kept whatever they hold."""
+    from ckptlib.engine import scan
+
+    judged: list[str] = []
+    inner = scan.check_step
+
+    def counting(storage, folder, step=None, **kw):  # type: ignore[no-untyped-def]
+        judged.append(folder)
+        return inner(storage, folder, step, **kw)
+
+    with ckptlib.CheckpointManager(tmp_path, keep_last=2, keep_every=5, async_save=False) as mgr:
+        for step in range(1, 21):
+            mgr.save(step, make_state())
+        monkeypatch.setattr(scan, "check_step", counting)
+        mgr.save(21, make_state())
+        monkeypatch.undo()
+        assert [i.step for i in mgr.steps()] == [5, 10, 15, 20, 21]
+    # 21 and 20 kept (the newest 2), 19 judged and deleted; 15, 10 and 5 not judged (before: all six)
+    assert [f for f in judged if f.startswith("step-")] == [layout.step_dir(s) for s in (21, 20, 19)], judged
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_retention_decides_as_a_full_scan_would(tmp_path, seed):
+    """Random roots (committed, damaged and crashed steps) and policies: the steps retention
+    deletes are those :func:`ckptlib.plan.retention.decide` deletes over a full scan."""
+    import random
+
+    from ckptlib.engine import retire, scan
+    from ckptlib.plan import retention
+
+    rng = random.Random(seed)
+    root = tmp_path / "run"
+    steps = sorted(rng.sample(range(1, 60), rng.randint(1, 14)))
+    with ckptlib.CheckpointManager(root, async_save=False) as mgr:
+        for step in steps:
+            mgr.save(step, make_state())
+    storage = mgr.storage
+    for step in steps:
+        folder = root / layout.step_dir(step)
+        fate = rng.random()
+        if fate < 0.15:  # damaged: a payload file cut short
+            victim = payload_files(folder)[0]
+            os.truncate(victim, os.path.getsize(victim) - 1)
+        elif fate < 0.25:  # crashed before its commit
+            (folder / "manifest.json").unlink()
+    keep_last, keep_every = rng.randint(1, 4), rng.choice([None, 2, 3, 5, 10])
+    just_saved = rng.choice([None, *steps])
+    full = [i for i in scan.scan(storage) if i.status == "committed"]
+    want = [d.step for d in retention.decide([i.step for i in full], keep_last, keep_every, just_saved=just_saved)
+            if not d.keep]
+    got = retire.apply_retention(storage, keep_last, keep_every, just_saved=just_saved)
+    assert got == want, (steps, keep_last, keep_every, just_saved)
+    left = {i.step for i in scan.scan(storage) if i.status == "committed"}
+    assert left == {i.step for i in full} - set(want)

@@ -34,7 +34,7 @@ from ckptlib import crashpoints
 from ckptlib.backends import Entry, Storage, join
 from ckptlib.engine import target
 from ckptlib.engine.pool import run_all
-from ckptlib.engine.scan import SCAN_THREADS, StepInfo, check_step, read_manifest, scan
+from ckptlib.engine.scan import SCAN_THREADS, StepInfo, check_step, read_manifest, scan, step_judges
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -90,7 +90,10 @@ def apply_retention(
     one is older than the newest, a warning says that a resume will not pick it."""
     if keep_last is None and keep_best is None:
         return []
-    infos = [i for i in scan(storage) if i.status == "committed"]
+    if keep_best is None and keep_last is not None:
+        infos = _retention_candidates(storage, keep_last, keep_every)
+    else:  # every committed step's metric may rank among the best
+        infos = [i for i in scan(storage) if i.status == "committed"]
     committed = [i.step for i in infos]
     metrics = {i.step: i.metrics for i in infos}
     deleted: list[int] = []
@@ -106,6 +109,22 @@ def apply_retention(
             delete_step(storage, layout.step_dir(d.step))
             deleted.append(d.step)
     return deleted
+
+
+def _retention_candidates(storage: Storage, keep_last: int, keep_every: int | None) -> list[StepInfo]:
+    """The committed steps that :func:`apply_retention` decides over with ``keep_last`` (no
+    ``keep_best``), judged newest first (``scan.step_judges``). Once ``keep_last`` committed
+    steps are found, a step divisible by ``keep_every`` is not judged at all: the policy keeps it
+    whatever it holds (only committed steps are ever deleted), and the steps older than it are
+    past the newest ``keep_last`` either way, so the decisions are those of a full scan. A run
+    that keeps every 1,000th step judges ``keep_last`` + 1 steps per save, not every step it
+    ever kept (each a manifest read and a size check per payload file: 4,096 at 4,096 ranks)."""
+    committed: list[StepInfo] = []
+    for step, judge in step_judges(storage):
+        if len(committed) >= keep_last and keep_every is not None and step % keep_every == 0:
+            continue
+        committed.extend(i for i in judge() if i.status == "committed")
+    return committed
 
 
 def warn_rollback(url: str, step: int, newest: int) -> None:
