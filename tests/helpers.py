@@ -444,3 +444,25 @@ class CountingStorage(FaultyStorage):
     def listdir(self, path: str = "") -> list[Entry]:
         self._count("listdir", path)
         return super().listdir(path)
+
+
+def wide_step(world: int) -> dict[str, bytes]:
+    """Step 1 of ``world`` ranks, saved by ckptlib's save flow on simulated ranks (one payload
+    file per rank, in the save's own sub-folder): path -> bytes."""
+    from functools import partial
+
+    from ckptlib.engine.save import SaveOptions, persist, prepare
+    from ckptlib.format import layout
+    from ckptlib.testing.sim_flows import state
+    from ckptlib.testing.simulation import SimCoordinator, SimStorage, World
+
+    w = World(world, seed=1, dead_after=60.0, latency=0.0001)
+    sim = SimStorage(w)
+    coords = [SimCoordinator(w, r) for r in range(world)]
+    flats = [prepare(state(r, world), r) for r in range(world)]
+    threads = [w.spawn(r, partial(lambda r: persist(sim, layout.step_dir(1), flats[r], step=1,
+                                                    options=SaveOptions(num_files=1), coordinator=coords[r]), r))
+               for r in range(world)]
+    w.run(until=600)
+    assert all(t.error is None for t in threads), [t.error for t in threads]
+    return dict(sim.files)

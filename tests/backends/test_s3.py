@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import wide_step
 
 import ckptlib
 from backends.conftest import S3_BUCKET, make_storage, s3_root
@@ -396,27 +397,6 @@ def test_a_save_clean_up_reads_only_new_steps_not_every_step_of_the_run(moto_s3)
         assert mgr.restore(target) == 29 and torch.equal(target["w"], torch.full((4,), 29.0))
 
 
-def _wide_step(world: int) -> dict[str, bytes]:
-    """Step 1 of ``world`` ranks, saved by ckptlib's save flow on simulated ranks (one payload
-    file per rank, in the save's own sub-folder): path -> bytes."""
-    from functools import partial
-
-    from ckptlib.engine.save import SaveOptions, persist, prepare
-    from ckptlib.testing.sim_flows import state
-    from ckptlib.testing.simulation import SimCoordinator, SimStorage, World
-
-    w = World(world, seed=1, dead_after=60.0, latency=0.0001)
-    sim = SimStorage(w)
-    coords = [SimCoordinator(w, r) for r in range(world)]
-    flats = [prepare(state(r, world), r) for r in range(world)]
-    threads = [w.spawn(r, partial(lambda r: persist(sim, layout.step_dir(1), flats[r], step=1,
-                                                    options=SaveOptions(num_files=1), coordinator=coords[r]), r))
-               for r in range(world)]
-    w.run(until=600)
-    assert all(t.error is None for t in threads), [t.error for t in threads]
-    return dict(sim.files)
-
-
 def test_a_step_of_many_files_is_judged_with_one_listing_not_a_head_per_file(moto_s3, monkeypatch):
     """A step of N ranks holds N payload files: its check (a restore's judge, retention, ``ls``)
     sent a HEAD per file (4,096 at 4,096 ranks, one after the other). Now one listing of the
@@ -427,7 +407,7 @@ def test_a_step_of_many_files_is_judged_with_one_listing_not_a_head_per_file(mot
 
     url, opts = s3_root(moto_s3)
     storage = open_storage(url, opts)
-    files = _wide_step(8)
+    files = wide_step(8)
     for path, data in files.items():
         storage.put_atomic(path, data)
     folder = layout.step_dir(1)

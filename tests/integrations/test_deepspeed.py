@@ -446,3 +446,53 @@ def test_unsupported_and_hostile_values():
         assert type(back) is Opaque and back.n == 3
     finally:
         codec._registered.pop(codec._qualname(Opaque))
+
+
+@pytest.mark.parametrize("world", [1, 3, 6])
+def test_the_resume_check_reads_only_the_index_files_of_each_rank_s_share(tmp_path, world):
+    """Format v2: each rank of the DeepSpeed resume loop checksums a share of the step's payload
+    files and now reads the piece index files of that share only (each rank read every one: N²
+    index reads at N ranks). Every index row is read by exactly one rank, and a flipped byte is
+    found by the rank whose share holds the file. No DeepSpeed needed: a step of 6 ranks made by
+    ckptlib's save flow on simulated ranks."""
+    from helpers import wide_step
+
+    from ckptlib.backends import open_storage
+    from ckptlib.engine.index_io import load_indexes
+    from ckptlib.engine.scan import read_manifest
+    from ckptlib.engine.verify import verify_chunks
+    from ckptlib.errors import CorruptCheckpointError
+    from ckptlib.format import layout
+    from ckptlib.integrations.deepspeed.resume import share, share_indexes
+
+    for path, data in wide_step(6).items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+    storage, folder = open_storage(str(tmp_path)), layout.step_dir(1)
+
+    def check(rank: int) -> list[int]:  # what verify_share runs on this rank; the rows it read
+        m = read_manifest(storage, folder, pieces=False)
+        mine = set(share([(f.path, f.size) for f in m.files], world)[rank])
+        rows = share_indexes(m, mine, rank, world)
+        assert load_indexes(storage, folder, m, rows) == len(rows)
+        verify_chunks(storage, folder, m, files=mine)
+        return rows
+
+    m = read_manifest(storage, folder, pieces=False)
+    assert m.version == 2 and len(m.indexes) == 6
+    read = [check(r) for r in range(world)]
+    assert sorted(i for rows in read for i in rows) == list(range(6)), read  # each row once
+    victim = m.files[m.indexes[4].first_file]
+    with open(tmp_path / folder / victim.path, "r+b") as f:
+        f.seek(8)
+        b = f.read(1)
+        f.seek(8)
+        f.write(bytes([b[0] ^ 0xFF]))
+    owner = next(r for r in range(world) if m.indexes[4].first_file in share([(f.path, f.size) for f in m.files],
+                                                                              world)[r])
+    for r in range(world):
+        if r == owner:
+            with pytest.raises(CorruptCheckpointError, match="checksum"):
+                check(r)
+        else:
+            check(r)

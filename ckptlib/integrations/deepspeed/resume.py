@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptlib.backends import Storage, open_storage
+from ckptlib.engine.index_io import load_indexes
 from ckptlib.engine.resume import Candidate, resume_newest, step_candidates
-from ckptlib.engine.scan import StepInfo, check_files, read_manifest
+from ckptlib.engine.scan import StepInfo, read_manifest
 from ckptlib.engine.verify import verify_chunks
 from ckptlib.errors import CorruptCheckpointError
+from ckptlib.format.schema import Manifest
 from ckptlib.integrations.deepspeed.install import engine_of
 from ckptlib.integrations.deepspeed.tags import tag_of
 
@@ -50,6 +52,16 @@ def share(files: list[tuple[str, int]], world: int) -> list[list[int]]:
         out[r].append(i)
         heapq.heappush(heap, (load + files[i][1], r))
     return out
+
+
+def share_indexes(m: Manifest, files: set[int], rank: int, world: int) -> list[int]:
+    """Format v2: the piece index rows (positions in ``m.indexes``) that ``rank`` reads to
+    verify its ``files``: the rows of the ranks that wrote them, and every ``world``-th row that
+    names no payload file, so each row is read by one rank. Each rank reading every row made a
+    resume at N ranks read N² index files."""
+    return [i for i, ix in enumerate(m.indexes)
+            if any(f in files for f in range(ix.first_file, ix.first_file + ix.num_files))
+            or (ix.num_files == 0 and i % world == rank)]
 
 
 def candidates(storage: Storage) -> Iterator[Candidate]:
@@ -89,11 +101,11 @@ def newest_consistent(
     coord = ce.coordinator
 
     def verify_share(c: Candidate) -> None:
-        if verify:
-            m = read_manifest(storage, c.folder)
-            check_files(storage, c.folder, m)
-            mine = share([(f.path, f.size) for f in m.files], coord.world_size)[coord.rank]
-            verify_chunks(storage, c.folder, m, files=set(mine))
+        if verify:  # the coordinator judged the step (every file's size): each rank reads its share only
+            m = read_manifest(storage, c.folder, pieces=False)
+            mine = set(share([(f.path, f.size) for f in m.files], coord.world_size)[coord.rank])
+            load_indexes(storage, c.folder, m, share_indexes(m, mine, coord.rank, coord.world_size))
+            verify_chunks(storage, c.folder, m, files=mine)
 
     got = resume_newest(
         coord, lambda: candidates(storage), verify_share, timeout=timeout, where=root
