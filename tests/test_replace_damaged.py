@@ -91,14 +91,14 @@ def test_a_step_deleted_during_restore_is_passed_over_not_replaced(tmp_path, mon
     with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
         for step in (1, 2):
             mgr.save(step, state(step))
-    real = load_flow.check_files
+    real = load_flow.run_plan
 
-    def check_files(storage, folder, m):  # the first step read, step 2, is deleted meanwhile
-        if m.step == 2:
+    def run_plan(plan, storage, folder, m, **kw):  # the first step read, step 2, is deleted meanwhile
+        if m.step == 2:  # its manifest read, its files not yet
             shutil.rmtree(tmp_path / layout.step_dir(2))
-        return real(storage, folder, m)
+        return real(plan, storage, folder, m, **kw)
 
-    monkeypatch.setattr(load_flow, "check_files", check_files)
+    monkeypatch.setattr(load_flow, "run_plan", run_plan)
     target = state(0)
     with caplog.at_level(logging.WARNING, logger="ckptlib"), ckptlib.CheckpointManager(tmp_path) as mgr:
         assert mgr.restore(target) == 1
