@@ -496,3 +496,35 @@ def test_the_resume_check_reads_only_the_index_files_of_each_rank_s_share(tmp_pa
                 check(r)
         else:
             check(r)
+
+
+def test_a_tag_not_named_like_a_step_is_found_newest_first(tmp_path, monkeypatch):
+    """``load_checkpoint(dir, tag="best")``: a tag that does not name its step is looked up in
+    the steps' metadata. That judged every step of the root first (a manifest read and a size
+    check per payload file each); now it judges newest first and stops at the step holding it.
+    A tag no step holds still names the damaged steps it passed over."""
+    import torch
+
+    import ckptlib
+    from ckptlib.backends import open_storage
+    from ckptlib.engine import scan
+    from ckptlib.integrations.deepspeed.tags import FORMAT, open_tag
+
+    with ckptlib.CheckpointManager(tmp_path, async_save=False) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"files": ckptlib.PerRank({"mp_rank_00_model_states.pt": {"w": torch.full((4,), float(step))}})},
+                     metadata={"deepspeed": {"format": FORMAT, "tag": f"run-a-{step}"}})
+    (tmp_path / "step-000000000006" / "manifest.json").write_text("{")  # damaged
+    judged: list[str] = []
+    inner = scan.check_step
+
+    def counting(storage, folder, step=None, **kw):  # type: ignore[no-untyped-def]
+        judged.append(folder)
+        return inner(storage, folder, step, **kw)
+
+    monkeypatch.setattr(scan, "check_step", counting)
+    view = open_tag(open_storage(str(tmp_path)), "run-a-4")
+    assert view.step == 4 and list(view.files) == ["mp_rank_00_model_states.pt"]
+    assert judged == ["step-000000000006", "step-000000000005", "step-000000000004"], judged  # not 3, 2, 1
+    with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"'run-a-9' is not a committed .*step 6: "):
+        open_tag(open_storage(str(tmp_path)), "run-a-9")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptlib.backends import Storage
-from ckptlib.engine.scan import check_files, read_manifest, scan
+from ckptlib.engine.scan import check_files, iter_steps, read_manifest
 from ckptlib.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptlib.format import layout
 from ckptlib.format import tree as tree_codec
@@ -61,9 +61,9 @@ def open_tag(storage: Storage, tag: str) -> TagView:
                 found = (folder, int(m_step.group(1)), m)
         except CheckpointNotFoundError:
             pass
-    if found is None:
+    if found is None:  # newest first, judged one step at a time up to the one holding the tag
         try:
-            infos = scan(storage)
+            infos = iter_steps(storage)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
                 f"no ckptlib checkpoints under {where} (looking for tag {tag!r})"
