@@ -113,14 +113,15 @@ def apply_retention(
 
 def _retention_candidates(storage: Storage, keep_last: int, keep_every: int | None) -> list[StepInfo]:
     """The committed steps that :func:`apply_retention` decides over with ``keep_last`` (no
-    ``keep_best``), judged newest first (``scan.step_judges``). Once ``keep_last`` committed
-    steps are found, a step divisible by ``keep_every`` is not judged at all: the policy keeps it
+    ``keep_best``), judged newest first (``scan.step_judges``, the root listed as a full scan
+    lists it). Once ``keep_last`` committed steps are found, a step divisible by ``keep_every``
+    is not judged at all: the policy keeps it
     whatever it holds (only committed steps are ever deleted), and the steps older than it are
     past the newest ``keep_last`` either way, so the decisions are those of a full scan. A run
     that keeps every 1,000th step judges ``keep_last`` + 1 steps per save, not every step it
     ever kept (each a manifest read and a size check per payload file: 4,096 at 4,096 ranks)."""
     committed: list[StepInfo] = []
-    for step, judge in step_judges(storage):
+    for step, judge in step_judges(storage, checked=True):
         if len(committed) >= keep_last and keep_every is not None and step % keep_every == 0:
             continue
         committed.extend(i for i in judge() if i.status == "committed")

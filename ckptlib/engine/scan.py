@@ -388,19 +388,22 @@ def iter_steps(storage: Storage) -> Iterator[StepInfo]:
     return itertools.chain.from_iterable(judge() for _, judge in step_judges(storage))
 
 
-def step_judges(storage: Storage) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
+def step_judges(storage: Storage, checked: bool = False) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
     """The root's step numbers, newest first, each with a call that judges that step only
     (manifest and sizes; its :class:`StepInfo` entries in :func:`scan`'s order, committed first)
     when the caller makes it: a caller that needs some steps, not the newest ones first
     (``restore(step=N)``, a tier restore merging its local steps; the caller's thread) judges
     those alone. The root is listed now, unchecked (errors as :func:`scan`; one request on S3
     whatever the steps, not one per step folder): a step whose folder turns out empty (a deleted
-    step whose folder entry the server kept) judges to ``[]``. An unreadable manifest raises
+    step whose folder entry the server kept) judges to ``[]``. ``checked``: listed as :func:`scan`
+    lists (a request per step folder on S3, the empty ones left out), for a caller that may walk
+    every step of a root where a server keeps a folder entry for every step deleted (retention:
+    judging such an entry costs three requests, leaving it out one). An unreadable manifest raises
     :class:`UnreadableStepError` from that step's call."""
     def judged(step: int, group: list[str | StepInfo]) -> list[StepInfo]:
-        return list(_steps([(step, group)], lambda name, n: _judge(storage, name, n, False, False, True)))
+        return list(_steps([(step, group)], lambda name, n: _judge(storage, name, n, False, False, not checked)))
 
-    return [(step, functools.partial(judged, step, group)) for step, group in _plan(_root_entries(storage, False))]
+    return [(step, functools.partial(judged, step, group)) for step, group in _plan(_root_entries(storage, checked))]
 
 
 SCAN_THREADS = 12
