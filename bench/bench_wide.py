@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -93,28 +92,13 @@ print(json.dumps(out))
 
 def make_step(world: int) -> dict[str, bytes]:
     """Step 1 of ``world`` simulated ranks, saved by ckptlib's save flow: path -> bytes."""
+    from helpers import wide_step
+
     logging.disable(logging.WARNING)
-    from ckptlib.engine.save import SaveOptions, persist, prepare
-    from ckptlib.format import layout
-    from ckptlib.testing.sim_flows import state
-    from ckptlib.testing.simulation import SimCoordinator, SimStorage, World
-
-    w = World(world, seed=1, dead_after=60.0, latency=0.0001)
-    storage = SimStorage(w)
-    coords = [SimCoordinator(w, r) for r in range(world)]
-    flats = [prepare(state(r, world), r) for r in range(world)]
-
-    def save(r: int) -> object:
-        return persist(storage, layout.step_dir(1), flats[r], step=1, options=SaveOptions(num_files=1),
-                       coordinator=coords[r])
-
-    threads = [w.spawn(r, partial(save, r)) for r in range(world)]
-    w.run(until=3600)
-    errors = [t.error for t in threads if t.error is not None]
-    if errors:
-        raise SystemExit(f"simulated save at {world} ranks failed: {errors[0]}")
-    logging.disable(logging.NOTSET)
-    return dict(storage.files)
+    try:
+        return wide_step(world)
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def copy_out(files: dict[str, bytes], s3: object, local: Path) -> None:

@@ -516,14 +516,21 @@ def sc_lazy_fallback(rank: int, world: int, root: str, args: dict) -> dict:
         return inner(storage, folder, step, **kw)
 
     scan.check_step = counting  # type: ignore[assignment]
+    got, same = _restore_scaled(path, state, ("step", "x"))
+    return {"restored": got, "bitwise": same, "judged": judged}
+
+
+def _restore_scaled(path: str, state, plain: tuple[str, ...]) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
+    """A fresh manager restores into ``state(0)`` (its shard ``w`` zeroed). Returns the step
+    restored and whether every tensor is bitwise that step's as the scenarios save it:
+    ``state(step)`` with the shard multiplied by the step; ``plain``: the other tensors compared."""
     target = state(0)
     target["w"].local.zero_()
     with ckptlib.CheckpointManager(path) as mgr:
         got = mgr.restore(target)
     want = state(got or 0)
     want["w"].local.mul_(got or 0)
-    same = all(torch.equal(target[k], want[k]) for k in ("step", "x")) and torch.equal(target["w"].local, want["w"].local)
-    return {"restored": got, "bitwise": same, "judged": judged}
+    return got, all(torch.equal(target[k], want[k]) for k in plain) and torch.equal(target["w"].local, want["w"].local)
 
 
 def sc_restore_sizes(rank: int, world: int, root: str, args: dict) -> dict:
@@ -567,13 +574,7 @@ def sc_restore_sizes(rank: int, world: int, root: str, args: dict) -> dict:
 
     PosixStorage.size = counting  # type: ignore[method-assign]
     scan.check_step = judge_then_cut  # type: ignore[assignment]
-    target = state(0)
-    target["w"].local.zero_()
-    with ckptlib.CheckpointManager(path) as mgr:
-        got = mgr.restore(target)
-    want = state(got or 0)
-    want["w"].local.mul_(got or 0)
-    same = torch.equal(target["step"], want["step"]) and torch.equal(target["w"].local, want["w"].local)
+    got, same = _restore_scaled(path, state, ("step",))
     return {"restored": got, "bitwise": same, "files": files, "sizes": sizes}
 
 
