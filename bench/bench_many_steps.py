@@ -7,8 +7,11 @@ reports itself as an object store (``supports_atomic_rename`` False). The steps 
 through a node-local tier (``ROOT/node0``, the newest two kept) and drained to ``ROOT/persistent``,
 the root measured. It times, in a fresh process each, ``engine.scan.scan`` (what ``ls``,
 ``verify`` and retention judge), ``engine.resume.restore`` (one process, the newest step good;
-and with ``step=`` the middle step, a rollback) and ``tiers.restore.restore`` (the tier restore,
-the newest step on both tiers), and counts the storage calls to the persistent root of each. ``--tree DIR`` measures another checkout (``PYTHONPATH``) beside this one, in the same
+and with ``step=`` the middle step, a rollback), ``tiers.restore.restore`` (the tier restore,
+the newest step on both tiers) and ``engine.retire.apply_retention`` with ``keep_last=3`` and
+``keep_every=1`` (a pass after a save of a run whose older steps are all kept, as a run's
+``keep_every`` multiples are; it deletes nothing), and counts the storage calls to the persistent
+root of each. ``--tree DIR`` measures another checkout (``PYTHONPATH``) beside this one, in the same
 run, the two alternated ``--rounds`` times: the "before" column.
 
     python bench/bench_many_steps.py [--steps 300] [--latency-ms 10] [--rounds 1] [--tree DIR] [--json OUT]
@@ -30,7 +33,7 @@ import torch
 import ckptlib
 from ckptlib.backends import open_storage
 from ckptlib.coord.coordinator import default_coordinator
-from ckptlib.engine import resume, scan as scan_mod
+from ckptlib.engine import resume, retire, scan as scan_mod
 from ckptlib.testing.faults import FaultyStorage
 from ckptlib.tiers import restore as tier_restore
 from ckptlib.tiers.local import LocalTier
@@ -74,6 +77,10 @@ t = time.perf_counter()
 infos = scan_mod.scan(st)
 out["scan_s"], out["scan_calls"] = time.perf_counter() - t, st.calls
 assert len(infos) == steps and all(i.status == "committed" for i in infos), infos[:3]
+st = Remote(open_storage(persistent))  # keep_every=1: every step kept, as a run's keep_every multiples are
+t = time.perf_counter()
+assert retire.apply_retention(st, 3, 1, just_saved=steps) == []
+out["retention_s"], out["retention_calls"] = time.perf_counter() - t, st.calls
 for key, kw, want in (("restore", {}, steps), ("restore_n", {"step": steps // 2}, steps // 2)):
     st = Remote(open_storage(persistent))
     t = time.perf_counter()
@@ -136,7 +143,7 @@ def main() -> None:
     print(f"{args.steps} committed steps, {args.latency_ms:g} ms per storage call, {args.rounds} round(s); "
           "medians (time / storage calls)")
     cols = (("restore", "restore()"), ("restore_n", f"restore(step={args.steps // 2})"),
-            ("tier", "tier restore()"), ("scan", "scan()"))
+            ("tier", "tier restore()"), ("scan", "scan()"), ("retention", "retention"))
     print(f"{'code':<12}" + "".join(f" {title:>22}" for _, title in cols))
     summary: dict[str, dict[str, float]] = {}
     for name, rs in runs.items():
