@@ -124,31 +124,29 @@ class FsspecStorage(Storage):
             return None
         return int(info["size"])
 
-    def file_sizes(self, path: str) -> dict[str, int] | None:
-        """One ``ls`` of folder ``path`` with details: the size of every file directly under it."""
+    def _children(self, path: str) -> list[tuple[str, dict[str, Any]]]:
+        """One ``ls`` of folder ``path`` with details: (name, info) of each entry directly under
+        it (:meth:`listdir`, :meth:`file_sizes`); ``FileNotFoundError`` as ``fs.ls``."""
         full = self._full(path)
+        return [(info["name"].rstrip("/").rsplit("/", 1)[-1], info) for info in self.fs.ls(full, detail=True)
+                if info["name"].rstrip("/") != full.rstrip("/")]
+
+    def file_sizes(self, path: str) -> dict[str, int] | None:
+        """One ``ls`` of folder ``path``: the size of every file directly under it."""
         try:
-            infos = self.fs.ls(full, detail=True)
+            children = self._children(path)
         except FileNotFoundError:
             return {}
-        return {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info["size"]) for info in infos
-                if info.get("type") == "file" and info["name"].rstrip("/") != full.rstrip("/")}
+        return {name: int(info["size"]) for name, info in children if info.get("type") == "file"}
 
     def listdir(self, path: str = "") -> list[Entry]:
-        full = self._full(path)
         try:
-            infos = self.fs.ls(full, detail=True)
+            children = self._children(path)
         except FileNotFoundError:
             if path == "" and self.supports_conditional_put:
                 return []  # an empty in-memory root
             raise
-        out = []
-        for info in infos:
-            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-            if info["name"].rstrip("/") == full.rstrip("/"):
-                continue
-            out.append(Entry(name, info.get("type") == "directory"))
-        return out
+        return [Entry(name, info.get("type") == "directory") for name, info in children]
 
     def exists(self, path: str = "") -> bool:
         return bool(self.fs.exists(self._full(path)))
