@@ -268,6 +268,62 @@ def test_corrupt_newest_falls_back_where_dcp_filesystem_loads_garbage(tmp_path, 
     assert (w_loaded != w_saved).sum() == 1  # one silently wrong element
 
 
+def _count_payload_sizes(monkeypatch) -> list[str]:
+    """Every ``Storage.size`` request for a payload file (``.bin``) from now on, by path."""
+    from ckptlib.backends.posix import PosixStorage
+
+    asked: list[str] = []
+    inner = PosixStorage.size
+
+    def counting(self, p):  # type: ignore[no-untyped-def]
+        if p.endswith(".bin"):
+            asked.append(p)
+        return inner(self, p)
+
+    monkeypatch.setattr(PosixStorage, "size", counting)
+    return asked
+
+
+def test_sizes_are_checked_once_per_load_and_a_file_cut_after_the_judge_is_found(tmp_path, monkeypatch):
+    """``load_latest``: the resume loop's judge checks every payload file's size, and the load
+    that follows does not check them again (it did: twice per file in all). A plain
+    ``dcp.load`` checks them once, on DCP's coordinator. A payload file cut by a byte right after
+    the judge is found by the reader that opens it, and ``load_latest`` falls back to step 1."""
+    from ckptlib.integrations.dcp import resume as dresume
+
+    root = tmp_path / "ck"
+    for step in (1, 2):
+        dcp.save({"w": torch.arange(64.0) * step, "step": step}, storage_writer=CkptlibWriter(root, step=step))
+    payload = sorted((root / "step-000000000002").rglob("*.bin"))
+    assert payload
+    asked = _count_payload_sizes(monkeypatch)
+
+    st = {"w": torch.zeros(64), "step": -1}
+    assert load_latest(st, root) == 2 and torch.equal(st["w"], torch.arange(64.0) * 2) and st["step"] == 2
+    assert sorted(asked) == sorted(str(p.relative_to(root)) for p in payload)  # the judge's, once each
+    asked.clear()
+    st = {"w": torch.zeros(64), "step": -1}
+    dcp.load(st, storage_reader=CkptlibReader(root, step=2))
+    assert len(asked) == len(payload) and torch.equal(st["w"], torch.arange(64.0) * 2)
+
+    judge = dresume._judge
+
+    def judge_then_cut(info):  # type: ignore[no-untyped-def]
+        out = judge(info)
+        if info.step == 2:
+            os.truncate(payload[0], payload[0].stat().st_size - 1)
+        return out
+
+    monkeypatch.setattr(dresume, "_judge", judge_then_cut)
+    st = {"w": torch.zeros(64), "step": -1}
+    assert load_latest(st, root) == 1
+    assert torch.equal(st["w"], torch.arange(64.0)) and st["step"] == 1
+    with pytest.raises(CheckpointException) as ei:  # a plain load of the cut step: refused before reading
+        dcp.load({"w": torch.zeros(64), "step": -1}, storage_reader=CkptlibReader(root, step=2))
+    errs = [f[0] for f in ei.value.failures.values()]
+    assert any(isinstance(e, ckptlib.CorruptCheckpointError) and "size" in str(e) for e in errs), errs
+
+
 def test_no_checkpoint_and_incomplete_only(tmp_path):
     st = {"w": torch.zeros(2)}
     assert load_latest(st, tmp_path / "nothing") is None
@@ -454,3 +510,22 @@ def test_frozen_rank_during_load_latest_fails_the_others_within_the_deadline(tmp
     elapsed = res["t_error"] - fired[0]["time"]
     assert 0 < elapsed < 3 * COORD_TIMEOUT + 5, (elapsed, res)
     assert not (tmp_path / "result-load-stop-1.json").exists()
+
+
+def test_two_ranks_restore_with_one_size_check_per_file_for_the_job(tmp_path):
+    """2 real ranks, each holding a tensor of its own (so each reads only its own payload file).
+    ``load_latest``: the coordinator's judge checks every payload file's size and the other rank
+    asks none (it asked every one before). A plain ``dcp.load``: the coordinator checks them,
+    the other rank asks none. Rank 1's file of step 2 cut by a byte after the judge passed it is
+    found by rank 1's reader, and both ranks fall back to step 1 together, bitwise."""
+    for rc, log in _wait(_launch(tmp_path, 2, {"tag": "s"}, "sizes"), 240):
+        assert rc == 0, log
+    res = [_result(tmp_path, "s", r, "sizes") for r in range(2)]
+    assert all("crash" not in r for r in res), res
+    files = res[0]["files"]
+    assert len(files) == 2 and any("r00001" in f for f in files), files
+    for rank, r in enumerate(res):
+        for phase, step in (("resume", 2), ("plain", 2), ("cut", 1)):
+            assert r[phase]["step"] == step and r[phase]["state_step"] == step and r[phase]["bitwise"], (rank, phase, r)
+    asked = {phase: [sorted(p.split("/", 1)[1] for p in r[phase]["asked"]) for r in res] for phase in ("resume", "plain")}
+    assert asked == {"resume": [files, []], "plain": [files, []]}, asked

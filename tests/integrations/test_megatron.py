@@ -19,6 +19,8 @@ import launcher
 import numpy as np
 import pytest
 
+import ckptlib
+
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 pytestmark = [
@@ -399,15 +401,16 @@ def test_bit_flip_in_common_pt_is_detected(tmp_path):
     assert ck.latest_iteration(tmp_path) is None
 
 
-def _iteration(root: Path, it: int) -> Path:
-    """A finalized iteration folder saved through ckptlib's strategy (common.pt recorded)."""
+def _iteration(root: Path, it: int, value: float = 1.0) -> Path:
+    """A finalized iteration folder saved through ckptlib's strategy (common.pt recorded);
+    its tensor ``w`` is ``value`` three times."""
     import torch
     from megatron.core.dist_checkpointing import ShardedTensor
 
     d = root / f"iter_{it:07d}"
     d.mkdir()
     torch.save({"iteration": it}, d / "common.pt")
-    _ck().SaveStrategy().save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))}, d)
+    _ck().SaveStrategy().save({"w": ShardedTensor.from_rank_offsets("w", torch.full((3,), value))}, d)
     (d / "metadata.json").write_text(json.dumps({"sharded_backend": "ckptlib", "sharded_backend_version": 1,
                                                  "common_backend": "torch", "common_backend_version": 1}))
     return d
@@ -490,3 +493,56 @@ def test_resume_judges_the_newest_iterations_only(tmp_path, monkeypatch):
     assert got == 11 and torch.equal(sd["w"], torch.ones(3)) and judged == [12, 11]
     judged.clear()
     assert [i.iteration for i in mresume.iterations(tmp_path)] == list(range(12, 0, -1)) and len(judged) == 12
+
+
+def test_load_latest_checks_sizes_once_and_a_file_cut_after_the_judge_is_found(tmp_path, monkeypatch):
+    """``load_latest``: the coordinator's judge checks every payload file's size, and the
+    attempt's load (``LoadStrategy(judged=True)``) does not check them again (every rank did,
+    N² requests for a job of N ranks). A payload file cut by a byte right after the judge
+    passed it is found by the reader that opens it, and the load falls back to the iteration
+    before. A plain ``LoadStrategy()`` still checks every size before reading."""
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from ckptlib.backends.posix import PosixStorage
+    from ckptlib.integrations.megatron import resume as mresume
+
+    ck = _ck()
+    for it in (1, 2):
+        _iteration(tmp_path, it, float(it))
+    payload = sorted((tmp_path / "iter_0000002").rglob("*.bin"))
+    assert payload
+    asked: list[str] = []
+    size = PosixStorage.size
+    monkeypatch.setattr(PosixStorage, "size", lambda self, p: (asked.append(p) if p.endswith(".bin") else None)
+                        or size(self, p))
+    judge = mresume._judge
+    cut = [False]
+
+    def judge_then_cut(path, it, deep):  # type: ignore[no-untyped-def]
+        info = judge(path, it, deep)
+        if it == 2 and cut[0]:
+            os.truncate(payload[0], payload[0].stat().st_size - 1)
+        return info
+
+    monkeypatch.setattr(mresume, "_judge", judge_then_cut)
+
+    def sd():  # type: ignore[no-untyped-def]
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3))}
+
+    dist = torch.distributed  # dist_checkpointing.load asks the default group for its rank: one of 1 rank
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        got, loaded = mresume.load_latest(sd, tmp_path, timeout=60)
+        assert got == 2 and torch.equal(loaded["w"], torch.full((3,), 2.0))
+        assert len(asked) == len(payload), asked  # the judge's, once each
+        asked.clear()
+        cut[0] = True
+        got, loaded = mresume.load_latest(sd, tmp_path, timeout=60)
+    finally:
+        dist.destroy_process_group()
+    assert got == 1 and torch.equal(loaded["w"], torch.full((3,), 1.0))
+    asked.clear()
+    with pytest.raises(ckptlib.CorruptCheckpointError, match="size"):  # a plain load checks every size first
+        ck.LoadStrategy().load(sd(), tmp_path / "iter_0000002")
+    assert len(asked) == len(payload), asked

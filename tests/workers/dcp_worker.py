@@ -16,6 +16,11 @@ Scenarios:
   made by the test) and records the step and values, or the error it raised with the wall
   time (``t_error``); the test freezes a rank with ``CKPTLIB_TEST_KILL_AT=restore:<rank>:STOP``.
   The process then exits at once (a peer may be frozen: no barrier, no teardown).
+- ``sizes``: every rank saves steps 1 and 2 of ``{"w<rank>", "step"}`` (a tensor only it holds,
+  so each rank's load reads only its own payload file) under ``ROOT/ck-sizes``, then counts the
+  payload size requests (``Storage.size`` of a ``.bin``) of its ``load_latest`` and of a plain
+  ``dcp.load`` of step 2. Then rank 1's payload file of step 2 is cut by a byte right after the
+  coordinator's judge passed it, and every rank calls ``load_latest`` again.
 With world size 1 the model is not sharded. The test process imports :func:`reference` (an
 uninterrupted single-process run) and :func:`reshard` (load into a plain model, any saved
 world size) from this module.
@@ -171,12 +176,61 @@ def load_once(root: Path) -> dict:
     return {"step": step, "state_step": state["step"], "w": state["w"].tolist()}
 
 
+def sizes(rank: int, root: Path) -> dict:
+    """Scenario ``sizes`` (module docstring): per phase, the step loaded, whether this rank's
+    tensor is bitwise that step's, and the payload size requests this rank made."""
+    from ckptlib.backends.posix import PosixStorage
+    from ckptlib.integrations.dcp import CkptlibReader
+    from ckptlib.integrations.dcp import resume as dresume
+
+    ck = root / "ck-sizes"
+
+    def want(step: int) -> torch.Tensor:
+        return torch.arange(64.0) * step + 1000 * rank
+
+    for step in (1, 2):
+        dcp.save({f"w{rank}": want(step), "step": step}, storage_writer=CkptlibWriter(ck, step=step))
+    dist.barrier()
+    files = sorted(str(p.relative_to(ck / "step-000000000002")) for p in (ck / "step-000000000002").rglob("*.bin"))
+    asked: list[str] = []
+    inner_size, inner_judge = PosixStorage.size, dresume._judge
+
+    def counting(self, p):  # type: ignore[no-untyped-def]
+        if p.endswith(".bin"):
+            asked.append(p)
+        return inner_size(self, p)
+
+    PosixStorage.size = counting  # type: ignore[method-assign]
+    out: dict = {"files": files}
+
+    def phase(name: str, load) -> None:  # type: ignore[no-untyped-def]
+        asked.clear()
+        st = {f"w{rank}": torch.zeros(64), "step": -1}
+        got = load(st)
+        out[name] = {"step": got, "state_step": st["step"], "asked": list(asked),
+                     "bitwise": got is not None and torch.equal(st[f"w{rank}"], want(got))}
+
+    phase("resume", lambda st: load_latest(st, ck))
+    phase("plain", lambda st: dcp.load(st, storage_reader=CkptlibReader(ck, step=2)) or 2)
+
+    def judge_then_cut(info):  # type: ignore[no-untyped-def]
+        verdict = inner_judge(info)
+        if info.step == 2:
+            victim = next(p for p in (ck / "step-000000000002").rglob("*.bin") if "r00001" in p.name)
+            os.truncate(victim, victim.stat().st_size - 1)
+        return verdict
+
+    dresume._judge = judge_then_cut
+    phase("cut", lambda st: load_latest(st, ck))
+    return out
+
+
 def main() -> None:
     scenario, rank, world, port, root, args = sys.argv[1:7]
     rank, world, root, args = int(rank), int(world), Path(root), json.loads(args)
     out = root / f"result-{scenario}-{args['tag']}-{rank}.json"
     try:
-        if scenario not in ("train", "load"):
+        if scenario not in ("train", "load", "sizes"):
             raise ValueError(f"unknown scenario {scenario!r}")
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
@@ -184,7 +238,7 @@ def main() -> None:
             out.write_text(json.dumps(load_once(root)))
             sys.stdout.flush()
             os._exit(0)
-        res = train(rank, world, root, args)
+        res = sizes(rank, root) if scenario == "sizes" else train(rank, world, root, args)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:

@@ -3,7 +3,8 @@
 Who calls what (DCP drives, every rank, on the thread that called ``dcp.load``): ``reset`` ->
 ``read_metadata`` (reads and validates the manifest, rebuilds DCP's ``Metadata`` from JSON
 with :func:`~ckptlib.integrations.dcp.metadata.metadata_from_json`) ->
-``set_up_storage_reader`` -> ``prepare_local_plan`` (refuses pickled objects unless allowed,
+``set_up_storage_reader`` (the coordinator alone checks every payload file's size: DCP gathers
+its failure to every rank) -> ``prepare_local_plan`` (refuses pickled objects unless allowed,
 checks every requested box) -> ``prepare_global_plan`` -> ``read_data`` (ckptlib's reader:
 checksums verified, boxes placed into DCP's target tensors).
 """
@@ -45,9 +46,16 @@ class CkptlibReader(Located, StorageReader):
     checksum mismatch is a :class:`CorruptCheckpointError` (inside DCP's ``CheckpointException``
     when it crosses DCP). ``last_error`` keeps the last typed error this reader raised (DCP wraps errors from
     ``read_metadata`` into an ``AssertionError``).
+
+    Payload file sizes are checked once per load, by DCP's coordinator rank (its failure reaches
+    every rank through DCP's plan step), not by every rank: N ranks make N size requests, not N².
+    Each rank's reader checks the size of every file it opens. ``judged=True`` (set by
+    :func:`~ckptlib.integrations.dcp.load_latest`, whose coordinator has just judged the step,
+    sizes included) skips the coordinator's check too.
     """
 
     verify: bool = True
+    judged: bool = False
     threads: int = 4
     timeout: float | None = 600.0
     last_error: BaseException | None = field(default=None, init=False, repr=False)
@@ -78,7 +86,6 @@ class CkptlibReader(Located, StorageReader):
             storage, name, _ = self.open_target()
             m = read_manifest(storage, name)
             where = f"{storage.url.rstrip('/')}/{join(name, mf.MANIFEST_NAME)}"
-            check_files(storage, name, m)
             extra = m.extra.get(EXTRA_KEY)
             if extra is None:
                 raise CorruptCheckpointError("not a DCP checkpoint (the manifest has no extra.dcp)", where)
@@ -93,8 +100,18 @@ class CkptlibReader(Located, StorageReader):
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Every rank, after ``read_metadata``; the coordinator checks every payload file's size
+        (sizes first: no rank allocates or reads for a checkpoint that lies), unless ``judged``."""
         if self._manifest is None:  # metadata came from elsewhere: read our own, trusted copy
             self.read_metadata()
+        if is_coordinator and not self.judged:
+            try:
+                storage, name, _ = self.open_target()
+                assert self._manifest is not None
+                check_files(storage, name, self._manifest)
+            except BaseException as e:
+                self.last_error = e
+                raise
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Refuse pickled values (unless allowed) and impossible boxes before any read."""

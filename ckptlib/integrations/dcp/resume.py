@@ -124,8 +124,8 @@ def load_latest(
     reader: list[CkptlibReader] = []
 
     def attempt(c: Candidate) -> None:
-        reader[:] = [CkptlibReader(c.folder, storage_options=storage_options, verify=verify,
-                                   allow_pickled_objects=allow_pickled_objects)]
+        reader[:] = [CkptlibReader(c.folder, storage_options=storage_options, verify=verify,  # judged: sizes checked
+                                   allow_pickled_objects=allow_pickled_objects, judged=True)]
         try:
             dcp.load(state_dict, storage_reader=reader[0], planner=planner, process_group=process_group)
         except CheckpointException as e:  # a BaseException: the resume loop handles Exceptions

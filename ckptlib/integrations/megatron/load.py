@@ -52,11 +52,19 @@ class LoadStrategy(mbase.LoadShardedStrategy):
     ``load`` reads, for every ShardedTensor of this rank (main replica or not), exactly the
     box it covers, whatever sharding the checkpoint was saved with; checksums are verified
     (``verify=True``), a mismatch raises :class:`CorruptCheckpointError`.
+
+    Before reading, every rank checks every payload file's size: with no judge shared by the
+    ranks, that is how they reach the same verdict. ``judged=True`` skips it (each rank's reader
+    still checks the size of every file it opens); only for a caller whose coordinator has just
+    judged the iteration, sizes included, and which moves every rank on together when any rank
+    fails (:func:`~ckptlib.integrations.megatron.load_latest`): a restore of N ranks then makes
+    N size requests, not N².
     """
 
-    def __init__(self, *, verify: bool = True, threads: int = 4) -> None:
+    def __init__(self, *, verify: bool = True, threads: int = 4, judged: bool = False) -> None:
         self.verify = verify
         self.threads = threads
+        self.judged = judged
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -79,7 +87,8 @@ class LoadStrategy(mbase.LoadShardedStrategy):
     ) -> ShardedStateDict:
         checkpoint_dir = os.fspath(checkpoint_dir)
         storage, m, saved, where = _open(checkpoint_dir)
-        check_files(storage, FOLDER, m)
+        if not self.judged:
+            check_files(storage, FOLDER, m)
         objects = _objects(saved)
         plan = Merge(m, where=where)
 

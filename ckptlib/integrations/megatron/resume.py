@@ -137,7 +137,8 @@ def load_latest(
     def attempt(c: Candidate) -> Any:
         sd = sharded_state_dict() if callable(sharded_state_dict) else dict_list_map_outplace(lambda x: x, sharded_state_dict)
         return mdc.load(
-            sd, c.folder, sharded_strategy=LoadStrategy(), common_strategy=LoadCommonStrategy(), **kwargs
+            sd, c.folder, sharded_strategy=LoadStrategy(judged=True),  # the listing judged its sizes
+            common_strategy=LoadCommonStrategy(), **kwargs
         )
 
     got = resume_newest(
