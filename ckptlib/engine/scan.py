@@ -207,14 +207,17 @@ def check_step(
     *,
     deep: bool = False,
     progress: Callable[[int], None] | None = None,
+    manifest: Manifest | None = None,
 ) -> StepInfo:
     """Judge one checkpoint folder; never raises for a bad checkpoint, only for storage errors.
     Format v2: reads no piece index file unless ``deep`` (their sizes are checked with the
     payload's; their checksums when a load or ``deep`` reads them), so ``info.manifest`` may
-    lack pieces: a caller that walks every piece loads them (``index_io.resolve``)."""
+    lack pieces: a caller that walks every piece loads them (``index_io.resolve``).
+    ``manifest``: the folder's manifest as the caller has just read it with
+    :func:`read_manifest`, which then is not read again."""
     info = StepInfo(step=step if step is not None else -1, status="corrupt", path=folder)
     try:
-        m = read_manifest(storage, folder, pieces=False)
+        m = manifest if manifest is not None else read_manifest(storage, folder, pieces=False)
         if step is not None and m.step != step:
             raise CorruptCheckpointError(f"folder is step {step} but its manifest says step {m.step}", folder)
         info.save_id, info.created, info.world_size = m.save_id, m.created, m.world_size

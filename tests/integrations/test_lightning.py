@@ -123,9 +123,9 @@ def test_integration_packages_import_no_framework():
 
 
 def test_newest_checkpoint_checks_the_files_of_the_newest_folders_only(tmp_path, monkeypatch):
-    """``newest_checkpoint`` reads every folder's manifest (its global_step orders them) but
-    checks payload sizes newest first only as far as it goes: of 12 checkpoints whose newest is
-    cut short, the files of two folders are checked, not of all 12."""
+    """``newest_checkpoint`` reads every folder's manifest (its global_step orders them), each
+    once, and checks payload sizes newest first only as far as it goes: of 12 checkpoints whose
+    newest is cut short, the files of two folders are checked, not of all 12."""
     from helpers import CountingStorage, payload_files
 
     from ckptlib.integrations.lightning import checkpoint_candidates
@@ -147,5 +147,15 @@ def test_newest_checkpoint_checks_the_files_of_the_newest_folders_only(tmp_path,
     assert newest_checkpoint(tmp_path) == f"{tmp_path}/02.ckpt"  # global step 11
     checked = {p.split("/")[0] for p in opened[0].calls if not p.endswith("manifest.json")}
     assert checked == {"01.ckpt", "02.ckpt"}, sorted(opened[0].calls)
+    opened.clear()
+
+    def reads(url, options=None):  # every read of the same run, by path
+        opened.append(CountingStorage(real(url, options), kinds=("open_read", "read")))
+        return opened[-1]
+
+    monkeypatch.setattr(lresume, "open_storage", reads)
+    assert newest_checkpoint(tmp_path) == f"{tmp_path}/02.ckpt"
+    manifests = {p: n for p, n in opened[0].calls.items() if p.endswith("manifest.json")}
+    assert len(manifests) == 12 and set(manifests.values()) == {1}, manifests  # each read once (twice before)
     cands = checkpoint_candidates(real(str(tmp_path)))  # the full list still judges every folder
     assert [(c.step, c.status) for c in cands][:2] == [(12, "corrupt"), (11, "committed")] and len(cands) == 12

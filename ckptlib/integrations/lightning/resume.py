@@ -6,9 +6,9 @@ get the same answer). The candidates are the ckptlib checkpoint folders written 
 :class:`~ckptlib.integrations.lightning.CkptlibCheckpointIO` directly under ``dirpath``
 (``epoch=3-step=120.ckpt``, ``last.ckpt``, ...), newest first by the ``global_step`` each
 recorded (then by save time); crashed saves (``*.tmp-*`` folders) are never candidates. Every
-manifest is read to order them; the rest of the quick check (file sizes) runs newest first only
-as far as the resume goes; ``verify=True`` also checksums the chosen one and falls back to an
-older one if it is damaged.
+manifest is read, once, to order them; the rest of the quick check (file sizes) runs newest
+first only as far as the resume goes, on the manifest already read; ``verify=True`` also
+checksums the chosen one and falls back to an older one if it is damaged.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ def iter_candidates(storage: Storage) -> Iterator[Candidate]:
     """:func:`checkpoint_candidates`, lazily: every folder's manifest is read now (its
     ``global_step`` orders them); the rest of the quick check (every payload file's size) runs
     only when the caller iterates that far, so a resume whose newest checkpoint is good checks
-    the files of that one alone. A folder without a readable manifest is judged now, at global
-    step -1."""
+    the files of that one alone, from the manifest read here (not read again). A folder without
+    a readable manifest is judged now, at global step -1."""
     try:
         entries = storage.listdir("")
     except FileNotFoundError:
         return iter(())
-    found: list[tuple[int, float, str, StepInfo | None]] = []
+    found: list[tuple[int, float, str, StepInfo | Manifest]] = []
     for e in entries:
         if not e.is_dir or layout.TMP_RE.match(e.name):
             continue
@@ -69,14 +69,15 @@ def iter_candidates(storage: Storage) -> Iterator[Candidate]:
                 continue  # a folder without a manifest that ckptlib did not start: not a checkpoint
             found.append((-1, info.created or 0.0, e.name, info))
             continue
-        found.append((_global_step(m, f"{storage.url}/{e.name}"), m.created, e.name, None))
+        found.append((_global_step(m, f"{storage.url}/{e.name}"), m.created, e.name, m))
     found.sort(key=lambda f: (f[0], f[1], f[2]), reverse=True)
     return (_candidate(storage, step, name, info) for step, _, name, info in found)
 
 
-def _candidate(storage: Storage, step: int, name: str, info: StepInfo | None) -> Candidate:
-    """:func:`iter_candidates`' candidate for folder ``name``, judged now unless ``info``."""
-    info = info if info is not None else check_step(storage, name)
+def _candidate(storage: Storage, step: int, name: str, judged: StepInfo | Manifest) -> Candidate:
+    """:func:`iter_candidates`' candidate for folder ``name``: its verdict, or judged now from
+    its manifest."""
+    info = judged if isinstance(judged, StepInfo) else check_step(storage, name, manifest=judged)
     return Candidate(step, name, info.status, info.reason)
 
 
