@@ -243,6 +243,21 @@ def test_frozen_rank_during_load_latest_fails_within_the_deadline(phase1, tmp_pa
     assert 0 < waited < deadline + 20.0, f"rank 0 raised {waited:.1f}s after rank 1 froze"
 
 
+def test_two_ranks_load_latest_with_one_size_check_per_file_for_the_job(tmp_path):
+    """2 real ranks (TP=2): in ``load_latest`` rank 0's judge checks every payload file's size
+    and rank 1 asks none (each rank checked every file again before). Rank 1's file of the
+    newest iteration cut by a byte after the judge passed it is found by rank 1's reader, and
+    both ranks fall back to iteration 1 together, bitwise."""
+    res = Job("sizes", 2, tmp_path, {}).results()
+    files = res[0]["files"]
+    assert len(files) == 2 and any("r00001" in f for f in files), files
+    for rank, r in enumerate(res):
+        assert r["resume"]["iteration"] == 2 and r["resume"]["bitwise"], (rank, r)
+        assert r["cut"]["iteration"] == 1 and r["cut"]["bitwise"], (rank, r)
+    asked = [sorted(r["resume"]["asked"]) for r in res]  # paths from the iteration folder, as "files"
+    assert asked == [files, []], asked
+
+
 FULL = os.environ.get("CKPTLIB_CHAOS_FULL", "") not in ("", "0")
 HOW_KILL = "the killed job's exit status (-SIGKILL, at iteration 6)"
 HOW_RESUME = ("the resuming job's report: resumed from iteration 4 (the newest save before the kill), the "

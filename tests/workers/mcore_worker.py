@@ -337,7 +337,54 @@ def sc_freeze(rank: int, world: int, root: str, args: dict) -> dict:
         return {"error": f"{type(e).__name__}: {e}", "at": time.time()}
 
 
-SCENARIOS = {"train": sc_train, "load": sc_load, "torch_dist": sc_torch_dist, "freeze": sc_freeze}
+def sc_sizes(rank: int, world: int, root: str, args: dict) -> dict:
+    """Saves iterations 1 and 2 (TP = world), then counts the payload size requests
+    (``Storage.size`` of a ``.bin``) this rank's ``load_latest`` makes. Then, right after rank 0's
+    judge passed iteration 2, rank 1's payload file of it is cut by a byte, and every rank calls
+    ``load_latest`` again. Reports, per load, the iteration and whether this rank's tensors are
+    bitwise those it saved at that iteration."""
+    from ckptlib.backends.posix import PosixStorage
+    from ckptlib.integrations import megatron as ck
+    from ckptlib.integrations.megatron import resume as mresume
+
+    m = setup(rank, world, int(args["port"]), world)
+    save_dir = Path(root) / "ckpt"
+    saved = {}
+    for it in (1, 2):
+        m.step(it)
+        saved[it] = digests(m)
+        _save(m, it, world, rank, save_dir, "ckptlib", False)
+    dist.barrier()
+    it2 = Path(ck.iteration_dir(save_dir, 2))
+    files = sorted(str(p.relative_to(it2)) for p in it2.rglob("*.bin"))
+    asked: list[str] = []
+    inner_size, inner_judge = PosixStorage.size, mresume._judge
+
+    def counting(self, p):  # type: ignore[no-untyped-def]
+        if p.endswith(".bin"):
+            asked.append(p)
+        return inner_size(self, p)
+
+    def judge_then_cut(path, it, deep):  # type: ignore[no-untyped-def]
+        info = inner_judge(path, it, deep)
+        if it == 2:
+            victim = next(p for p in it2.rglob("*.bin") if "r00001" in p.name)
+            os.truncate(victim, victim.stat().st_size - 1)
+        return info
+
+    PosixStorage.size = counting  # type: ignore[method-assign]
+    out: dict = {"files": files}
+    for phase in ("resume", "cut"):
+        if phase == "cut":
+            mresume._judge = judge_then_cut
+        asked.clear()
+        it, _ = ck.load_latest(lambda: m.sharded_state_dict(0, world, rank, with_rng=False), save_dir)
+        out[phase] = {"iteration": it, "asked": list(asked), "bitwise": it in saved and digests(m) == saved[it]}
+    dist.destroy_process_group()
+    return out
+
+
+SCENARIOS = {"train": sc_train, "load": sc_load, "torch_dist": sc_torch_dist, "freeze": sc_freeze, "sizes": sc_sizes}
 
 
 def main() -> None:
