@@ -446,9 +446,11 @@ class CountingStorage(FaultyStorage):
         return super().listdir(path)
 
 
-def wide_step(world: int) -> dict[str, bytes]:
+def wide_step(world: int, state_of: Callable[[int, int], Any] | None = None,
+              metadata: Any = None) -> dict[str, bytes]:
     """Step 1 of ``world`` ranks, saved by ckptlib's save flow on simulated ranks (one payload
-    file per rank, in the save's own sub-folder): path -> bytes."""
+    file per rank, in the save's own sub-folder): path -> bytes. ``state_of(rank, world)``: each
+    rank's state (default: ``ckptlib.testing.sim_flows.state``); ``metadata``: the save's."""
     from functools import partial
 
     from ckptlib.engine.save import SaveOptions, persist, prepare
@@ -459,8 +461,8 @@ def wide_step(world: int) -> dict[str, bytes]:
     w = World(world, seed=1, dead_after=60.0, latency=0.0001)
     sim = SimStorage(w)
     coords = [SimCoordinator(w, r) for r in range(world)]
-    flats = [prepare(state(r, world), r) for r in range(world)]
-    threads = [w.spawn(r, partial(lambda r: persist(sim, layout.step_dir(1), flats[r], step=1,
+    flats = [prepare((state_of or state)(r, world), r) for r in range(world)]
+    threads = [w.spawn(r, partial(lambda r: persist(sim, layout.step_dir(1), flats[r], step=1, metadata=metadata,
                                                     options=SaveOptions(num_files=1), coordinator=coords[r]), r))
                for r in range(world)]
     w.run(until=600)

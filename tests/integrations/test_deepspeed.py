@@ -498,6 +498,40 @@ def test_the_resume_check_reads_only_the_index_files_of_each_rank_s_share(tmp_pa
             check(r)
 
 
+def test_a_rank_s_load_reads_the_piece_indexes_of_its_own_files_only(tmp_path):
+    """Format v2, ``load_checkpoint``'s path: ``open_tag`` read every rank's piece index (every
+    rank reading every index: N² reads at N ranks); now it reads none, and loading one rank's
+    file reads the index of the rank that saved it, and only that one. A step of 6 ranks made by
+    ckptlib's save flow on simulated ranks, each saving one DeepSpeed file of its own."""
+    import torch
+    from helpers import wide_step
+
+    from ckptlib.backends import open_storage
+    from ckptlib.engine.load import Merge, resolve_lazy, run_plan
+    from ckptlib.format.leaves import PerRank
+    from ckptlib.integrations.deepspeed.tags import FORMAT, open_tag
+
+    def name(rank: int) -> str:
+        return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+    def files(rank: int, world: int) -> dict:
+        return {"files": PerRank({name(rank): {"w": torch.full((4,), float(rank))}})}
+
+    for path, data in wide_step(6, files, {"deepspeed": {"format": FORMAT, "tag": "global_step1"}}).items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+    view = open_tag(open_storage(str(tmp_path)), "global_step1")
+    m = view.manifest
+    assert m.version == 2 and len(m.indexes) == 6 and sorted(view.files) == sorted(name(r) for r in range(6))
+    assert m.loaded == set(), m.loaded  # no index read yet (all 6 before)
+    stats: dict[str, int] = {}
+    plan = Merge(m, where="test")
+    value = plan.fresh(view.files[name(4)])
+    run_plan(plan, view.storage, view.folder, m, verify=True, stats=stats)
+    assert torch.equal(resolve_lazy(value)["w"], torch.full((4,), 4.0))
+    assert stats["index_files_read"] == 1 and [m.indexes[i].rank for i in m.loaded] == [4], (stats, m.loaded)
+
+
 def test_a_tag_not_named_like_a_step_is_found_newest_first(tmp_path, monkeypatch):
     """``load_checkpoint(dir, tag="best")``: a tag that does not name its step is looked up in
     the steps' metadata. That judged every step of the root first (a manifest read and a size

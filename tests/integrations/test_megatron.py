@@ -245,7 +245,8 @@ def test_frozen_rank_during_load_latest_fails_within_the_deadline(phase1, tmp_pa
 
 def test_two_ranks_load_latest_with_one_size_check_per_file_for_the_job(tmp_path):
     """2 real ranks (TP=2): in ``load_latest`` rank 0's judge checks every payload file's size
-    and rank 1 asks none (each rank checked every file again before). Rank 1's file of the
+    and rank 1 asks none (each rank checked every file again before); rank 0 opens only its own
+    payload file (it read rank 1's piece index too). Rank 1's file of the
     newest iteration cut by a byte after the judge passed it is found by rank 1's reader, and
     both ranks fall back to iteration 1 together, bitwise."""
     res = Job("sizes", 2, tmp_path, {}).results()
@@ -256,6 +257,11 @@ def test_two_ranks_load_latest_with_one_size_check_per_file_for_the_job(tmp_path
         assert r["cut"]["iteration"] == 1 and r["cut"]["bitwise"], (rank, r)
     asked = [sorted(r["resume"]["asked"]) for r in res]  # paths from the iteration folder, as "files"
     assert asked == [files, []], asked
+    # Format v2: a rank opens the payload files whose pieces it loads, for their piece index
+    # and data. Rank 0 holds all it loads (its TP half, the replicated b2 and stacked buffer);
+    # rank 1 needs rank 0's file for b2. Every rank read every rank's index before.
+    opened = [r["resume"]["opened"] for r in res]
+    assert opened == [[f for f in files if "r00000" in f], files], opened
 
 
 FULL = os.environ.get("CKPTLIB_CHAOS_FULL", "") not in ("", "0")

@@ -339,7 +339,8 @@ def sc_freeze(rank: int, world: int, root: str, args: dict) -> dict:
 
 def sc_sizes(rank: int, world: int, root: str, args: dict) -> dict:
     """Saves iterations 1 and 2 (TP = world), then counts the payload size requests
-    (``Storage.size`` of a ``.bin``) this rank's ``load_latest`` makes. Then, right after rank 0's
+    (``Storage.size`` of a ``.bin``) this rank's ``load_latest`` makes, and the payload files it
+    opens (for data, or for the piece index at a file's end). Then, right after rank 0's
     judge passed iteration 2, rank 1's payload file of it is cut by a byte, and every rank calls
     ``load_latest`` again. Reports, per load, the iteration and whether this rank's tensors are
     bitwise those it saved at that iteration."""
@@ -358,12 +359,18 @@ def sc_sizes(rank: int, world: int, root: str, args: dict) -> dict:
     it2 = Path(ck.iteration_dir(save_dir, 2))
     files = sorted(str(p.relative_to(it2)) for p in it2.rglob("*.bin"))
     asked: list[str] = []
-    inner_size, inner_judge = PosixStorage.size, mresume._judge
+    opened: set[str] = set()
+    inner_size, inner_open, inner_judge = PosixStorage.size, PosixStorage.open_read, mresume._judge
 
     def counting(self, p):  # type: ignore[no-untyped-def]
         if p.endswith(".bin"):
             asked.append(p)
         return inner_size(self, p)
+
+    def opening(self, p):  # type: ignore[no-untyped-def]
+        if p.endswith(".bin"):
+            opened.add(p)
+        return inner_open(self, p)
 
     def judge_then_cut(path, it, deep):  # type: ignore[no-untyped-def]
         info = inner_judge(path, it, deep)
@@ -373,13 +380,16 @@ def sc_sizes(rank: int, world: int, root: str, args: dict) -> dict:
         return info
 
     PosixStorage.size = counting  # type: ignore[method-assign]
+    PosixStorage.open_read = opening  # type: ignore[method-assign]
     out: dict = {"files": files}
     for phase in ("resume", "cut"):
         if phase == "cut":
             mresume._judge = judge_then_cut
         asked.clear()
+        opened.clear()
         it, _ = ck.load_latest(lambda: m.sharded_state_dict(0, world, rank, with_rng=False), save_dir)
-        out[phase] = {"iteration": it, "asked": list(asked), "bitwise": it in saved and digests(m) == saved[it]}
+        out[phase] = {"iteration": it, "asked": list(asked), "opened": sorted(opened),
+                      "bitwise": it in saved and digests(m) == saved[it]}
     dist.destroy_process_group()
     return out
 

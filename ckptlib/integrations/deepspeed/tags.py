@@ -56,7 +56,7 @@ def open_tag(storage: Storage, tag: str) -> TagView:
     if m_step:  # fast path: the default tag names its step
         folder = layout.step_dir(int(m_step.group(1)))
         try:
-            m = read_manifest(storage, folder)
+            m = read_manifest(storage, folder, pieces=False)  # v2: run_plan loads the index files a load needs
             if m.step == int(m_step.group(1)) and tag_of(m, f"{where}/{folder}") == tag:
                 found = (folder, int(m_step.group(1)), m)
         except CheckpointNotFoundError:

@@ -103,5 +103,5 @@ def check_common(checkpoint_dir: str, meta: Any) -> bytes | None:
 
 def metadata(checkpoint_dir: str) -> Any:
     """The decoded metadata of the ckptlib checkpoint in ``checkpoint_dir``."""
-    m = read_manifest(open_storage(checkpoint_dir), FOLDER)
+    m = read_manifest(open_storage(checkpoint_dir), FOLDER, pieces=False)
     return tree_codec.decode(m.metadata, (), os.path.join(checkpoint_dir, FOLDER, "manifest.json"))

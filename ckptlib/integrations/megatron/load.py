@@ -142,7 +142,7 @@ class LoadStrategy(mbase.LoadShardedStrategy):
 def _open(checkpoint_dir: str) -> tuple[Storage, Manifest, dict[str, Any], str]:
     """Storage, manifest, decoded tree and manifest path of a Megatron checkpoint's ckptlib part."""
     storage = open_storage(checkpoint_dir)
-    m = read_manifest(storage, FOLDER)
+    m = read_manifest(storage, FOLDER, pieces=False)  # v2: run_plan loads the index files a load needs
     where = os.path.join(checkpoint_dir, FOLDER, "manifest.json")
     saved = tree_codec.decode(m.tree, m.tensors, where)
     if not isinstance(saved, dict) or not isinstance(saved.get("tensors"), dict):
