@@ -11,8 +11,10 @@ checksums verified, boxes placed into DCP's target tensors).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +71,15 @@ class CkptlibReader(Located, StorageReader):
         state.update(_storage=None, _storage_url=None, _manifest=None, _values={}, _stored={}, last_error=None)
         return state
 
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        """Around each step DCP calls: keep the error it raises in ``last_error``, then raise it."""
+        try:
+            yield
+        except BaseException as e:
+            self.last_error = e
+            raise
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.url = os.fspath(checkpoint_id)
@@ -82,7 +93,7 @@ class CkptlibReader(Located, StorageReader):
         """Every rank: read and validate the manifest, rebuild DCP's metadata from JSON."""
         if kwargs.get("rank") is not None:
             raise CheckpointNotFoundError("ckptlib writes no rank-local DCP metadata")
-        try:
+        with self._recording():
             storage, name, _ = self.open_target()
             m = read_manifest(storage, name)
             where = f"{storage.url.rstrip('/')}/{join(name, mf.MANIFEST_NAME)}"
@@ -90,9 +101,6 @@ class CkptlibReader(Located, StorageReader):
             if extra is None:
                 raise CorruptCheckpointError("not a DCP checkpoint (the manifest has no extra.dcp)", where)
             md, values = metadata_from_json(extra, m, where)
-        except BaseException as e:
-            self.last_error = e
-            raise
         self._manifest, self._values = m, values
         self._stored = md.storage_data
         if md.storage_meta is None:
@@ -105,17 +113,14 @@ class CkptlibReader(Located, StorageReader):
         if self._manifest is None:  # metadata came from elsewhere: read our own, trusted copy
             self.read_metadata()
         if is_coordinator and not self.judged:
-            try:
+            with self._recording():
                 storage, name, _ = self.open_target()
                 assert self._manifest is not None
                 check_files(storage, name, self._manifest)
-            except BaseException as e:
-                self.last_error = e
-                raise
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Refuse pickled values (unless allowed) and impossible boxes before any read."""
-        try:
+        with self._recording():
             m = self._manifest
             assert m is not None
             pickled = []
@@ -137,9 +142,6 @@ class CkptlibReader(Located, StorageReader):
                     f"{len(pickled)} value(s) were saved as pickle ({', '.join(pickled[:5])}); loading them "
                     "would unpickle bytes from storage. Pass allow_pickled_objects=True only for trusted checkpoints"
                 )
-        except BaseException as e:
-            self.last_error = e
-            raise
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -163,11 +165,8 @@ class CkptlibReader(Located, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Every rank: read the boxes this rank needs (checksums verified), hand them to DCP."""
-        try:
+        with self._recording():
             self._read(plan, planner)
-        except BaseException as e:
-            self.last_error = e
-            raise
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
