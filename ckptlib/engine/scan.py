@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ckptlib.backends import Entry, Storage, join
 from ckptlib.backends.retry import deadline_scope
+from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine.gc_pause import paused_gc
 from ckptlib.engine.pool import run_all
 from ckptlib.errors import (
@@ -163,6 +164,54 @@ def _listed_sizes(storage: Storage, folder: str, paths: list[str]) -> dict[str, 
         prefix = f"{sub}/" if sub else ""
         out.update((p, sizes[p[len(prefix):]]) for p in members if p[len(prefix):] in sizes)
     return out
+
+
+def check_files_together(coord: Coordinator, storage: Storage, folder: str, m: Manifest, *, label: str,
+                         timeout: float) -> None:
+    """:func:`check_files` for a load that every rank of ``coord`` runs together, with no judge
+    of its own: a plain Megatron ``LoadStrategy`` and DeepSpeed's ``load_checkpoint``. Every rank,
+    in the same order, on the caller's thread; one session (``label``, ``timeout`` seconds).
+
+    Each rank reports which step it opened (``folder`` and ``m.save_id``); the coordinator alone
+    checks the sizes and shares one verdict, so every rank raises the same error (a
+    :class:`CorruptCheckpointError` naming the file, a :class:`CheckpointNotFoundError` when the
+    step went away, a :class:`CheckpointError` when the ranks opened different steps or the
+    check failed otherwise), or none, before any rank reads. A load of N ranks then asks N sizes,
+    not N². Each rank's reader still checks the size of every file it opens."""
+    if coord.world_size <= 1:
+        check_files(storage, folder, m)
+        return
+    own: BaseException | None = None
+    with coord.session(label, coord.deadline(timeout)) as s:
+        opened = s.report([folder, m.save_id])
+        verdict: list[str] | None = None
+        if opened is not None:
+            odd = [r for r, o in enumerate(opened) if o != opened[0]]
+            if odd:
+                verdict = ["mismatch", f"ranks opened different checkpoints: rank 0 {opened[0][0]} "
+                           f"(save {opened[0][1]}), rank {odd[0]} {opened[odd[0]][0]} (save {opened[odd[0]][1]})"]
+            else:
+                try:
+                    check_files(storage, folder, m)
+                except CorruptCheckpointError as e:
+                    own, verdict = e, ["corrupt", e.detail, e.path]
+                except CheckpointNotFoundError as e:
+                    own, verdict = e, ["gone", str(e)]
+                except Exception as e:  # every rank must get the verdict before anyone raises
+                    own, verdict = e, ["error", f"{type(e).__name__}: {e}"]
+        verdict = s.share(verdict, what="check the payload files' sizes")
+    if verdict is None:
+        return
+    kind, text = verdict[0], verdict[1]
+    if own is not None:
+        raise own
+    if kind == "corrupt":
+        raise CorruptCheckpointError(text, verdict[2])
+    if kind == "gone":
+        raise CheckpointNotFoundError(text)
+    where = f"{storage.url.rstrip('/')}/{folder}".rstrip("/")
+    raise CheckpointError(f"{where}: rank 0 could not check the payload files: {text}" if kind == "error" else
+                          f"{where}: {text}; every rank must load the same one")
 
 
 def missing_file(storage: Storage, folder: str, m: Manifest, path: str, what: str = "payload file"

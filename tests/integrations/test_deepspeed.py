@@ -223,7 +223,9 @@ def test_resume_helper_bitwise_after_kill_and_bitflip(ds_run, stage):
     """Both ranks resume global_step2: global_step4 has a flipped bit (and stage 3's
     global_step6 was killed mid-write). Parameters and optimizer state are bitwise equal;
     the flip in one rank's payload is found by the rank that verifies it, and every rank
-    skips the step together."""
+    skips the step together. After a save, DeepSpeed's own ``load_checkpoint`` brings the state
+    back bitwise, with the payload sizes asked by rank 0 alone, and a payload file cut by a byte
+    fails it on both ranks with the same error."""
     assert ds_run["resume_codes"] == [0, 0]
     for rank in (0, 1):
         saved = ds_run["train"][rank][f"z{stage}"]["2"]
@@ -240,6 +242,20 @@ def test_resume_helper_bitwise_after_kill_and_bitflip(ds_run, stage):
             "seen": [1, 2, 3],
         }
         assert got["after"] == 3  # training and saving go on after the resume
+        # DeepSpeed's own load_checkpoint after that save: the state back bitwise.
+        assert got["plain"]["bitwise"], got["plain"]
+    # Payload sizes are asked on rank 0 alone, which shares its verdict: in the resume (its
+    # judge, then its load_checkpoint's check) and in a plain load_checkpoint. Before, every
+    # rank's load_checkpoint asked every file's size (N² requests for a job of N ranks).
+    res = [ds_run["resume"][rank][f"z{stage}"] for rank in (0, 1)]
+    assert [r["asked"] > 0 for r in res] == [True, False], [r["asked"] for r in res]
+    assert [r["plain"]["asked"] > 0 for r in res] == [True, False], [r["plain"] for r in res]
+    # Rank 1's payload file cut by a byte: both ranks raise the same typed error, naming it,
+    # before either reads.
+    cut = [r["plain_cut"] for r in res]
+    assert [c["error"] for c in cut] == ["CorruptCheckpointError"] * 2, cut
+    assert cut[0]["message"] == cut[1]["message"] and "r00001" in cut[0]["message"], cut
+    assert "size" in cut[0]["message"] and [c["asked"] > 0 for c in cut] == [True, False], cut
 
 
 @needs_deepspeed

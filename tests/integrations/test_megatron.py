@@ -248,7 +248,9 @@ def test_two_ranks_load_latest_with_one_size_check_per_file_for_the_job(tmp_path
     and rank 1 asks none (each rank checked every file again before); rank 0 opens only its own
     payload file (it read rank 1's piece index too). Rank 1's file of the
     newest iteration cut by a byte after the judge passed it is found by rank 1's reader, and
-    both ranks fall back to iteration 1 together, bitwise."""
+    both ranks fall back to iteration 1 together, bitwise. A plain ``dist_checkpointing.load``
+    with ``LoadStrategy()`` asks every size on rank 0 and none on rank 1 (both ranks asked every
+    one before), and raises the same ``CorruptCheckpointError`` on both ranks for the cut file."""
     res = Job("sizes", 2, tmp_path, {}).results()
     files = res[0]["files"]
     assert len(files) == 2 and any("r00001" in f for f in files), files
@@ -262,6 +264,16 @@ def test_two_ranks_load_latest_with_one_size_check_per_file_for_the_job(tmp_path
     # rank 1 needs rank 0's file for b2. Every rank read every rank's index before.
     opened = [r["resume"]["opened"] for r in res]
     assert opened == [[f for f in files if "r00000" in f], files], opened
+    # A plain dist_checkpointing.load with LoadStrategy(): rank 0 checks every size and shares
+    # its verdict (each rank checked every size before); both ranks raise the same error for
+    # the cut file.
+    plain = [r["plain"] for r in res]
+    assert [p.get("bitwise") for p in plain] == [True, True], plain
+    assert [sorted(p["asked"]) for p in plain] == [res[0]["files1"], []], plain
+    cut = [r["plain_cut"] for r in res]
+    assert [c.get("error") for c in cut] == ["CorruptCheckpointError"] * 2, cut
+    assert cut[0]["message"] == cut[1]["message"] and "r00001" in cut[0]["message"], cut
+    assert "size" in cut[0]["message"] and [len(c["asked"]) for c in cut] == [len(files), 0], cut
 
 
 FULL = os.environ.get("CKPTLIB_CHAOS_FULL", "") not in ("", "0")

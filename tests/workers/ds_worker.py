@@ -229,18 +229,81 @@ def sc_resume(
         engine = make_engine(ds, stage)
         ckds.install(engine)
         save_dir = os.path.join(root, f"z{stage}")
-        res = ckds.resume(engine, save_dir)
+        with asking_sizes() as asked:  # the resume's load_checkpoint included
+            res = ckds.resume(engine, save_dir)
         rec = {
             "tag": res.tag,
             "step": res.step,
             "skipped": res.skipped,
             "client": describe_client(res.client_state),
             "digest": digests(engine),
+            "asked": len(asked),
         }
         train(engine, 1)
         engine.save_checkpoint(save_dir, client_state=client_state(engine))
         rec["after"] = engine.global_steps
+        rec["plain"], rec["plain_cut"] = plain_loads(engine, rank, save_dir)
         out.put(f"z{stage}", rec)
+
+
+def asking_sizes() -> Any:
+    """A context counting this process's payload size requests (``Storage.size`` of a
+    ``.bin``): the list of paths asked while it is open."""
+    import contextlib
+
+    from ckptlib.backends.posix import PosixStorage
+
+    @contextlib.contextmanager
+    def counting() -> Any:
+        asked: list[str] = []
+        inner = PosixStorage.size
+
+        def size(self: Any, p: str) -> Any:
+            if p.endswith(".bin"):
+                asked.append(p)
+            return inner(self, p)
+
+        PosixStorage.size = size  # type: ignore[method-assign]
+        try:
+            yield asked
+        finally:
+            PosixStorage.size = inner  # type: ignore[method-assign]
+
+    return counting()
+
+
+def plain_loads(engine: Any, rank: int, save_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DeepSpeed's own ``load_checkpoint`` (its ``latest``: the tag just saved), twice: after a
+    training step moved the state on (the payload size requests, whether the state is back
+    bitwise), then with rank 1's payload file of that tag cut by a byte (the error each rank
+    raises, the size requests); rank 0 puts the byte back."""
+    import torch.distributed as dist
+
+    from ckptlib.errors import CheckpointError
+
+    saved = digests(engine)
+    train(engine, 1)
+    with asking_sizes() as asked:
+        engine.load_checkpoint(save_dir)
+    plain = {"asked": len(asked), "bitwise": digests(engine) == saved}
+    victim = next(Path(save_dir).glob(f"step-{int(saved['global_steps']):012d}/*/r00001-*.bin"))
+    data = victim.read_bytes()
+    dist.barrier()
+    if rank == 0:
+        os.truncate(victim, len(data) - 1)
+    dist.barrier()
+    cut: dict[str, Any] = {"error": None}
+    with asking_sizes() as asked:
+        try:
+            engine.load_checkpoint(save_dir)
+        except CheckpointError as e:
+            cut = {"error": type(e).__name__, "message": str(e)}
+    cut["asked"] = len(asked)
+    dist.barrier()
+    if rank == 0:
+        victim.write_bytes(data)
+    dist.barrier()
+    return plain, cut
 
 
 def sc_single(

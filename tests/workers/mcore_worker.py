@@ -343,7 +343,9 @@ def sc_sizes(rank: int, world: int, root: str, args: dict) -> dict:
     opens (for data, or for the piece index at a file's end). Then, right after rank 0's
     judge passed iteration 2, rank 1's payload file of it is cut by a byte, and every rank calls
     ``load_latest`` again. Reports, per load, the iteration and whether this rank's tensors are
-    bitwise those it saved at that iteration."""
+    bitwise those it saved at that iteration. Then two plain ``dist_checkpointing.load`` calls
+    with ``LoadStrategy()``: iteration 1 (``plain``: the size requests, bitwise) and the cut
+    iteration 2 (``plain_cut``: the size requests and the error each rank raised)."""
     from ckptlib.backends.posix import PosixStorage
     from ckptlib.integrations import megatron as ck
     from ckptlib.integrations.megatron import resume as mresume
@@ -390,6 +392,23 @@ def sc_sizes(rank: int, world: int, root: str, args: dict) -> dict:
         it, _ = ck.load_latest(lambda: m.sharded_state_dict(0, world, rank, with_rng=False), save_dir)
         out[phase] = {"iteration": it, "asked": list(asked), "opened": sorted(opened),
                       "bitwise": it in saved and digests(m) == saved[it]}
+    # A plain dist_checkpointing.load with LoadStrategy() (no resume loop, no judge): iteration
+    # 1 after a step moved the tensors on, then iteration 2 with rank 1's file still cut.
+    from megatron.core import dist_checkpointing as mdc
+
+    from ckptlib.errors import CheckpointError
+
+    m.step(3)
+    it1 = Path(ck.iteration_dir(save_dir, 1))
+    out["files1"] = sorted(str(p.relative_to(it1)) for p in it1.rglob("*.bin"))
+    for phase, it in (("plain", 1), ("plain_cut", 2)):
+        asked.clear()
+        try:
+            mdc.load(m.sharded_state_dict(0, world, rank, with_rng=False), ck.iteration_dir(save_dir, it),
+                     sharded_strategy=ck.LoadStrategy(), common_strategy=ck.LoadCommonStrategy())
+            out[phase] = {"asked": list(asked), "bitwise": digests(m) == saved[it]}
+        except CheckpointError as e:
+            out[phase] = {"asked": list(asked), "error": type(e).__name__, "message": str(e)}
     dist.destroy_process_group()
     return out
 

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptlib.backends import open_storage
+from ckptlib.backends import Storage, open_storage
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
+from ckptlib.engine.scan import check_files, check_files_together
 from ckptlib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -36,6 +37,7 @@ from ckptlib.errors import (
     UnsupportedValueError,
 )
 from ckptlib.format.leaves import PerRank
+from ckptlib.format.manifest import Manifest
 from ckptlib.integrations.deepspeed import zero
 from ckptlib.integrations.deepspeed.codec import decode_value, encode_value
 from ckptlib.integrations.deepspeed.reshard import OPTIM_FILE, Reshard, open_reshard
@@ -48,6 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptlib")
 
 _engine_cls: type | None = None
+
+LOAD_TIMEOUT = 600.0
+"""Seconds the ranks of a ``load_checkpoint`` wait for each other at its size check (a dead or
+frozen rank fails the others within the coordination timeout)."""
 
 
 def engine_class() -> type:
@@ -290,12 +296,23 @@ class EngineMixin:
 
     def open_tag(self, load_dir: str, tag: str) -> TagView:
         """The committed ckptlib step holding DeepSpeed ``tag`` (cached until the next
-        ``load_checkpoint``). Raises ``CheckpointNotFoundError`` or ``CorruptCheckpointError``."""
+        ``load_checkpoint``). Raises ``CheckpointNotFoundError`` or ``CorruptCheckpointError``.
+
+        Inside ``load_checkpoint`` (:meth:`loading_into`), which every rank runs together and
+        which opens its tag on every rank in the same order, the payload files' sizes are checked
+        by the coordinator alone and its verdict shared (:func:`check_files_together`): a load of
+        N ranks asks N sizes, not N². Outside it (a single rank's ``load``), this rank checks them.
+        """
         root = self.root_for(load_dir)
         key = (root, tag)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = open_tag(open_storage(root, self.storage_options), tag)
+            check = check_files
+            if self._into is not None:
+                def check(storage: Storage, folder: str, m: Manifest) -> None:
+                    check_files_together(self.coordinator, storage, folder, m,
+                                         label="deepspeed load", timeout=LOAD_TIMEOUT)
+            view = self._views[key] = open_tag(open_storage(root, self.storage_options), tag, check)
         return view
 
     def forget_views(self) -> None:

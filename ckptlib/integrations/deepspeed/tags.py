@@ -8,6 +8,7 @@ candidates). A tag is found by its step's manifest metadata, never by a director
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +48,11 @@ def tag_of(m: Manifest, where: str) -> str | None:
     return None
 
 
-def open_tag(storage: Storage, tag: str) -> TagView:
-    """The committed step holding ``tag`` (sizes checked). Raises ``CheckpointNotFoundError``
-    or ``CorruptCheckpointError``."""
+def open_tag(storage: Storage, tag: str,
+             check: Callable[[Storage, str, Manifest], None] = check_files) -> TagView:
+    """The committed step holding ``tag``, its payload files' sizes checked by ``check(storage,
+    folder, manifest)`` (this rank alone by default; the engine's collective check inside
+    ``load_checkpoint``). Raises ``CheckpointNotFoundError`` or ``CorruptCheckpointError``."""
     where = storage.url.rstrip("/")
     m_step = TAG_STEP.match(tag)
     found: tuple[str, int, Manifest] | None = None
@@ -82,7 +85,7 @@ def open_tag(storage: Storage, tag: str) -> TagView:
                 f"DeepSpeed tag {tag!r} is not a committed ckptlib step under {where}{detail}"
             )
     folder, step, m = found
-    check_files(storage, folder, m)
+    check(storage, folder, m)
     manifest_where = f"{where}/{folder}/manifest.json"
     tree = tree_codec.decode(m.tree, m.tensors, manifest_where)
     files: dict[str, Any] = {}

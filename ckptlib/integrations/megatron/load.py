@@ -25,8 +25,9 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.strategies import base as mbase
 
 from ckptlib.backends import Storage, open_storage
+from ckptlib.coord.coordinator import default_coordinator
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
-from ckptlib.engine.scan import check_files, read_manifest
+from ckptlib.engine.scan import check_files_together, read_manifest
 from ckptlib.errors import CorruptCheckpointError, StateMismatchError, UnsupportedValueError
 from ckptlib.format import tree as tree_codec
 from ckptlib.format.dtypes import DTYPES
@@ -53,18 +54,23 @@ class LoadStrategy(mbase.LoadShardedStrategy):
     box it covers, whatever sharding the checkpoint was saved with; checksums are verified
     (``verify=True``), a mismatch raises :class:`CorruptCheckpointError`.
 
-    Before reading, every rank checks every payload file's size: with no judge shared by the
-    ranks, that is how they reach the same verdict. ``judged=True`` skips it (each rank's reader
-    still checks the size of every file it opens); only for a caller whose coordinator has just
-    judged the iteration, sizes included, and which moves every rank on together when any rank
-    fails (:func:`~ckptlib.integrations.megatron.load_latest`): a restore of N ranks then makes
-    N size requests, not N².
+    Before any rank reads, the coordinator (rank 0 of the default process group) checks every
+    payload file's size and every rank gets its verdict, the same error on every rank or none
+    (:func:`~ckptlib.engine.scan.check_files_together`, one coordination session of at most
+    ``timeout`` seconds): ``dist_checkpointing.load`` runs on every rank, so this load is
+    collective already. A load of N ranks makes N size requests, not N². ``judged=True`` skips
+    the check and its meeting (each rank's reader still checks the size of every file it opens);
+    only for a caller whose coordinator has just judged the iteration, sizes included, and which
+    moves every rank on together when any rank fails
+    (:func:`~ckptlib.integrations.megatron.load_latest`).
     """
 
-    def __init__(self, *, verify: bool = True, threads: int = 4, judged: bool = False) -> None:
+    def __init__(self, *, verify: bool = True, threads: int = 4, judged: bool = False,
+                 timeout: float = 600.0) -> None:
         self.verify = verify
         self.threads = threads
         self.judged = judged
+        self.timeout = timeout
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -88,7 +94,8 @@ class LoadStrategy(mbase.LoadShardedStrategy):
         checkpoint_dir = os.fspath(checkpoint_dir)
         storage, m, saved, where = _open(checkpoint_dir)
         if not self.judged:
-            check_files(storage, FOLDER, m)
+            check_files_together(default_coordinator(), storage, FOLDER, m, label="megatron load",
+                                 timeout=self.timeout)
         objects = _objects(saved)
         plan = Merge(m, where=where)
 
