@@ -257,13 +257,17 @@ def check_step(
     deep: bool = False,
     progress: Callable[[int], None] | None = None,
     manifest: Manifest | None = None,
+    sizes: bool = True,
 ) -> StepInfo:
     """Judge one checkpoint folder; never raises for a bad checkpoint, only for storage errors.
     Format v2: reads no piece index file unless ``deep`` (their sizes are checked with the
     payload's; their checksums when a load or ``deep`` reads them), so ``info.manifest`` may
     lack pieces: a caller that walks every piece loads them (``index_io.resolve``).
     ``manifest``: the folder's manifest as the caller has just read it with
-    :func:`read_manifest`, which then is not read again."""
+    :func:`read_manifest`, which then is not read again. ``sizes=False``: the payload files are
+    not looked at (``committed`` then says only that the manifest validates and names the step),
+    for a caller that picks a step by its manifest and checks the one it takes
+    (``integrations/deepspeed/tags.py``)."""
     info = StepInfo(step=step if step is not None else -1, status="corrupt", path=folder)
     try:
         m = manifest if manifest is not None else read_manifest(storage, folder, pieces=False)
@@ -271,7 +275,8 @@ def check_step(
             raise CorruptCheckpointError(f"folder is step {step} but its manifest says step {m.step}", folder)
         info.save_id, info.created, info.world_size = m.save_id, m.created, m.world_size
         info.num_tensors, info.metrics = len(m.tensors), m.metrics
-        check_files(storage, folder, m)
+        if sizes or deep:
+            check_files(storage, folder, m)
         _check_indexes(storage, folder, m, deep)
         if deep:
             from ckptlib.engine.verify import verify_chunks
@@ -416,12 +421,13 @@ def _steps(plan: _Plan, judge: Callable[[str, int], StepInfo | None]) -> Iterato
         yield from sorted(infos, key=lambda i: i.status == "committed", reverse=True)
 
 
-def _judge(storage: Storage, name: str, step: int, deep: bool, unreadable: bool, unchecked: bool = False
-           ) -> StepInfo | None:
+def _judge(storage: Storage, name: str, step: int, deep: bool, unreadable: bool, unchecked: bool = False,
+           sizes: bool = True) -> StepInfo | None:
     """One step folder; ``unchecked`` (listed by an unchecked listing): None when it has no
-    manifest and nothing in it (an object store's folder entry left by a deleted step)."""
+    manifest and nothing in it (an object store's folder entry left by a deleted step);
+    ``sizes``: as :func:`check_step`'s."""
     try:
-        info = check_step(storage, name, step, deep=deep)
+        info = check_step(storage, name, step, deep=deep, sizes=sizes)
     except UnreadableStepError as e:
         if not unreadable:
             raise
@@ -431,16 +437,18 @@ def _judge(storage: Storage, name: str, step: int, deep: bool, unreadable: bool,
     return info
 
 
-def iter_steps(storage: Storage) -> Iterator[StepInfo]:
+def iter_steps(storage: Storage, *, sizes: bool = True) -> Iterator[StepInfo]:
     """:func:`scan`'s steps in its order, but judged lazily (manifest and sizes), one step
     folder at a time as the caller iterates: a resume that takes the newest step judges one
     folder, not every one (``engine/resume.py``, ``newest_committed``; the caller's thread). The
     root is listed now (its errors as :func:`scan`); an unreadable manifest raises
-    :class:`UnreadableStepError` when the iteration reaches that step."""
-    return itertools.chain.from_iterable(judge() for _, judge in step_judges(storage))
+    :class:`UnreadableStepError` when the iteration reaches that step. ``sizes=False``: manifests
+    only (:func:`check_step`)."""
+    return itertools.chain.from_iterable(judge() for _, judge in step_judges(storage, sizes=sizes))
 
 
-def step_judges(storage: Storage, checked: bool = False) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
+def step_judges(storage: Storage, checked: bool = False, *, sizes: bool = True
+                ) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
     """The root's step numbers, newest first, each with a call that judges that step only
     (manifest and sizes; its :class:`StepInfo` entries in :func:`scan`'s order, committed first)
     when the caller makes it: a caller that needs some steps, not the newest ones first
@@ -453,7 +461,7 @@ def step_judges(storage: Storage, checked: bool = False) -> list[tuple[int, Call
     judging such an entry costs three requests, leaving it out one). An unreadable manifest raises
     :class:`UnreadableStepError` from that step's call."""
     def judged(step: int, group: list[str | StepInfo]) -> list[StepInfo]:
-        return list(_steps([(step, group)], lambda name, n: _judge(storage, name, n, False, False, not checked)))
+        return list(_steps([(step, group)], lambda name, n: _judge(storage, name, n, False, False, not checked, sizes)))
 
     return [(step, functools.partial(judged, step, group)) for step, group in _plan(_root_entries(storage, checked))]
 

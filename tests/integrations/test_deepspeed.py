@@ -551,9 +551,13 @@ def test_a_rank_s_load_reads_the_piece_indexes_of_its_own_files_only(tmp_path):
 def test_a_tag_not_named_like_a_step_is_found_newest_first(tmp_path, monkeypatch):
     """``load_checkpoint(dir, tag="best")``: a tag that does not name its step is looked up in
     the steps' metadata. That judged every step of the root first (a manifest read and a size
-    check per payload file each); now it judges newest first and stops at the step holding it.
-    A tag no step holds still names the damaged steps it passed over."""
+    check per payload file each); now it reads manifests newest first, stops at the step holding
+    it, and checks the payload sizes of that step alone (every rank of a job checked every step
+    it passed: N² size requests per step at N ranks). A payload file of that step cut short is a
+    ``CorruptCheckpointError`` naming it. A tag no step holds still names the damaged steps it
+    passed over."""
     import torch
+    from helpers import CountingStorage
 
     import ckptlib
     from ckptlib.backends import open_storage
@@ -573,8 +577,16 @@ def test_a_tag_not_named_like_a_step_is_found_newest_first(tmp_path, monkeypatch
         return inner(storage, folder, step, **kw)
 
     monkeypatch.setattr(scan, "check_step", counting)
-    view = open_tag(open_storage(str(tmp_path)), "run-a-4")
+    storage = CountingStorage(open_storage(str(tmp_path)), kinds=("size",))
+    view = open_tag(storage, "run-a-4")
     assert view.step == 4 and list(view.files) == ["mp_rank_00_model_states.pt"]
     assert judged == ["step-000000000006", "step-000000000005", "step-000000000004"], judged  # not 3, 2, 1
+    asked = sorted(p for p in storage.calls if p.endswith(".bin"))
+    assert asked and all(p.startswith("step-000000000004/") for p in asked), asked  # not step 5's too
+    payload = sorted((tmp_path / "step-000000000004").rglob("*.bin"))
+    os.truncate(payload[0], payload[0].stat().st_size - 1)
+    with pytest.raises(ckptlib.CorruptCheckpointError, match="size") as cut:
+        open_tag(open_storage(str(tmp_path)), "run-a-4")
+    assert cut.value.path.endswith(payload[0].name), cut.value.path
     with pytest.raises(ckptlib.CheckpointNotFoundError, match=r"'run-a-9' is not a committed .*step 6: "):
         open_tag(open_storage(str(tmp_path)), "run-a-9")

@@ -64,9 +64,9 @@ def open_tag(storage: Storage, tag: str,
                 found = (folder, int(m_step.group(1)), m)
         except CheckpointNotFoundError:
             pass
-    if found is None:  # newest first, judged one step at a time up to the one holding the tag
+    if found is None:  # newest first, one manifest at a time up to the step holding the tag (its sizes: below)
         try:
-            infos = iter_steps(storage)
+            infos = iter_steps(storage, sizes=False)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
                 f"no ckptlib checkpoints under {where} (looking for tag {tag!r})"
