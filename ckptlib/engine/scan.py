@@ -200,11 +200,11 @@ def check_files_together(coord: Coordinator, storage: Storage, folder: str, m: M
                 except Exception as e:  # every rank must get the verdict before anyone raises
                     own, verdict = e, ["error", f"{type(e).__name__}: {e}"]
         verdict = s.share(verdict, what="check the payload files' sizes")
+    if own is not None:  # the coordinator: its own error, as check_files raised it
+        raise own
     if verdict is None:
         return
     kind, text = verdict[0], verdict[1]
-    if own is not None:
-        raise own
     if kind == "corrupt":
         raise CorruptCheckpointError(text, verdict[2])
     if kind == "gone":
@@ -450,7 +450,7 @@ def iter_steps(storage: Storage, *, sizes: bool = True) -> Iterator[StepInfo]:
 def step_judges(storage: Storage, checked: bool = False, *, sizes: bool = True
                 ) -> list[tuple[int, Callable[[], list[StepInfo]]]]:
     """The root's step numbers, newest first, each with a call that judges that step only
-    (manifest and sizes; its :class:`StepInfo` entries in :func:`scan`'s order, committed first)
+    (manifest and sizes, or the manifest alone with ``sizes=False``: :func:`check_step`; its :class:`StepInfo` entries in :func:`scan`'s order, committed first)
     when the caller makes it: a caller that needs some steps, not the newest ones first
     (``restore(step=N)``, a tier restore merging its local steps; the caller's thread) judges
     those alone. The root is listed now, unchecked (errors as :func:`scan`; one request on S3

@@ -14,6 +14,7 @@ docs/integrations/deepspeed.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckptlib.backends import Storage, open_storage
+from ckptlib.backends import open_storage
 from ckptlib.coord.coordinator import Coordinator
 from ckptlib.engine.load import Merge, resolve_lazy, run_plan
 from ckptlib.engine.scan import check_files, check_files_together
@@ -37,7 +38,6 @@ from ckptlib.errors import (
     UnsupportedValueError,
 )
 from ckptlib.format.leaves import PerRank
-from ckptlib.format.manifest import Manifest
 from ckptlib.integrations.deepspeed import zero
 from ckptlib.integrations.deepspeed.codec import decode_value, encode_value
 from ckptlib.integrations.deepspeed.reshard import OPTIM_FILE, Reshard, open_reshard
@@ -307,11 +307,8 @@ class EngineMixin:
         key = (root, tag)
         view = self._views.get(key)
         if view is None:
-            check = check_files
-            if self._into is not None:
-                def check(storage: Storage, folder: str, m: Manifest) -> None:
-                    check_files_together(self.coordinator, storage, folder, m,
-                                         label="deepspeed load", timeout=LOAD_TIMEOUT)
+            check = check_files if self._into is None else functools.partial(
+                check_files_together, self.coordinator, label="deepspeed load", timeout=LOAD_TIMEOUT)
             view = self._views[key] = open_tag(open_storage(root, self.storage_options), tag, check)
         return view
 
