@@ -32,6 +32,7 @@ from ckptlib.backends import Storage, open_storage
 from ckptlib.backends.posix import PosixStorage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.coord.liveness import note_relaunch
+from ckptlib.coord.turns import in_turn
 from ckptlib.engine import options as argcheck
 from ckptlib.engine import persist_worker, resume, retire
 from ckptlib.engine import save as save_flow
@@ -462,8 +463,9 @@ class CheckpointManager:
         handle._snapshot = snap
         self._handles.append(handle)
         self._active_ids.add(save_id)
-        self._worker.submit(self._persist, (handle, snap, step, metadata, save_id, created, metrics),
-                            f"ckptlib-save-{step}")
+        # Its sessions meet in this save's place among the flows on its coordinator (coord/turns.py).
+        self._worker.submit(in_turn(self.coordinator.turn(f"save of step {step}"), self._persist),
+                            (handle, snap, step, metadata, save_id, created, metrics), f"ckptlib-save-{step}")
         sync_upto = snap.sync_rounds if self.options.overlap else snap.nrounds
         try:
             snap.stage(sync_upto, deadline)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from ckptlib.coord.kv import REAL_CLOCK, Clock
 from ckptlib.coord.session import Session
+from ckptlib.coord.turns import Line, Turn
 from ckptlib.errors import CheckpointError
 
 
@@ -40,6 +41,15 @@ class Coordinator(ABC):
     def session(self, label: str, deadline: float) -> Session:
         """Every rank, in the same order: the next session (a context manager; module
         docstring of :mod:`ckptlib.coord.session`). ``deadline``: on :attr:`clock`."""
+
+    def turn(self, label: str) -> Turn:
+        """Reserve the next turn for a flow that another thread will run (``with turn:`` there):
+        on the thread that starts it, in program order (:mod:`ckptlib.coord.turns`). Sessions
+        opened without one take their own."""
+        line: Line | None = getattr(self, "_line", None)
+        if line is None:
+            line = self._line = Line(self.clock.now)
+        return line.reserve(label)
 
     def deadline(self, timeout: float) -> float:
         """``timeout`` seconds from now, on :attr:`clock`."""

@@ -88,7 +88,8 @@ class Session:
     """One session on one rank (module docstring). Made by ``Coordinator.session``."""
 
     def __init__(self, kv: KV | None, prefix: str, rank: int, world: int, *, deadline: float, dead_after: float,
-                 label: str, coord: Any = None, clock: Clock | None = None, spent: list[str] | None = None) -> None:
+                 label: str, coord: Any = None, clock: Clock | None = None, spent: list[str] | None = None,
+                 after_close: Callable[[], None] | None = None) -> None:
         self.kv = kv
         self.clock: Clock = clock or (kv.clock if kv is not None else REAL_CLOCK)
         self.prefix, self.rank, self.world, self.label = prefix, rank, world, label
@@ -112,6 +113,7 @@ class Session:
         receipt's, ``left``), without the rank: nobody deletes them until a next answer, so a
         coordinator that has no next session deletes them itself (:meth:`spent_keys`)."""
         self._everyone_left = False
+        self._after_close = after_close  # the coordinator's: end the turn this session took
 
     # -- basics
     @property
@@ -424,6 +426,13 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        try:
+            self._leave(error)
+        finally:
+            if self._after_close is not None:
+                self._after_close()
+
+    def _leave(self, error: BaseException | None) -> None:
         if self.world == 1 or self.kv is None:
             return
         failures = dict(self.failed)

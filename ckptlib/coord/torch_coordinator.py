@@ -16,8 +16,9 @@ most the coordination timeout per step: the connections are made on the threads 
 the meeting's calls go through the worker, and a frozen store host fails the creation with
 :class:`~ckptlib.errors.CommitError` (docs/distributed.md, "Connecting is bounded too").
 
-Sessions (:meth:`TorchCoordinator.session`) are numbered per coordinator, so the n-th has the
-same keys on every rank, ``ckptlib/c<coordinator>/s<n>/``; one is open at a time.
+Sessions (:meth:`TorchCoordinator.session`) meet one at a time, in the order of their flows'
+turns (:mod:`ckptlib.coord.turns`: numbered in program order, the same on every rank), so the
+k-th session of turn n has the same keys on every rank, ``ckptlib/c<coordinator>/s<n>.<k>/``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ckptlib.coord.coordinator import Coordinator
 from ckptlib.coord.kv import StoreUnreachable, TorchKV
 from ckptlib.coord.liveness import Pulse, heartbeat_period
 from ckptlib.coord.session import UNREACHABLE, Session
+from ckptlib.coord.turns import Line
 from ckptlib.errors import CheckpointError, CommitError, CommitTimeoutError
 
 DEFAULT_DEAD_AFTER = 30.0
@@ -109,7 +111,7 @@ class TorchCoordinator(Coordinator):
             if isinstance(e, StoreUnreachable):
                 raise _creation_failed(e) from None
             raise
-        self._count = 0
+        self._line = Line(self.clock.now)
         self._open: Session | None = None
         self._spent: list[str] = []  # keys this rank posted, deleted with its next take (coord/session.py)
         self._closed = False
@@ -139,15 +141,29 @@ class TorchCoordinator(Coordinator):
             self.kv.close()
 
     def session(self, label: str, deadline: float) -> Session:
+        """See :meth:`Coordinator.session`. Any thread: in the turn this thread holds (``with
+        turn:``), else in a turn of its own, which ends when the session closes. Waits until
+        ``deadline`` for the turns before it to end (:meth:`ckptlib.coord.turns.Line.wait`)."""
         if self._closed:
             raise CheckpointError("this coordinator was closed")
-        if self._open is not None and not self._open.closed:
-            raise RuntimeError(f"a {self._open.label} session is still open on this coordinator: pass it to the "
-                               f"{label} instead of opening another")
-        self._count += 1
-        self._open = Session(self.kv, f"ckptlib/{self.name}/s{self._count}/", self.rank, self.world_size,
-                             deadline=deadline, dead_after=self.dead_after, label=label, coord=self,
-                             spent=self._spent)
+        turn = self._line.held()
+        own = turn is None
+        if turn is None:
+            turn = self._line.reserve(label)
+            self._line.claim(turn)
+        try:
+            self._line.wait(turn, deadline, label)
+            if self._open is not None and not self._open.closed:  # this thread's own, still open
+                raise RuntimeError(f"a {self._open.label} session is still open on this coordinator: pass it to "
+                                   f"the {label} instead of opening another")
+        except BaseException:
+            if own:
+                turn.end()
+            raise
+        turn.sessions += 1
+        self._open = Session(self.kv, f"ckptlib/{self.name}/s{turn.number}.{turn.sessions}/", self.rank,
+                             self.world_size, deadline=deadline, dead_after=self.dead_after, label=label, coord=self,
+                             spent=self._spent, after_close=turn.end if own else None)
         return self._open
 
     def transfer(self, sends: Sequence[tuple[int, bytes | bytearray]], recvs: list[tuple[int, int]],

@@ -250,7 +250,8 @@ def test_two_ranks_load_latest_with_one_size_check_per_file_for_the_job(tmp_path
     newest iteration cut by a byte after the judge passed it is found by rank 1's reader, and
     both ranks fall back to iteration 1 together, bitwise. A plain ``dist_checkpointing.load``
     with ``LoadStrategy()`` asks every size on rank 0 and none on rank 1 (both ranks asked every
-    one before), and raises the same ``CorruptCheckpointError`` on both ranks for the cut file."""
+    one before), and raises the same ``CorruptCheckpointError`` on both ranks for the cut file.
+    The same load while an async save writes on its thread meets after that save (coord/turns.py)."""
     res = Job("sizes", 2, tmp_path, {}).results()
     files = res[0]["files"]
     assert len(files) == 2 and any("r00001" in f for f in files), files
@@ -274,6 +275,11 @@ def test_two_ranks_load_latest_with_one_size_check_per_file_for_the_job(tmp_path
     assert [c.get("error") for c in cut] == ["CorruptCheckpointError"] * 2, cut
     assert cut[0]["message"] == cut[1]["message"] and "r00001" in cut[0]["message"], cut
     assert "size" in cut[0]["message"] and [len(c["asked"]) for c in cut] == [len(files), 0], cut
+    # The same plain load while an async save (``schedule``) writes on its thread, inside its
+    # session on the same coordinator: it meets after that save, and both succeed. Before, it
+    # raised "a save session is still open on this coordinator".
+    during = [r["during_save"] for r in res]
+    assert during == [{"bitwise": True, "after_write": True, "saved": True}] * 2, during
 
 
 FULL = os.environ.get("CKPTLIB_CHAOS_FULL", "") not in ("", "0")

@@ -578,6 +578,61 @@ def sc_restore_sizes(rank: int, world: int, root: str, args: dict) -> dict:
     return {"restored": got, "bitwise": same, "files": files, "sizes": sizes}
 
 
+def _pair(world: int, rank: int, step: int) -> tuple[dict, dict]:
+    """``sc_two_managers``' states at ``step`` (all zeros at step 0, the restore templates)."""
+    s = shard("emb", 0, world, rank)
+    model = {"emb": ckptlib.Shard(s.local * step, s.global_shape, s.global_offset), "plain": full("plain") * step,
+             "step": torch.tensor(step)}
+    ema = {"col": full("col") * (step / 2), "rng": ckptlib.PerRank(torch.full((3,), rank * step, dtype=torch.int64))}
+    return model, ema
+
+
+def _same(a: dict, b: dict) -> bool:
+    def flat(d: dict) -> dict:
+        return {k: (v.local if isinstance(v, ckptlib.Shard) else v.value if isinstance(v, ckptlib.PerRank) else v)
+                for k, v in d.items()}
+
+    fa, fb = flat(a), flat(b)
+    return fa.keys() == fb.keys() and all(fa[k].dtype == fb[k].dtype and torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def sc_two_managers(rank: int, world: int, root: str, args: dict) -> dict:
+    """Two managers in one process (a model's and an EMA's, two roots), both saving asynchronously
+    every step through the job's one coordinator, each rank reaching each save after its own
+    random pause. Every ``args["every"]``-th step, right after both saves were handed to their
+    threads, a fresh manager on the EMA's root restores on the training thread. Then fresh
+    managers restore both roots. Reports every restore's step and whether it is bitwise."""
+    import random
+
+    from ckptlib import CheckpointManager
+
+    pause = random.Random(1000 + rank)
+    a_root, b_root = os.path.join(root, "model"), os.path.join(root, "ema")
+    restores = []
+    with CheckpointManager(a_root, keep_last=2, save_timeout=60) as ma, \
+            CheckpointManager(b_root, keep_last=2, save_timeout=60) as mb:
+        for step in range(1, args["steps"] + 1):
+            model, ema = _pair(world, rank, step)
+            time.sleep(pause.random() * 0.02)
+            ma.save(step, model)
+            time.sleep(pause.random() * 0.02)
+            mb.save(step, ema)
+            if step % args["every"] == 0:
+                into = _pair(world, rank, 0)[1]
+                with CheckpointManager(b_root, save_timeout=60) as mc:
+                    got = mc.restore(into)
+                restores.append([got, got == step and _same(into, ema)])
+        ma.wait(timeout=60)
+        mb.wait(timeout=60)
+    last = []
+    for path, i in ((a_root, 0), (b_root, 1)):
+        into = _pair(world, rank, 0)[i]
+        with CheckpointManager(path, save_timeout=60) as m:
+            got = m.restore(into)
+        last.append([got, _same(into, _pair(world, rank, args["steps"])[i])])
+    return {"restores": restores, "last": last}
+
+
 def main() -> int:
     """The shared command line over this module's scenarios; publish/overwrite/restore/savewait
     workers add theirs to this module and call it."""

@@ -409,6 +409,35 @@ def sc_sizes(rank: int, world: int, root: str, args: dict) -> dict:
             out[phase] = {"asked": list(asked), "bitwise": digests(m) == saved[it]}
         except CheckpointError as e:
             out[phase] = {"asked": list(asked), "error": type(e).__name__, "message": str(e)}
+    # A plain load of iteration 1 while an async save of iteration 3 (``schedule``) is writing,
+    # slowly, on its thread, inside its session on the same coordinator.
+    writes_end = [0.0]
+    inner_write = PosixStorage.open_write_in
+
+    def slow_write(self, p):  # type: ignore[no-untyped-def]
+        if p.endswith(".bin"):
+            time.sleep(1.0)
+            writes_end[0] = time.monotonic()
+        return inner_write(self, p)
+
+    PosixStorage.open_write_in = slow_write  # type: ignore[method-assign]
+    mresume._judge = inner_judge  # no more cuts
+    m.step(4)
+    saved[3] = digests(m)
+    pending = _save(m, 3, world, rank, save_dir, "ckptlib", True)
+    time.sleep(0.5)  # the save's thread is in its session, writing
+    try:
+        mdc.load(m.sharded_state_dict(0, world, rank, with_rng=False), ck.iteration_dir(save_dir, 1),
+                 sharded_strategy=ck.LoadStrategy(timeout=30), common_strategy=ck.LoadCommonStrategy())
+        load = {"bitwise": digests(m) == saved[1], "after_write": time.monotonic() >= writes_end[0] > 0}
+    except Exception as e:
+        load = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        pending.finalize()
+        load["saved"] = mresume.iterations(save_dir)[0].iteration == 3
+    except Exception as e:
+        load["save_error"] = f"{type(e).__name__}: {e}"
+    out["during_save"] = load
     dist.destroy_process_group()
     return out
 

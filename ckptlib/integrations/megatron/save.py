@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from ckptlib.backends import open_storage
 from ckptlib.coord.coordinator import default_coordinator
 from ckptlib.coord.session import Session
+from ckptlib.coord.turns import in_turn
 from ckptlib.engine import save as save_flow
 from ckptlib.errors import CommitError, StateMismatchError, UnsupportedValueError
 from ckptlib.format.dtypes import dtype_name
@@ -175,7 +176,9 @@ class SaveStrategy(mbase.AsyncSaveShardedStrategy):
                 idle.set()
 
         idle.clear()
-        return persist
+        # Reserved here, on the training thread: a load or another manager's save started after
+        # this one meets after it, wherever ``persist`` runs (ckptlib/coord/turns.py).
+        return in_turn(coord.turn(f"megatron save of {checkpoint_dir}"), persist)
 
 
 def _megatron_version() -> str:
