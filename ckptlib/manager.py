@@ -32,7 +32,7 @@ from ckptlib.backends import Storage, open_storage
 from ckptlib.backends.posix import PosixStorage
 from ckptlib.coord.coordinator import Coordinator, default_coordinator
 from ckptlib.coord.liveness import note_relaunch
-from ckptlib.coord.turns import in_turn
+from ckptlib.coord.turns import Turn, check_waiter, in_turn
 from ckptlib.engine import options as argcheck
 from ckptlib.engine import persist_worker, resume, retire
 from ckptlib.engine import save as save_flow
@@ -77,6 +77,7 @@ class SaveHandle:
         self._drain: DrainTicket | None = None
         self._tiered = False
         self._pid = os.getpid()  # its save runs in this process only
+        self._turn: Callable[[], Turn | None] = lambda: None  # its place among its coordinator's flows
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -116,6 +117,8 @@ class SaveHandle:
         if os.getpid() != self._pid and not self._event.is_set():  # a forked child: it would wait out the limit
             raise CheckpointError(f"step {self.step}: its save runs in process {self._pid}, which this one was "
                                   "forked from, and is never done here; wait for it there")
+        if not self._event.is_set():  # inside an earlier flow's session, it would wait for itself
+            check_waiter(self._turn(), "wait()")
         limit = self._timeout + 30.0 if timeout is None else timeout
         if not self._event.wait(limit):
             raise CommitTimeoutError(f"save of step {self.step} still running after {limit:g}s of waiting; it goes "
@@ -281,8 +284,7 @@ class CheckpointManager:
         self._last_saved: int | None = None  # the newest step this process saw commit (persist thread)
         # Steps this manager's restore found damaged (every rank alike): their next save replaces them.
         self._replace: set[int] = set()
-        self._agreed_interval = 0
-        self._overlap_seen = 0.0
+        self._agreed_interval, self._overlap_seen = 0, 0.0
         self._queued_s = 0.0  # how long the current save() waited for the previous one
         self.url = os.fspath(url)
         self.storage: Storage = open_storage(self.url, storage_options)
@@ -464,7 +466,9 @@ class CheckpointManager:
         self._handles.append(handle)
         self._active_ids.add(save_id)
         # Its sessions meet in this save's place among the flows on its coordinator (coord/turns.py).
-        self._worker.submit(in_turn(self.coordinator.turn(f"save of step {step}"), self._persist),
+        turn = self.coordinator.turn(f"save of step {step}")  # a weak ref: a job never run ends it when dropped
+        handle._turn = weakref.ref(turn)
+        self._worker.submit(in_turn(turn, self._persist),
                             (handle, snap, step, metadata, save_id, created, metrics), f"ckptlib-save-{step}")
         sync_upto = snap.sync_rounds if self.options.overlap else snap.nrounds
         try:
@@ -621,6 +625,9 @@ class CheckpointManager:
         """Wait for all pending saves; raise the first failure not yet raised."""
         self._check_process("wait()")
         self._stager.check_caller("wait()")
+        for h in self._handles:
+            if not h.done():
+                check_waiter(h._turn(), "wait()")
         self._overlap.finish()
         self._join_thread(timeout)
         self._raise_pending()

@@ -20,8 +20,15 @@ session. So one flow that fails before it opens a session, on some rank, never s
 of the flows after it, and two flows never share a session. A turn that nobody runs is ended
 when it is dropped (garbage collected), so it holds nobody up for long.
 
+A thread that waits for a flow (``SaveHandle.wait``, ``CheckpointManager.wait``/``close``) while
+it holds an earlier turn itself would wait for itself until the flow's deadline: that is what a
+signal handler does when it saves and waits while the thread it interrupted is inside another
+flow's session (a Megatron load, say). Such a wait asks :meth:`Line.ahead_here` and is refused
+at once; the flow goes on and meets once the earlier session ends.
+
 Threads: :meth:`Line.reserve` on the thread that starts a flow; ``with turn:`` and
-:meth:`Line.wait` on the thread that runs it; :meth:`Line.end` on any thread (idempotent).
+:meth:`Line.wait` on the thread that runs it; :meth:`Line.ahead_here` on a thread about to wait
+for a flow; :meth:`Line.end` on any thread (idempotent).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import weakref
 from collections.abc import Callable
 from types import TracebackType
 
-from ckptlib.errors import CommitTimeoutError
+from ckptlib.errors import CheckpointError, CommitTimeoutError
 
 
 class Turn:
@@ -87,6 +94,16 @@ class Line:
             return None
         return turn
 
+    def ahead_here(self, turn: Turn) -> Turn | None:
+        """The turn this thread holds, if it comes before ``turn`` and ``turn`` has not ended: a
+        wait on this thread for ``turn``'s flow would wait for itself (a signal handler that
+        waits for a save while the thread it interrupted is inside another flow's session)."""
+        held = self.held()
+        with self._cond:
+            if held is None or held.number >= turn.number or turn.number not in self._pending:
+                return None
+        return held
+
     def wait(self, turn: Turn, deadline: float, label: str) -> None:
         """Block until every turn reserved before ``turn`` has ended. Raises
         :class:`CommitTimeoutError` naming the flow still ahead at ``deadline`` (``now``'s clock)."""
@@ -125,3 +142,16 @@ def in_turn(turn: Turn, fn: Callable[..., None]) -> Callable[..., None]:
             fn(*args)
 
     return run
+
+
+def check_waiter(turn: Turn | None, what: str) -> None:
+    """Before a thread waits for ``turn``'s flow (``what``: the call, e.g. ``"wait()"``): raise
+    :class:`CheckpointError` at once if this thread holds an earlier turn (:meth:`Line.ahead_here`),
+    where the wait would wait for itself until the flow's deadline. The flow goes on."""
+    held = turn.line.ahead_here(turn) if turn is not None else None
+    if held is not None and turn is not None:
+        raise CheckpointError(
+            f"{what} for the {turn.label} was called on a thread that is inside {held.label!r}, a session on the "
+            f"same checkpoint coordinator started before it (a signal handler?): the {turn.label} meets only "
+            f"after that session ends, so this wait would wait for itself. It goes on and runs once that "
+            f"session returns: wait for it then (on SIGTERM: save_on_signal(), docs/async.md)")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from ckptlib.coord.turns import Line, in_turn
-from ckptlib.errors import CommitTimeoutError
+from ckptlib.coord.turns import Line, check_waiter, in_turn
+from ckptlib.errors import CheckpointError, CommitTimeoutError
 
 
 def _far() -> float:
@@ -89,4 +89,25 @@ def test_in_turn_ends_the_turn_even_when_the_flow_raises_and_claims_it_only_on_i
     th.join(10)
     assert seen == {"held": True, "after": None}
     assert [str(e) for e in errors] == ["disk full"]
+    assert line.pending() == 0
+
+
+def test_a_wait_for_a_later_flow_on_the_thread_inside_an_earlier_one_is_refused():
+    # The thread that holds turn 1 (inside its session) waits for turn 2's flow: it would wait
+    # for itself. Any other thread may wait; so may this one once its turn ended.
+    line = Line(time.monotonic)
+    first = line.reserve("load")
+    second = line.reserve("save of step 5")
+    others: list[object] = []
+    with first:
+        with pytest.raises(CheckpointError, match=r"wait\(\) for the save of step 5 .* inside 'load'"):
+            check_waiter(second, "wait()")
+        check_waiter(first, "wait()")  # its own turn: not ahead of itself
+        th = threading.Thread(target=lambda: others.append(line.ahead_here(second)))
+        th.start()
+        th.join(10)
+    assert others == [None]
+    check_waiter(second, "wait()")  # "load" ended
+    check_waiter(None, "wait()")
+    second.end()
     assert line.pending() == 0

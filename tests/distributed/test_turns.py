@@ -19,3 +19,17 @@ def test_two_async_managers_and_a_restore_between_their_saves(tmp_path):
         # saved, not the one before it.
         assert r["restores"] == [[s, True] for s in range(every, steps + 1, every)], (rank, r)
         assert r["last"] == [[steps, True], [steps, True]], (rank, r)
+
+
+def test_a_wait_inside_an_earlier_session_is_refused_at_once_and_the_save_commits_after_it(tmp_path):
+    # A signal handler that saves and waits while the training thread is inside another flow's
+    # session (a Megatron load, say): the save cannot meet before that session ends. Before,
+    # both waits blocked until the save's deadline (40 s here), then the save failed.
+    res = run("wait_inside_session", 2, tmp_path, {}, timeout=240)
+    for rank, r in enumerate(res):
+        for who in ("handle", "manager"):
+            assert "inside 'load'" in r[who] and "would wait for itself" in r[who], (rank, who, r)
+        assert r["refused_s"] < 20, (rank, r)  # far below the save's 40 s deadline: not a timing claim
+        assert r["done_in_handler"] is False, (rank, r)
+        assert r["met"] == [0, 1], (rank, r)  # the interrupted session met as usual afterwards
+        assert r["restored"] == 5 and r["bitwise"], (rank, r)

@@ -633,6 +633,45 @@ def sc_two_managers(rank: int, world: int, root: str, args: dict) -> dict:
     return {"restores": restores, "last": last}
 
 
+def sc_wait_inside_session(rank: int, world: int, root: str, args: dict) -> dict:
+    """A signal handler on the training thread saves asynchronously and waits, while the thread
+    it interrupted is inside another flow's session on the job's coordinator (opened directly
+    here, as a Megatron or DeepSpeed load opens one). That save meets only after the session
+    ends, so both waits (the handle's, the manager's) must be refused at once instead of waiting
+    for themselves until the save's deadline. The session then meets as usual, and once it
+    closes the save commits. Reports the refusals, how long they took, and the restore."""
+    from ckptlib import CheckpointManager
+    from ckptlib.coord.coordinator import default_coordinator
+
+    coord = default_coordinator()
+    step, seen = 5, {}
+    with CheckpointManager(root, save_timeout=40) as mgr:
+        def handler(signum: int, frame: object) -> None:
+            start = time.monotonic()
+            handle = mgr.save(step, _pair(world, rank, step)[0])
+            for name, wait in (("handle", handle.wait), ("manager", mgr.wait)):
+                try:
+                    wait()
+                    seen[name] = "returned"
+                except ckptlib.CheckpointError as e:
+                    seen[name] = str(e)
+            seen["refused_s"] = time.monotonic() - start
+            seen["done_in_handler"] = handle.done()
+
+        old = signal.signal(signal.SIGUSR1, handler)
+        try:
+            with coord.session("load", coord.deadline(60)) as s:
+                os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs here, on this thread
+                met = s.exchange(rank)
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+        mgr.wait(timeout=60)
+    into = _pair(world, rank, 0)[0]
+    with CheckpointManager(root, save_timeout=60) as m:
+        got = m.restore(into)
+    return {**seen, "met": met, "restored": got, "bitwise": _same(into, _pair(world, rank, step)[0])}
+
+
 def main() -> int:
     """The shared command line over this module's scenarios; publish/overwrite/restore/savewait
     workers add theirs to this module and call it."""
