@@ -154,4 +154,4 @@ def check_waiter(turn: Turn | None, what: str) -> None:
             f"{what} for the {turn.label} was called on a thread that is inside {held.label!r}, a session on the "
             f"same checkpoint coordinator started before it (a signal handler?): the {turn.label} meets only "
             f"after that session ends, so this wait would wait for itself. It goes on and runs once that "
-            f"session returns: wait for it then (on SIGTERM: save_on_signal(), docs/async.md)")
+            f"session returns: wait for it then (on SIGTERM: save_on_signal() and poll for it, docs/async.md)")

@@ -358,6 +358,44 @@ def test_writer_pickles_for_process_based_async(tmp_path):
     assert torch.equal(st["w"], torch.arange(10.0))
 
 
+def test_writer_stages_for_async_save_in_a_turn_of_its_own(tmp_path):
+    # stage() (dcp.async_save, the training thread) reserves the save's turn on ckptlib's
+    # coordinator and copies the state; every way out of the save ends that turn, or later
+    # flows of the process would wait behind it. (One process: the turns of a local
+    # coordinator, which every multi-rank job's TorchCoordinator has too.)
+    src = {"w": torch.arange(4.0), "n": 3}
+    w = CkptlibWriter(tmp_path, step=1)
+    staged = w.stage(src)
+    src["w"].add_(1)  # training goes on: the staged copy does not change
+    assert torch.equal(staged["w"], torch.arange(4.0)) and staged["n"] == 3
+    turn = w._turn
+    assert turn is not None and turn.line.pending() == 1
+    pickle.dumps(w)  # into DCP's upload process: the save meets there
+    assert w._turn is None and turn.line.pending() == 0
+    w.stage(src)  # then a plain dcp.save on this thread: that turn is stale
+    turn = w._turn
+    assert turn is not None and turn.line.pending() == 1
+    dcp.save({"w": torch.arange(4.0) * 2}, storage_writer=w)
+    assert w._turn is None and turn.line.pending() == 0
+    seen = []
+
+    class Watched(CkptlibWriter):
+        def prepare_local_plan(self, plan):  # the upload thread: in the turn stage() reserved
+            turn = self._turn
+            out = super().prepare_local_plan(plan)
+            assert turn is not None and turn.line.held() is turn and turn.line.pending() == 1
+            seen.append(turn)
+            return out
+
+    w2 = Watched(tmp_path, step=2)
+    dcp.async_save({"w": torch.arange(4.0) * 3}, storage_writer=w2).result()
+    assert len(seen) == 1 and w2._turn is None and seen[0].line.pending() == 0
+    for step, k in ((1, 2), (2, 3)):
+        st = {"w": torch.zeros(4)}
+        dcp.load(st, storage_reader=CkptlibReader(tmp_path, step=step))
+        assert torch.equal(st["w"], torch.arange(4.0) * k)
+
+
 # --------------------------------------------------------------------------- real processes
 
 STEPS, KILL_AT = 4, 3
@@ -426,6 +464,23 @@ def jobs(tmp_path_factory):
         "after_kill": after_kill,
         "resume_logs": resume_logs,
     }
+
+
+def test_async_saves_beside_a_manager_on_the_same_coordinator(jobs, tmp_path):
+    # dcp.async_save's upload thread opens its session whenever it gets there, and a manager's
+    # save right after it reserves its turn on the training thread: without a turn of its own,
+    # reserved when DCP stages on the training thread, the DCP save met the manager's save under
+    # each other's keys on a rank where the upload thread came second.
+    root = tmp_path / "both"
+    logs = _wait(_launch(root, 2, {"steps": STEPS, "tag": "both", "async": True, "manager": True}), 240)
+    for rank, (rc, log) in enumerate(logs):
+        r = _result(root, "both", rank)
+        assert rc == 0 and "crash" not in r, log
+        assert r["side"] == [STEPS, True], r
+    assert latest_checkpoint(root / "ckpt").step == STEPS
+    assert dcp_worker.reshard(root, root / "loaded.npz") == STEPS
+    _npz_equal(root / "loaded.npz", root / "final-both.npz")  # the newest DCP step, bitwise
+    _npz_equal(root / "final-both.npz", jobs["base"] / "ref2" / "final-ref.npz")
 
 
 def test_reference_run_completes(jobs):

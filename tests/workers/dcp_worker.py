@@ -11,7 +11,10 @@ Scenarios:
   ``CkptlibWriter(ROOT/ckpt, step=step)``. ``resume``: start from ``load_latest``.
   ``kill_at``: SIGKILL rank ``victim`` while it writes the payload of that step's save (a
   real kill, from ckptlib's named crash point ``write``). At the end rank 0 writes the full
-  (unsharded) model and optimizer state to ``ROOT/final-<tag>.npz``.
+  (unsharded) model and optimizer state to ``ROOT/final-<tag>.npz``. ``manager``: a
+  ``CheckpointManager`` on ``ROOT/side`` also saves a small state asynchronously right after each
+  DCP save (at once on rank 1, whose upload thread plans 0.2 s late; 0.2 s later on rank 0),
+  and restores it at the end.
 - ``load``: every rank calls ``load_latest`` on ``ROOT/ckpt`` (a checkpoint of ``{"w", "step"}``
   made by the test) and records the step and values, or the error it raised with the wall
   time (``t_error``); the test freezes a rank with ``CKPTLIB_TEST_KILL_AT=restore:<rank>:STOP``.
@@ -132,6 +135,19 @@ def train(rank: int, world: int, root: Path, args: dict) -> dict:
             start = loaded
     upload_pg = dist.new_group(backend="gloo") if args.get("async") else None
     pending = None
+    mgr = None
+    if args.get("manager"):  # a second ckptlib flow on the same coordinator (docs/distributed.md, turns)
+        import ckptlib
+
+        mgr = ckptlib.CheckpointManager(root / "side", keep_last=2, save_timeout=60)
+        if rank == 1:  # a slow planner here: this rank's upload thread opens its session 0.2 s late
+            plan = CkptlibWriter.prepare_local_plan
+
+            def slow_plan(self, p):  # type: ignore[no-untyped-def]
+                time.sleep(0.2)
+                return plan(self, p)
+
+            CkptlibWriter.prepare_local_plan = slow_plan  # type: ignore[method-assign]
     for step in range(start + 1, args["steps"] + 1):
         step_once(model, opt, step, rank)
         if pending is not None:
@@ -145,10 +161,28 @@ def train(rank: int, world: int, root: Path, args: dict) -> dict:
             pending = dcp.async_save(state, storage_writer=writer, process_group=upload_pg)
         else:
             dcp.save(state, storage_writer=writer)
+        if mgr is not None:
+            # Rank 0 lets DCP's upload thread reach its session first; rank 1 saves at once, and
+            # its upload thread plans slowly: the threads reach the store in opposite orders.
+            time.sleep(0.2 if rank == 0 else 0.0)
+            mgr.save(step, side_state(rank, step))
     if pending is not None:
         pending.result()
+    out: dict = {}
+    if mgr is not None:
+        mgr.close()
+        import ckptlib
+
+        into = side_state(rank, 0)
+        with ckptlib.CheckpointManager(root / "side") as m:
+            out["side"] = [m.restore(into), all(torch.equal(into[k], v) for k, v in side_state(rank, args["steps"]).items())]
     dump(model, opt, root / f"final-{args['tag']}.npz")
-    return {"start": start, "debris": sorted(p.name for p in ckpt.iterdir() if ".tmp-" in p.name)}
+    return {"start": start, "debris": sorted(p.name for p in ckpt.iterdir() if ".tmp-" in p.name), **out}
+
+
+def side_state(rank: int, step: int) -> dict:
+    """The ``manager`` option's state at ``step`` (zeros at 0: the restore's template)."""
+    return {"w": torch.arange(6, dtype=torch.float32) * step, "step": torch.tensor(step)}
 
 
 def reshard(root: Path, out: Path) -> int | None:

@@ -1,11 +1,18 @@
 """``CkptlibWriter``: a DCP ``StorageWriter`` that saves through ckptlib's save session.
 
-DCP drives, on the thread that called ``dcp.save`` (DCP's upload thread for ``async_save``),
-every rank unless noted: ``reset`` -> ``storage_meta`` -> ``set_up_storage_writer`` ->
-``prepare_local_plan`` (:meth:`SaveSession.begin`, collective over ``default_coordinator()``)
+``dcp.async_save`` first calls :meth:`CkptlibWriter.stage` on its caller's thread (the training
+thread, in program order): it reserves the save's turn on ckptlib's coordinator
+(:mod:`ckptlib.coord.turns`), so that the upload thread's session meets in the same place among
+the process's other ckptlib flows on every rank, then copies the state dict to CPU as DCP's own
+default stager does. Then DCP drives, on the thread that called ``dcp.save`` (DCP's upload
+thread for ``async_save``), every rank unless noted: ``reset`` -> ``storage_meta`` ->
+``set_up_storage_writer`` -> ``prepare_local_plan`` (:meth:`SaveSession.begin`, collective over ``default_coordinator()``)
 -> ``prepare_global_plan`` (coordinator: stamps the save id into every plan) -> ``write_data``
 (:meth:`SaveSession.write`, then :meth:`SaveSession.collect`) -> ``finish`` (coordinator:
-:meth:`SaveSession.publish`, the commit point). The mapping table: docs/integrations/dcp.md.
+:meth:`SaveSession.publish`, the commit point). The turn is claimed by the upload thread in
+``prepare_local_plan`` and ended where this rank's session ends (``write_data`` on the other
+ranks, ``finish`` on the coordinator, or a failure there). The mapping table:
+docs/integrations/dcp.md.
 """
 
 from __future__ import annotations
@@ -14,16 +21,19 @@ import dataclasses
 import io
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptlib.coord.coordinator import default_coordinator
+from ckptlib.coord.turns import Turn
 from ckptlib.engine.save import DEFAULT_CHUNK_BYTES, SaveOptions, SaveSession
 from ckptlib.engine.writer import ChunkJob
 from ckptlib.errors import CheckpointError, CommitError, UnsupportedValueError
@@ -47,7 +57,7 @@ ROUND_BYTES = 1 << 30
 
 
 @dataclass(eq=False, kw_only=True)
-class CkptlibWriter(Located, StorageWriter):
+class CkptlibWriter(Located, StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` that saves one ckptlib checkpoint folder.
 
     ``url`` is the checkpoint folder (any ckptlib URL); with ``step`` it is the root and the
@@ -58,7 +68,8 @@ class CkptlibWriter(Located, StorageWriter):
     (``TargetNotEmptyError``), both before any rank writes. Options (``overwrite``, ``clean_debris``,
     ``timeout`` of the whole save, ...): docs/integrations/dcp.md. One save at a time per
     instance; ``dcp.save``'s ``process_group`` must span every rank, with DCP's coordinator
-    on rank 0. Picklable before a save starts (``AsyncCheckpointerType.PROCESS``).
+    on rank 0. Picklable before a save starts (``AsyncCheckpointerType.PROCESS``). As DCP's
+    ``AsyncStager`` for ``dcp.async_save`` (:meth:`stage`) it stages like DCP's default stager.
     """
 
     compression: str | None = None
@@ -71,6 +82,8 @@ class CkptlibWriter(Located, StorageWriter):
     """Save id of the last checkpoint this writer committed."""
     _session: SaveSession | None = field(default=None, init=False, repr=False)
     _results: list[dict[str, Any]] | None = field(default=None, init=False, repr=False)
+    _turn: Turn | None = field(default=None, init=False, repr=False)
+    _staged_on: int | None = field(default=None, init=False, repr=False)  # the thread that called stage()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,9 +94,51 @@ class CkptlibWriter(Located, StorageWriter):
                            timeout=self.timeout, overwrite=self.overwrite)
 
     def __getstate__(self) -> dict[str, Any]:
+        # Pickled into DCP's upload process (AsyncCheckpointerType.PROCESS): the save meets there,
+        # on that process's coordinator, so the turn reserved here is given back.
+        self._end_turn()
         state = self.__dict__.copy()
-        state.update(_storage=None, _storage_url=None, _session=None, _results=None)
+        state.update(_storage=None, _storage_url=None, _session=None, _results=None, _turn=None, _staged_on=None)
         return state
+
+    # -- AsyncStager (dcp.async_save, on its caller's thread)
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``, on the thread that called it, before the upload thread starts:
+        reserve this save's turn among the flows on ckptlib's coordinator (program order, the
+        same on every rank; :mod:`ckptlib.coord.turns`), then return a CPU copy of
+        ``state_dict`` made as DCP's own default stager makes it."""
+        self._abort()  # a previous save of this instance that never reached its end
+        self._end_turn()
+        self._turn = default_coordinator().turn(f"DCP save of {self.checkpoint_id or 'a checkpoint_id'}")
+        self._staged_on = threading.get_ident()
+        try:
+            return _cpu_copy(state_dict)
+        except BaseException:
+            self._end_turn()
+            raise
+
+    def synchronize_staging(self) -> None:
+        """Staging is done when :meth:`stage` returns."""
+
+    def close(self) -> None:
+        """Nothing held between saves."""
+
+    def _claim_turn(self) -> None:
+        """``prepare_local_plan``: the upload thread takes the turn :meth:`stage` reserved. On the
+        thread that staged (a plain ``dcp.save`` after an async one that failed before its
+        session), that turn is stale: it ends, and the session takes a turn of its own."""
+        turn = self._turn
+        if turn is None:
+            return
+        if threading.get_ident() == self._staged_on:
+            self._end_turn()
+        else:
+            turn.line.claim(turn)
+
+    def _end_turn(self) -> None:
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            turn.end()
 
     # -- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -98,12 +153,14 @@ class CkptlibWriter(Located, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
+            self._end_turn()
             raise CheckpointError(
                 "dcp.save(use_collectives=False) is not supported by ckptlib: its commit needs the "
                 "coordinator to see every rank's results"
             )
         self._abort()  # a previous save of this instance that never reached finish()
         if is_coordinator != default_coordinator().is_coordinator:
+            self._end_turn()
             raise CheckpointError(
                 "ckptlib's DCP writer needs DCP's coordinator to be rank 0 of the job "
                 "(dcp.save with the default coordinator_rank and a process group spanning every rank)"
@@ -111,9 +168,14 @@ class CkptlibWriter(Located, StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Every rank (collective over ckptlib's coordinator): begin the save session."""
-        storage, name, step = self.open_target()
-        self._session = SaveSession.begin(storage, name, step=step, options=self._options(),
-                                          coordinator=default_coordinator())
+        self._claim_turn()
+        try:
+            storage, name, step = self.open_target()
+            self._session = SaveSession.begin(storage, name, step=step, options=self._options(),
+                                              coordinator=default_coordinator())
+        except BaseException:
+            self._end_turn()
+            raise
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -150,12 +212,14 @@ class CkptlibWriter(Located, StorageWriter):
         except CommitError as e:
             session.abort(e)
             self._session = None
+            self._end_turn()
             if error is not None:
                 raise error from None  # this rank's own error says more
             raise
         if not session.coord.is_coordinator:
             session.close()  # the outcome reaches this rank through DCP's collectives
             self._session = None
+            self._end_turn()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -248,6 +312,7 @@ class CkptlibWriter(Located, StorageWriter):
         """Coordinator, after every rank wrote: record DCP's items and commit atomically."""
         session, gathered = self._session, self._results
         if session is None or gathered is None:
+            self._end_turn()
             raise CommitError("finish() without write_data() on this writer")
         self._session = self._results = None
         try:
@@ -255,10 +320,12 @@ class CkptlibWriter(Located, StorageWriter):
             session.publish(gathered, tree=tree, extra={EXTRA_KEY: extra})
         except BaseException as e:
             session.abort()
+            self._end_turn()
             if isinstance(e, CommitError | KeyboardInterrupt | SystemExit):
                 raise
             raise CommitError(f"{session.storage.url}/{session.final} was not committed: {type(e).__name__}: {e}") from e
         session.close()
+        self._end_turn()
         self.last_save_id = session.save_id
         if self.clean_debris:
             try:
@@ -310,3 +377,22 @@ class CkptlibWriter(Located, StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _cpu_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A CPU copy of ``state_dict``, made as ``dcp.async_save`` makes one without a stager of its
+    own: DCP's ``DefaultStager`` with every option off, or on a torch without it (before 2.9)
+    its ``BlockingAsyncStager``. Called by :meth:`CkptlibWriter.stage`."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # pragma: no cover - older torch
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return BlockingAsyncStager().stage(state_dict)
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        staged = stager.stage(state_dict)  # synchronous with use_async_staging off
+    finally:
+        stager.close()  # drops its cache of storages, not the copy it returned
+    assert isinstance(staged, dict)
+    return staged
