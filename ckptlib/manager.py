@@ -118,7 +118,7 @@ class SaveHandle:
             raise CheckpointError(f"step {self.step}: its save runs in process {self._pid}, which this one was "
                                   "forked from, and is never done here; wait for it there")
         if not self._event.is_set():  # inside an earlier flow's session, it would wait for itself
-            check_waiter(self._turn(), "wait()")
+            check_waiter([self._turn()], "wait()")
         limit = self._timeout + 30.0 if timeout is None else timeout
         if not self._event.wait(limit):
             raise CommitTimeoutError(f"save of step {self.step} still running after {limit:g}s of waiting; it goes "
@@ -625,9 +625,7 @@ class CheckpointManager:
         """Wait for all pending saves; raise the first failure not yet raised."""
         self._check_process("wait()")
         self._stager.check_caller("wait()")
-        for h in self._handles:
-            if not h.done():
-                check_waiter(h._turn(), "wait()")
+        check_waiter([h._turn() for h in self._handles if not h.done()], "wait()")  # coord/turns.py
         self._overlap.finish()
         self._join_thread(timeout)
         self._raise_pending()
@@ -643,6 +641,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._stager.check_caller("close()")
+        check_waiter([h._turn() for h in self._handles if not h.done()], "close()")  # the manager stays open
         try:
             self.wait(timeout)
             if self._drainer is not None and drain:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from ckptlib.errors import CheckpointError, CommitTimeoutError
@@ -144,14 +144,17 @@ def in_turn(turn: Turn, fn: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def check_waiter(turn: Turn | None, what: str) -> None:
-    """Before a thread waits for ``turn``'s flow (``what``: the call, e.g. ``"wait()"``): raise
-    :class:`CheckpointError` at once if this thread holds an earlier turn (:meth:`Line.ahead_here`),
-    where the wait would wait for itself until the flow's deadline. The flow goes on."""
-    held = turn.line.ahead_here(turn) if turn is not None else None
-    if held is not None and turn is not None:
+def check_waiter(turns: Iterable[Turn | None], what: str) -> None:
+    """Before a thread waits for the flows of ``turns`` (``what``: the call, e.g. ``"wait()"``):
+    raise :class:`CheckpointError` at once if this thread holds a turn before one of them
+    (:meth:`Line.ahead_here`), where the wait would wait for itself until that flow's deadline.
+    The flows go on. Nothing is raised for a ``None`` (a flow done, or with no turn)."""
+    for turn in turns:
+        held = turn.line.ahead_here(turn) if turn is not None else None
+        if held is None or turn is None:
+            continue
         raise CheckpointError(
-            f"{what} for the {turn.label} was called on a thread that is inside {held.label!r}, a session on the "
-            f"same checkpoint coordinator started before it (a signal handler?): the {turn.label} meets only "
-            f"after that session ends, so this wait would wait for itself. It goes on and runs once that "
+            f"{what} for the {turn.label} was called on a thread that is inside {held.label!r}, a session on "
+            f"the same checkpoint coordinator started before it (a signal handler?): the {turn.label} meets "
+            f"only after that session ends, so this wait would wait for itself. It goes on and runs once that "
             f"session returns: wait for it then (on SIGTERM: save_on_signal() and poll for it, docs/async.md)")

@@ -101,13 +101,13 @@ def test_a_wait_for_a_later_flow_on_the_thread_inside_an_earlier_one_is_refused(
     others: list[object] = []
     with first:
         with pytest.raises(CheckpointError, match=r"wait\(\) for the save of step 5 .* inside 'load'"):
-            check_waiter(second, "wait()")
-        check_waiter(first, "wait()")  # its own turn: not ahead of itself
+            check_waiter([first, second], "wait()")
+        check_waiter([first], "wait()")  # its own turn: not ahead of itself
         th = threading.Thread(target=lambda: others.append(line.ahead_here(second)))
         th.start()
         th.join(10)
     assert others == [None]
-    check_waiter(second, "wait()")  # "load" ended
-    check_waiter(None, "wait()")
+    check_waiter([second], "wait()")  # "load" ended
+    check_waiter([None], "wait()")
     second.end()
     assert line.pending() == 0

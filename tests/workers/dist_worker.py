@@ -637,9 +637,10 @@ def sc_wait_inside_session(rank: int, world: int, root: str, args: dict) -> dict
     """A signal handler on the training thread saves asynchronously and waits, while the thread
     it interrupted is inside another flow's session on the job's coordinator (opened directly
     here, as a Megatron or DeepSpeed load opens one). That save meets only after the session
-    ends, so both waits (the handle's, the manager's) must be refused at once instead of waiting
-    for themselves until the save's deadline. The session then meets as usual, and once it
-    closes the save commits. Reports the refusals, how long they took, and the restore."""
+    ends, so the waits (the handle's, the manager's, its ``close()``) must be refused at once
+    instead of waiting for themselves until the save's deadline. The session then meets as
+    usual; once it closes the save commits, and the manager, still open, saves the next step.
+    Reports the refusals, how long they took, and both steps' restores."""
     from ckptlib import CheckpointManager
     from ckptlib.coord.coordinator import default_coordinator
 
@@ -649,7 +650,7 @@ def sc_wait_inside_session(rank: int, world: int, root: str, args: dict) -> dict
         def handler(signum: int, frame: object) -> None:
             start = time.monotonic()
             handle = mgr.save(step, _pair(world, rank, step)[0])
-            for name, wait in (("handle", handle.wait), ("manager", mgr.wait)):
+            for name, wait in (("handle", handle.wait), ("manager", mgr.wait), ("close", mgr.close)):
                 try:
                     wait()
                     seen[name] = "returned"
@@ -666,10 +667,13 @@ def sc_wait_inside_session(rank: int, world: int, root: str, args: dict) -> dict
         finally:
             signal.signal(signal.SIGUSR1, old)
         mgr.wait(timeout=60)
-    into = _pair(world, rank, 0)[0]
-    with CheckpointManager(root, save_timeout=60) as m:
-        got = m.restore(into)
-    return {**seen, "met": met, "restored": got, "bitwise": _same(into, _pair(world, rank, step)[0])}
+        mgr.save(step + 1, _pair(world, rank, step + 1)[0]).wait(60)  # the refused close() left it open
+    got = []
+    for s_ in (step, step + 1):
+        into = _pair(world, rank, 0)[0]
+        with CheckpointManager(root, save_timeout=60) as m:
+            got.append([m.restore(into, step=s_), _same(into, _pair(world, rank, s_)[0])])
+    return {**seen, "met": met, "restored": got}
 
 
 def main() -> int:
