@@ -149,9 +149,9 @@ def check_waiter(turns: Iterable[Turn | None], what: str) -> None:
     raise :class:`CheckpointError` at once if this thread holds a turn before one of them
     (:meth:`Line.ahead_here`), where the wait would wait for itself until that flow's deadline.
     The flows go on. Nothing is raised for a ``None`` (a flow done, or with no turn)."""
-    for turn in turns:
-        held = turn.line.ahead_here(turn) if turn is not None else None
-        if held is None or turn is None:
+    for turn in filter(None, turns):
+        held = turn.line.ahead_here(turn)
+        if held is None:
             continue
         raise CheckpointError(
             f"{what} for the {turn.label} was called on a thread that is inside {held.label!r}, a session on "

@@ -6,8 +6,8 @@ thread, in program order): it reserves the save's turn on ckptlib's coordinator
 the process's other ckptlib flows on every rank, then copies the state dict to CPU as DCP's own
 default stager does. Then DCP drives, on the thread that called ``dcp.save`` (DCP's upload
 thread for ``async_save``), every rank unless noted: ``reset`` -> ``storage_meta`` ->
-``set_up_storage_writer`` -> ``prepare_local_plan`` (:meth:`SaveSession.begin`, collective over ``default_coordinator()``)
--> ``prepare_global_plan`` (coordinator: stamps the save id into every plan) -> ``write_data``
+``set_up_storage_writer`` -> ``prepare_local_plan`` (:meth:`SaveSession.begin`, collective
+over ``default_coordinator()``) -> ``prepare_global_plan`` (coordinator: stamps the save id into every plan) -> ``write_data``
 (:meth:`SaveSession.write`, then :meth:`SaveSession.collect`) -> ``finish`` (coordinator:
 :meth:`SaveSession.publish`, the commit point). The turn is claimed by the upload thread in
 ``prepare_local_plan`` and ended where this rank's session ends (``write_data`` on the other
